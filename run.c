@@ -1,0 +1,1235 @@
+/* run.c - inference for Llama-architecture language models, in one C11 file.
+
+   USAGE
+     ./run checkpoint.bin [options]           (./run --help lists the options)
+     ./run stories260K.bin -z tok512.bin -i "Once upon a time"
+     ./run model.bin -m chat -y "You are a helpful assistant."
+
+   WHAT IS IN HERE, IN READING ORDER
+     1. data structures: Config, Matrix, Weights, RunState, Transformer
+     2. checkpoint loading: mmap, header validation, weight mapping
+     3. kernels: rmsnorm, softmax, matmul, rope, attention (the math in comments)
+     4. the forward pass over a batch of rows (prompt blocks or beams)
+     5. the BPE tokenizer (llama2.c's tokenizer.bin)
+     6. samplers: greedy, temperature, top-p, and beam search
+     7. generation loops: generate and chat
+     8. the command line
+
+   BUILD OPTIONS
+     -fopenmp        threads over matrix rows (set the count with -T)
+     -DTESTING       leaves out main(), so tests can #include "run.c"
+
+   Output is byte-identical to karpathy's llama2.c run.c for the same checkpoint,
+   tokenizer, flags and seed; unlike it, every input is validated and every
+   failure is a one-line error with a non-zero exit status (1: bad file or
+   runtime failure, 2: bad usage). */
+
+#define _POSIX_C_SOURCE 200809L
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define PARALLEL_FOR _Pragma("omp parallel for schedule(static)")
+#else
+#define PARALLEL_FOR
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                   */
+/* ------------------------------------------------------------------------ */
+
+enum { EXIT_BAD_FILE = 1, EXIT_USAGE = 2 };
+
+/* Prints "run: <message>" on one line of stderr and exits with `status`. */
+static void die(int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("run: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(status);
+}
+
+static void *xcalloc(size_t count, size_t size) {
+    void *p = calloc(count ? count : 1, size ? size : 1);
+    if (!p) die(EXIT_BAD_FILE, "out of memory (%zu x %zu bytes)", count, size);
+    return p;
+}
+
+/* ------------------------------------------------------------------------ */
+/* 1. Data structures                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    int dim;        /* transformer width */
+    int hidden_dim; /* FFN inner width */
+    int n_layers;
+    int n_heads;    /* query heads */
+    int n_kv_heads; /* key/value heads: n_heads (MHA), fewer (GQA) or 1 (MQA) */
+    int vocab_size;
+    int seq_len;    /* maximum context length */
+} Config;
+
+/* A weight matrix W of shape (rows, cols), row-major, applied as W @ x. */
+typedef struct {
+    const float *w; /* (rows, cols) */
+    int rows, cols;
+} Matrix;
+
+typedef struct {
+    const float *token_embedding; /* (vocab_size, dim) */
+    const float *rms_att;         /* (n_layers, dim) */
+    const float *rms_ffn;         /* (n_layers, dim) */
+    const float *rms_final;       /* (dim) */
+    Matrix *wq;  /* n_layers x (dim, dim) */
+    Matrix *wk;  /* n_layers x (kv_dim, dim) */
+    Matrix *wv;  /* n_layers x (kv_dim, dim) */
+    Matrix *wo;  /* n_layers x (dim, dim) */
+    Matrix *w1;  /* n_layers x (hidden_dim, dim) */
+    Matrix *w2;  /* n_layers x (dim, hidden_dim) */
+    Matrix *w3;  /* n_layers x (hidden_dim, dim) */
+    Matrix wcls; /* (vocab_size, dim): the embedding itself when shared */
+} Weights;
+
+/* Activations for up to max_rows rows processed together (the tokens of a
+   prompt block, or the beams of a beam search), and the key/value cache.
+   The cache has one "slot" per beam: slot s holds, for every layer and
+   position, the key and value computed by the sequence running in slot s. */
+typedef struct {
+    int max_rows;
+    int n_slots;
+    float *x;       /* (max_rows, dim) residual stream */
+    float *xb;      /* (max_rows, dim) normalised input / attention output */
+    float *xb2;     /* (max_rows, dim) projection output */
+    float *hb;      /* (max_rows, hidden_dim) FFN gate */
+    float *hb2;     /* (max_rows, hidden_dim) FFN up */
+    float *q;       /* (max_rows, dim) queries */
+    float *k;       /* (max_rows, kv_dim) keys of the rows, before caching */
+    float *v;       /* (max_rows, kv_dim) values of the rows, before caching */
+    float *att;     /* (max_rows, n_heads, seq_len) attention weights */
+    float *logits;  /* (max_rows, vocab_size) */
+    float *key_cache;   /* (n_layers, n_slots, seq_len, kv_dim) */
+    float *value_cache; /* (n_layers, n_slots, seq_len, kv_dim) */
+} RunState;
+
+typedef struct {
+    Config config;
+    int version;      /* 0 legacy, 1 float32 "ak42" */
+    Weights weights;
+    RunState state;
+    void *mapping;    /* the whole checkpoint file, mmap'ed read-only */
+    size_t file_size;
+} Transformer;
+
+/* ------------------------------------------------------------------------ */
+/* 2. Checkpoint loading                                                    */
+/* ------------------------------------------------------------------------ */
+
+#define AK42_MAGIC 0x616b3432u
+#define AK42_HEADER_BYTES 256
+#define LEGACY_HEADER_BYTES 28
+
+/* A cursor over the mapped file that refuses to run past its end. */
+typedef struct {
+    const char *base;
+    size_t size, offset;
+    const char *path;
+} FileCursor;
+
+/* Returns a pointer to the next `count` floats and advances, or dies when the
+   file is shorter than that. */
+static const float *take_floats(FileCursor *c, uint64_t count, const char *what) {
+    uint64_t bytes = count * sizeof(float);
+    if (c->offset > c->size || bytes > c->size - c->offset)
+        die(EXIT_BAD_FILE, "%s: truncated checkpoint: %s needs %llu bytes at offset %zu, file has %zu",
+            c->path, what, (unsigned long long)bytes, c->offset, c->size);
+    const float *p = (const float *)(c->base + c->offset);
+    c->offset += bytes;
+    return p;
+}
+
+static int32_t read_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* Checks the header fields. Every array in the file is the product of at most
+   two positive int32 fields, so its float count is below 2^62 and its byte
+   count below 2^64: sizes cannot wrap, and take_floats compares each one with
+   what is left of the file before it is used. */
+static void validate_config(const Config *p, const char *path) {
+    const int fields[] = {p->dim, p->hidden_dim, p->n_layers, p->n_heads, p->n_kv_heads, p->vocab_size, p->seq_len};
+    const char *names[] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"};
+    for (int i = 0; i < 7; i++)
+        if (fields[i] <= 0) die(EXIT_BAD_FILE, "%s: bad header: %s is %d, must be positive", path, names[i], fields[i]);
+    if (p->dim % p->n_heads != 0)
+        die(EXIT_BAD_FILE, "%s: bad header: dim %d is not divisible by n_heads %d", path, p->dim, p->n_heads);
+    if (p->n_heads % p->n_kv_heads != 0)
+        die(EXIT_BAD_FILE, "%s: bad header: n_heads %d is not divisible by n_kv_heads %d", path, p->n_heads, p->n_kv_heads);
+    if ((p->dim / p->n_heads) % 2 != 0)
+        die(EXIT_BAD_FILE, "%s: bad header: head size %d is odd (RoPE rotates pairs)", path, p->dim / p->n_heads);
+}
+
+static Matrix *map_layer_matrices(FileCursor *c, int n_layers, int rows, int cols, const char *what) {
+    Matrix *m = xcalloc((size_t)n_layers, sizeof(Matrix));
+    for (int l = 0; l < n_layers; l++)
+        m[l] = (Matrix){take_floats(c, (uint64_t)rows * (uint64_t)cols, what), rows, cols};
+    return m;
+}
+
+/* Maps the float32 arrays in the order of the legacy (version 0) or the
+   "ak42" version 1 layout. */
+static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
+    const Config *p = &t->config;
+    Weights *w = &t->weights;
+    int head_size = p->dim / p->n_heads;
+    int kv_dim = head_size * p->n_kv_heads;
+    uint64_t L = (uint64_t)p->n_layers, dim = (uint64_t)p->dim;
+    if (t->version == 1) {
+        w->rms_att = take_floats(c, L * dim, "rms_att");
+        w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
+        w->rms_final = take_floats(c, dim, "rms_final");
+        w->token_embedding = take_floats(c, (uint64_t)p->vocab_size * dim, "token_embedding");
+    } else {
+        w->token_embedding = take_floats(c, (uint64_t)p->vocab_size * dim, "token_embedding");
+        w->rms_att = take_floats(c, L * dim, "rms_att");
+    }
+    w->wq = map_layer_matrices(c, p->n_layers, p->dim, p->dim, "wq");
+    w->wk = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, "wk");
+    w->wv = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, "wv");
+    w->wo = map_layer_matrices(c, p->n_layers, p->dim, p->dim, "wo");
+    if (t->version == 0) w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
+    w->w1 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, "w1");
+    w->w2 = map_layer_matrices(c, p->n_layers, p->dim, p->hidden_dim, "w2");
+    w->w3 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, "w3");
+    if (t->version == 0) {
+        w->rms_final = take_floats(c, dim, "rms_final");
+        /* two RoPE tables (seq_len, head_size / 2) that run.c recomputes */
+        take_floats(c, (uint64_t)p->seq_len * (uint64_t)head_size, "rope tables");
+    }
+    const float *cls = shared_classifier ? w->token_embedding
+                                         : take_floats(c, (uint64_t)p->vocab_size * dim, "classifier");
+    w->wcls = (Matrix){cls, p->vocab_size, p->dim};
+}
+
+/* Reads the header at the start of the mapping into t->config and returns
+   whether the classifier is shared with the embedding; positions the cursor
+   at the first weight. */
+static int read_header(Transformer *t, FileCursor *c) {
+    uint32_t magic;
+    if (c->size < LEGACY_HEADER_BYTES)
+        die(EXIT_BAD_FILE, "%s: truncated checkpoint: %zu bytes is shorter than any header", c->path, c->size);
+    memcpy(&magic, c->base, 4);
+    int32_t h[7];
+    int shared;
+    if (magic == AK42_MAGIC) {
+        if (c->size < AK42_HEADER_BYTES)
+            die(EXIT_BAD_FILE, "%s: truncated checkpoint: header needs %d bytes, file has %zu", c->path, AK42_HEADER_BYTES, c->size);
+        int32_t version = read_i32(c->base + 4);
+        if (version == 2)
+            die(EXIT_BAD_FILE, "%s: checkpoint version 2 (int8) is not supported yet", c->path);
+        if (version != 1)
+            die(EXIT_BAD_FILE, "%s: unknown checkpoint version %d (this program reads 1)", c->path, version);
+        for (int i = 0; i < 7; i++) h[i] = read_i32(c->base + 8 + 4 * i);
+        shared = (unsigned char)c->base[36] != 0;
+        t->version = 1;
+        c->offset = AK42_HEADER_BYTES;
+    } else {
+        for (int i = 0; i < 7; i++) h[i] = read_i32(c->base + 4 * i);
+        /* a negative vocab_size means a separate classifier follows */
+        shared = h[5] > 0;
+        if (h[5] < 0 && h[5] != INT32_MIN) h[5] = -h[5];
+        t->version = 0;
+        c->offset = LEGACY_HEADER_BYTES;
+    }
+    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6]};
+    validate_config(&t->config, c->path);
+    return shared;
+}
+
+static void *map_file(const char *path, size_t *size, const char *kind) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) die(EXIT_BAD_FILE, "%s: cannot open %s: %s", path, kind, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        die(EXIT_BAD_FILE, "%s: %s is not a regular file", path, kind);
+    }
+    *size = (size_t)st.st_size;
+    if (*size == 0) {
+        close(fd);
+        die(EXIT_BAD_FILE, "%s: %s is empty", path, kind);
+    }
+    void *data = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (data == MAP_FAILED) die(EXIT_BAD_FILE, "%s: cannot map %s: %s", path, kind, strerror(errno));
+    return data;
+}
+
+static void load_checkpoint(Transformer *t, const char *path) {
+    memset(t, 0, sizeof(*t));
+    t->mapping = map_file(path, &t->file_size, "checkpoint");
+    FileCursor c = {t->mapping, t->file_size, 0, path};
+    int shared = read_header(t, &c);
+    map_weights(t, &c, shared);
+}
+
+/* Allocates activations for `max_rows` rows at once and a cache with
+   `n_slots` slots. */
+static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_slots) {
+    int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
+    size_t rows = (size_t)max_rows;
+    /* the cache has four factors: check its size in floating point first */
+    double cache_bytes = 2.0 * sizeof(float) * p->n_layers * (double)n_slots * p->seq_len * kv_dim;
+    if (cache_bytes > (double)(SIZE_MAX / 4))
+        die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", cache_bytes);
+    size_t cache = (size_t)p->n_layers * (size_t)n_slots * (size_t)p->seq_len * (size_t)kv_dim;
+    s->max_rows = max_rows;
+    s->n_slots = n_slots;
+    s->x = xcalloc(rows * p->dim, sizeof(float));
+    s->xb = xcalloc(rows * p->dim, sizeof(float));
+    s->xb2 = xcalloc(rows * p->dim, sizeof(float));
+    s->hb = xcalloc(rows * p->hidden_dim, sizeof(float));
+    s->hb2 = xcalloc(rows * p->hidden_dim, sizeof(float));
+    s->q = xcalloc(rows * p->dim, sizeof(float));
+    s->k = xcalloc(rows * kv_dim, sizeof(float));
+    s->v = xcalloc(rows * kv_dim, sizeof(float));
+    s->att = xcalloc(rows * (size_t)p->n_heads * (size_t)p->seq_len, sizeof(float));
+    s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
+    s->key_cache = xcalloc(cache, sizeof(float));
+    s->value_cache = xcalloc(cache, sizeof(float));
+}
+
+static void free_run_state(RunState *s) {
+    free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
+    free(s->q); free(s->k); free(s->v); free(s->att); free(s->logits);
+    free(s->key_cache); free(s->value_cache);
+    memset(s, 0, sizeof(*s));
+}
+
+static void free_transformer(Transformer *t) {
+    Weights *w = &t->weights;
+    free(w->wq); free(w->wk); free(w->wv); free(w->wo);
+    free(w->w1); free(w->w2); free(w->w3);
+    free_run_state(&t->state);
+    if (t->mapping) munmap(t->mapping, t->file_size);
+    memset(t, 0, sizeof(*t));
+}
+
+/* ------------------------------------------------------------------------ */
+/* 3. Kernels                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* o = w * x / sqrt(mean(x^2) + 1e-5), for one row of `size` values. */
+static void rmsnorm(float *o, const float *x, const float *w, int size) {
+    float ss = 0.0f;
+    for (int j = 0; j < size; j++) ss += x[j] * x[j];
+    ss /= size;
+    ss += 1e-5f;
+    ss = 1.0f / sqrtf(ss);
+    for (int j = 0; j < size; j++) o[j] = w[j] * (ss * x[j]);
+}
+
+/* x = exp(x - max(x)) / sum(exp(x - max(x))), in place. */
+static void softmax(float *x, int size) {
+    float max_val = x[0];
+    for (int i = 1; i < size; i++)
+        if (x[i] > max_val) max_val = x[i];
+    float sum = 0.0f;
+    for (int i = 0; i < size; i++) {
+        x[i] = expf(x[i] - max_val);
+        sum += x[i];
+    }
+    for (int i = 0; i < size; i++) x[i] /= sum;
+}
+
+/* out (n, W.rows) = x (n, W.cols) @ W^T: every row of W is read once for all
+   n input rows. Each output is summed left to right, as llama2.c does. */
+static void matmul(float *out, const float *x, const Matrix *W, int n) {
+    const int rows = W->rows, cols = W->cols;
+    PARALLEL_FOR
+    for (int i = 0; i < rows; i++) {
+        const float *w = W->w + (size_t)i * cols;
+        for (int b = 0; b < n; b++) {
+            const float *xr = x + (size_t)b * cols;
+            float val = 0.0f;
+            for (int j = 0; j < cols; j++) val += w[j] * xr[j];
+            out[(size_t)b * rows + i] = val;
+        }
+    }
+}
+
+/* Rotary position embedding on adjacent pairs: for the pair (v[2i], v[2i+1])
+   at offset d = 2i mod head_size inside its head, rotate by the angle
+   pos / 10000^(d / head_size). q (dim values) is rotated in all heads and k
+   (kv_dim values) in the key heads. */
+static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size) {
+    for (int i = 0; i < dim; i += 2) {
+        int head_dim = i % head_size;
+        float freq = 1.0f / powf(10000.0f, head_dim / (float)head_size);
+        float val = pos * freq;
+        float fcr = cosf(val), fci = sinf(val);
+        int n_vectors = i < kv_dim ? 2 : 1;
+        for (int v = 0; v < n_vectors; v++) {
+            float *vec = v == 0 ? q : k;
+            float v0 = vec[i], v1 = vec[i + 1];
+            vec[i] = v0 * fcr - v1 * fci;
+            vec[i + 1] = v0 * fci + v1 * fcr;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* 4. The forward pass                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* A batch of rows to push through the transformer together. Row r is token
+   token[r] at position pos[r]; its key and value are written to cache slot
+   slot[r]. Its attention reads positions 0..pos[r]: position pos[r] from its
+   own slot, and each earlier position t from slot history[r * seq_len + t],
+   or from its own slot when history is NULL (a single sequence). */
+typedef struct {
+    int n_rows;
+    const int *token;
+    const int *pos;
+    const int *slot;
+    const int *history;
+    int n_logits; /* logits are computed for the last n_logits rows only */
+} Batch;
+
+static size_t cache_offset(const Config *p, const RunState *s, int layer, int slot, int pos) {
+    size_t kv_dim = (size_t)(p->dim / p->n_heads * p->n_kv_heads);
+    return (((size_t)layer * s->n_slots + slot) * p->seq_len + pos) * kv_dim;
+}
+
+/* Multi-head attention of every row, reading keys and values from the cache:
+   for each head h, with key head h / (n_heads / n_kv_heads),
+     att[t] = softmax_t(q_h . k_t / sqrt(head_size)),  xb_h = sum_t att[t] v_t. */
+static void attention(Transformer *t, const Batch *b, int layer) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    int head_size = p->dim / p->n_heads;
+    int kv_mul = p->n_heads / p->n_kv_heads;
+    int n_items = b->n_rows * p->n_heads;
+    PARALLEL_FOR
+    for (int item = 0; item < n_items; item++) {
+        int r = item / p->n_heads, h = item % p->n_heads;
+        int pos = b->pos[r];
+        const float *q = s->q + (size_t)r * p->dim + h * head_size;
+        float *att = s->att + ((size_t)r * p->n_heads + h) * p->seq_len;
+        size_t head_offset = (size_t)(h / kv_mul) * head_size;
+        for (int tp = 0; tp <= pos; tp++) {
+            int slot = (b->history && tp < pos) ? b->history[(size_t)r * p->seq_len + tp] : b->slot[r];
+            const float *k = s->key_cache + cache_offset(p, s, layer, slot, tp) + head_offset;
+            float score = 0.0f;
+            for (int i = 0; i < head_size; i++) score += q[i] * k[i];
+            score /= sqrtf(head_size);
+            att[tp] = score;
+        }
+        softmax(att, pos + 1);
+        float *xb = s->xb + (size_t)r * p->dim + h * head_size;
+        memset(xb, 0, head_size * sizeof(float));
+        for (int tp = 0; tp <= pos; tp++) {
+            int slot = (b->history && tp < pos) ? b->history[(size_t)r * p->seq_len + tp] : b->slot[r];
+            const float *v = s->value_cache + cache_offset(p, s, layer, slot, tp) + head_offset;
+            float a = att[tp];
+            for (int i = 0; i < head_size; i++) xb[i] += a * v[i];
+        }
+    }
+}
+
+/* Runs the rows of `b` through every layer; returns the logits
+   (b->n_logits, vocab_size) of the last b->n_logits rows. */
+static float *forward(Transformer *t, const Batch *b) {
+    const Config *p = &t->config;
+    const Weights *w = &t->weights;
+    RunState *s = &t->state;
+    const int dim = p->dim, hidden = p->hidden_dim, n = b->n_rows;
+    const int head_size = dim / p->n_heads, kv_dim = head_size * p->n_kv_heads;
+
+    for (int r = 0; r < n; r++)
+        memcpy(s->x + (size_t)r * dim, w->token_embedding + (size_t)b->token[r] * dim, dim * sizeof(float));
+
+    for (int l = 0; l < p->n_layers; l++) {
+        /* attention block: x += wo @ attention(rope(wq @ xb), rope(wk @ xb), wv @ xb) */
+        for (int r = 0; r < n; r++)
+            rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_att + (size_t)l * dim, dim);
+        matmul(s->q, s->xb, &w->wq[l], n);
+        matmul(s->k, s->xb, &w->wk[l], n);
+        matmul(s->v, s->xb, &w->wv[l], n);
+        for (int r = 0; r < n; r++) {
+            float *k = s->k + (size_t)r * kv_dim, *v = s->v + (size_t)r * kv_dim;
+            rope(s->q + (size_t)r * dim, k, b->pos[r], dim, kv_dim, head_size);
+            size_t at = cache_offset(p, s, l, b->slot[r], b->pos[r]);
+            memcpy(s->key_cache + at, k, kv_dim * sizeof(float));
+            memcpy(s->value_cache + at, v, kv_dim * sizeof(float));
+        }
+        attention(t, b, l);
+        matmul(s->xb2, s->xb, &w->wo[l], n);
+        for (size_t i = 0; i < (size_t)n * dim; i++) s->x[i] += s->xb2[i];
+
+        /* FFN block: x += w2 @ (silu(w1 @ xb) * (w3 @ xb)), silu(v) = v * sigmoid(v) */
+        for (int r = 0; r < n; r++)
+            rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim);
+        matmul(s->hb, s->xb, &w->w1[l], n);
+        matmul(s->hb2, s->xb, &w->w3[l], n);
+        for (size_t i = 0; i < (size_t)n * hidden; i++) {
+            float val = s->hb[i];
+            val *= (1.0f / (1.0f + expf(-val)));
+            val *= s->hb2[i];
+            s->hb[i] = val;
+        }
+        matmul(s->xb2, s->hb, &w->w2[l], n);
+        for (size_t i = 0; i < (size_t)n * dim; i++) s->x[i] += s->xb2[i];
+    }
+
+    int first = n - b->n_logits;
+    for (int r = first; r < n; r++)
+        rmsnorm(s->x + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_final, dim);
+    if (b->n_logits > 0) matmul(s->logits, s->x + (size_t)first * dim, &w->wcls, b->n_logits);
+    return s->logits;
+}
+
+/* Runs one sequence's tokens at positions start.. through the model in blocks
+   of up to max_rows rows (cache slot `slot`); returns the logits of the last
+   token. */
+static float *forward_sequence(Transformer *t, const int *tokens, int n_tokens, int start, int slot) {
+    RunState *s = &t->state;
+    int *pos = xcalloc((size_t)s->max_rows, sizeof(int));
+    int *slots = xcalloc((size_t)s->max_rows, sizeof(int));
+    float *logits = NULL;
+    for (int done = 0; done < n_tokens;) {
+        int rows = n_tokens - done < s->max_rows ? n_tokens - done : s->max_rows;
+        for (int r = 0; r < rows; r++) { pos[r] = start + done + r; slots[r] = slot; }
+        int last_block = done + rows == n_tokens;
+        Batch b = {rows, tokens + done, pos, slots, NULL, last_block ? 1 : 0};
+        logits = forward(t, &b);
+        done += rows;
+    }
+    free(pos);
+    free(slots);
+    return logits;
+}
+
+/* Convenience for a single token of sequence slot 0. */
+static float *forward_token(Transformer *t, int token, int pos) {
+    int slot = 0;
+    Batch b = {1, &token, &pos, &slot, NULL, 1};
+    return forward(t, &b);
+}
+
+/* ------------------------------------------------------------------------ */
+/* 5. The BPE tokenizer                                                     */
+/* ------------------------------------------------------------------------ */
+
+enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
+
+typedef struct {
+    const char *str;
+    int id;
+} TokenIndex;
+
+typedef struct {
+    int vocab_size;
+    int max_token_length;
+    char **vocab;             /* (vocab_size) NUL-terminated pieces */
+    float *vocab_scores;      /* (vocab_size) merge priority: higher merges first */
+    TokenIndex *sorted_vocab; /* (vocab_size) pieces sorted by strcmp, for bsearch */
+    unsigned char byte_pieces[512]; /* byte b as the string {b, 0} at 2b */
+} Tokenizer;
+
+static int compare_tokens(const void *a, const void *b) {
+    return strcmp(((const TokenIndex *)a)->str, ((const TokenIndex *)b)->str);
+}
+
+/* Reads llama2.c's tokenizer.bin: int32 max_token_length, then for each of
+   the model's vocab_size tokens a float32 score, an int32 byte length and the
+   bytes. The file must hold exactly vocab_size tokens. */
+static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
+    size_t size;
+    const unsigned char *data = map_file(path, &size, "tokenizer");
+    size_t at = 0;
+    memset(t, 0, sizeof(*t));
+    t->vocab_size = vocab_size;
+    if (size < 4) die(EXIT_BAD_FILE, "%s: truncated tokenizer: no max_token_length", path);
+    int32_t max_len = read_i32((const char *)data);
+    if (max_len <= 0 || max_len > (1 << 20))
+        die(EXIT_BAD_FILE, "%s: bad tokenizer: max_token_length is %d", path, max_len);
+    t->max_token_length = max_len;
+    at = 4;
+    t->vocab = xcalloc((size_t)vocab_size, sizeof(char *));
+    t->vocab_scores = xcalloc((size_t)vocab_size, sizeof(float));
+    for (int i = 0; i < vocab_size; i++) {
+        if (size - at < 8)
+            die(EXIT_BAD_FILE, "%s: truncated tokenizer: it ends at token %d, the model has %d tokens", path, i, vocab_size);
+        memcpy(&t->vocab_scores[i], data + at, 4);
+        int32_t len = read_i32((const char *)data + at + 4);
+        at += 8;
+        if (len < 0 || len > max_len)
+            die(EXIT_BAD_FILE, "%s: bad tokenizer: token %d has length %d (max_token_length %d)", path, i, len, max_len);
+        if (size - at < (size_t)len)
+            die(EXIT_BAD_FILE, "%s: truncated tokenizer: token %d needs %d bytes, %zu left", path, i, len, size - at);
+        t->vocab[i] = xcalloc((size_t)len + 1, 1);
+        memcpy(t->vocab[i], data + at, (size_t)len);
+        at += (size_t)len;
+    }
+    if (at != size)
+        die(EXIT_BAD_FILE, "%s: tokenizer has more than the model's %d tokens (%zu bytes left over): wrong tokenizer for this model?",
+            path, vocab_size, size - at);
+    munmap((void *)data, size);
+    for (int i = 0; i < 256; i++) {
+        t->byte_pieces[i * 2] = (unsigned char)i;
+        t->byte_pieces[i * 2 + 1] = '\0';
+    }
+    t->sorted_vocab = xcalloc((size_t)vocab_size, sizeof(TokenIndex));
+    for (int i = 0; i < vocab_size; i++) t->sorted_vocab[i] = (TokenIndex){t->vocab[i], i};
+    qsort(t->sorted_vocab, (size_t)vocab_size, sizeof(TokenIndex), compare_tokens);
+}
+
+static void free_tokenizer(Tokenizer *t) {
+    for (int i = 0; i < t->vocab_size; i++) free(t->vocab[i]);
+    free(t->vocab);
+    free(t->vocab_scores);
+    free(t->sorted_vocab);
+    memset(t, 0, sizeof(*t));
+}
+
+/* The id of the piece spelled `str`, or -1. */
+static int lookup_piece(const Tokenizer *t, const char *str) {
+    TokenIndex key = {str, 0};
+    const TokenIndex *hit = bsearch(&key, t->sorted_vocab, (size_t)t->vocab_size, sizeof(TokenIndex), compare_tokens);
+    return hit ? hit->id : -1;
+}
+
+/* A candidate merge of the adjacent tokens at `left` and `right`, with the
+   token ids it was computed for; it is stale once either has changed. */
+typedef struct {
+    float score;
+    int left, right;
+    int left_id, right_id, merged_id;
+} Merge;
+
+/* Max-heap order: higher score first, then the leftmost pair, which is the
+   order in which llama2.c's quadratic scan picks merges. */
+static int merge_before(const Merge *a, const Merge *b) {
+    return a->score > b->score || (a->score == b->score && a->left < b->left);
+}
+
+static void heap_push(Merge *heap, int *n, Merge m) {
+    int i = (*n)++;
+    while (i > 0 && merge_before(&m, &heap[(i - 1) / 2])) {
+        heap[i] = heap[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    heap[i] = m;
+}
+
+static Merge heap_pop(Merge *heap, int *n) {
+    Merge top = heap[0], last = heap[--(*n)];
+    int i = 0;
+    for (;;) {
+        int child = 2 * i + 1;
+        if (child >= *n) break;
+        if (child + 1 < *n && merge_before(&heap[child + 1], &heap[child])) child++;
+        if (!merge_before(&heap[child], &last)) break;
+        heap[i] = heap[child];
+        i = child;
+    }
+    if (*n > 0) heap[i] = last;
+    return top;
+}
+
+/* Pushes the merge of tokens left and right if their concatenation is a
+   piece whose score beats llama2.c's floor of -1e10. */
+static void consider_merge(const Tokenizer *t, const int *ids, int left, int right, char *buffer, Merge *heap, int *n_heap) {
+    if (left < 0 || right < 0) return;
+    strcpy(buffer, t->vocab[ids[left]]);
+    strcat(buffer, t->vocab[ids[right]]);
+    int id = lookup_piece(t, buffer);
+    if (id != -1 && t->vocab_scores[id] > -1e10f)
+        heap_push(heap, n_heap, (Merge){t->vocab_scores[id], left, right, ids[left], ids[right], id});
+}
+
+/* Encodes `text` into `tokens` (room for strlen(text) + 3 ids) and returns the
+   count: optional BOS, a dummy-prefix space for non-empty text, each UTF-8
+   code point as its piece or else as byte tokens <0xNN> (id byte + 3), then
+   merges of the best-scoring adjacent pair, leftmost first, until none is in
+   the vocabulary. A heap of candidate merges gives llama2.c's result in
+   O(n log n) instead of its O(n^2) rescans. Returns -1 (and names the byte in
+   *bad_byte) when a byte has no token. */
+static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *tokens, int *bad_byte) {
+    char *buffer = xcalloc((size_t)t->max_token_length * 2 + 3, 1);
+    int n = 0;
+    if (bos) tokens[n++] = TOKEN_BOS;
+    if (text[0] != '\0') {
+        int dummy_prefix = lookup_piece(t, " ");
+        if (dummy_prefix != -1) tokens[n++] = dummy_prefix;
+    }
+    /* code points: a lead byte and up to three continuation bytes (10xxxxxx) */
+    size_t len = 0;
+    for (const char *c = text; *c != '\0'; c++) {
+        if ((*c & 0xC0) != 0x80) len = 0;
+        buffer[len++] = *c;
+        buffer[len] = '\0';
+        if ((*(c + 1) & 0xC0) == 0x80 && len < 4) continue;
+        int id = lookup_piece(t, buffer);
+        if (id != -1) {
+            tokens[n++] = id;
+        } else {
+            for (size_t i = 0; i < len; i++) {
+                int byte_id = (unsigned char)buffer[i] + BYTE_TOKEN_OFFSET;
+                if (byte_id >= t->vocab_size) {
+                    *bad_byte = (unsigned char)buffer[i];
+                    free(buffer);
+                    return -1;
+                }
+                tokens[n++] = byte_id;
+            }
+        }
+        len = 0;
+    }
+    /* merges over a doubly linked list of the surviving tokens */
+    int *prev = xcalloc((size_t)n + 1, sizeof(int)), *next = xcalloc((size_t)n + 1, sizeof(int));
+    Merge *heap = xcalloc(3 * (size_t)n + 1, sizeof(Merge));
+    int n_heap = 0;
+    for (int i = 0; i < n; i++) {
+        prev[i] = i - 1;
+        next[i] = i + 1 < n ? i + 1 : -1;
+    }
+    for (int i = 0; i + 1 < n; i++) consider_merge(t, tokens, i, i + 1, buffer, heap, &n_heap);
+    while (n_heap > 0) {
+        Merge m = heap_pop(heap, &n_heap);
+        if (next[m.left] != m.right || tokens[m.left] != m.left_id || tokens[m.right] != m.right_id) continue;
+        tokens[m.left] = m.merged_id;
+        tokens[m.right] = -1;
+        next[m.left] = next[m.right];
+        if (next[m.right] >= 0) prev[next[m.right]] = m.left;
+        next[m.right] = -2; /* dead */
+        consider_merge(t, tokens, prev[m.left], m.left, buffer, heap, &n_heap);
+        consider_merge(t, tokens, m.left, next[m.left], buffer, heap, &n_heap);
+    }
+    int out = 0;
+    for (int i = 0; i < n; i++)
+        if (tokens[i] >= 0) tokens[out++] = tokens[i];
+    if (eos) tokens[out++] = TOKEN_EOS;
+    free(prev);
+    free(next);
+    free(heap);
+    free(buffer);
+    return out;
+}
+
+/* The text of `token` following `prev_token`: the space that SentencePiece
+   puts at the start of a text is dropped after BOS, and byte tokens <0xNN>
+   become the byte itself. */
+static const char *decode(const Tokenizer *t, int prev_token, int token) {
+    const char *piece = t->vocab[token];
+    if (prev_token == TOKEN_BOS && piece[0] == ' ') piece++;
+    unsigned char byte_val;
+    if (sscanf(piece, "<0x%02hhX>", &byte_val) == 1) piece = (const char *)t->byte_pieces + byte_val * 2;
+    return piece;
+}
+
+/* Whether a decoded piece is printed: not when empty, nor when it is a single
+   byte that is neither printable nor white space (a lone control byte, or a
+   fragment of a UTF-8 sequence that has no token of its own). */
+static int piece_is_printable(const char *piece) {
+    if (piece[0] == '\0') return 0;
+    if (piece[1] == '\0') {
+        unsigned char byte_val = (unsigned char)piece[0];
+        if (!(isprint(byte_val) || isspace(byte_val))) return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* 6. Samplers                                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    float prob;
+    int index;
+} ProbIndex;
+
+typedef struct {
+    int vocab_size;
+    float temperature; /* 0: greedy */
+    float topp;        /* nucleus mass; outside (0, 1): plain multinomial */
+    uint64_t rng_state;
+    ProbIndex *probindex; /* (vocab_size) scratch for top-p */
+} Sampler;
+
+/* xorshift64* (Vigna), as in llama2.c, so a seed gives the same story. */
+static uint32_t random_u32(uint64_t *state) {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return (uint32_t)((*state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+/* uniform in [0, 1) with 24 random bits */
+static float random_f32(uint64_t *state) { return (random_u32(state) >> 8) / 16777216.0f; }
+
+/* index of the largest value, the first one on ties */
+static int sample_argmax(const float *x, int n) {
+    int max_i = 0;
+    float max_p = x[0];
+    for (int i = 1; i < n; i++)
+        if (x[i] > max_p) { max_i = i; max_p = x[i]; }
+    return max_i;
+}
+
+/* the first index whose cumulative probability exceeds coin in [0, 1) */
+static int sample_mult(const float *probabilities, int n, float coin) {
+    float cdf = 0.0f;
+    for (int i = 0; i < n; i++) {
+        cdf += probabilities[i];
+        if (coin < cdf) return i;
+    }
+    return n - 1; /* rounding */
+}
+
+static int compare_prob_desc(const void *a, const void *b) {
+    const ProbIndex *x = a, *y = b;
+    if (x->prob > y->prob) return -1;
+    if (x->prob < y->prob) return 1;
+    return 0;
+}
+
+/* Nucleus sampling: draw from the smallest set of most likely tokens whose
+   mass exceeds topp. The tokens below cutoff = (1 - topp) / (n - 1) hold less
+   than (n - 1) * cutoff = 1 - topp in all, so the others hold more than topp
+   and contain that set: only they are sorted. */
+static int sample_topp(const float *probabilities, int n, float topp, ProbIndex *probindex, float coin) {
+    int n0 = 0;
+    const float cutoff = (1.0f - topp) / (n - 1);
+    for (int i = 0; i < n; i++)
+        if (probabilities[i] >= cutoff) probindex[n0++] = (ProbIndex){probabilities[i], i};
+    qsort(probindex, (size_t)n0, sizeof(ProbIndex), compare_prob_desc);
+    float cumulative_prob = 0.0f;
+    int last_idx = n0 - 1;
+    for (int i = 0; i < n0; i++) {
+        cumulative_prob += probindex[i].prob;
+        if (cumulative_prob > topp) { last_idx = i; break; }
+    }
+    float r = coin * cumulative_prob, cdf = 0.0f;
+    for (int i = 0; i <= last_idx; i++) {
+        cdf += probindex[i].prob;
+        if (r < cdf) return probindex[i].index;
+    }
+    return probindex[last_idx].index;
+}
+
+static void init_sampler(Sampler *s, int vocab_size, float temperature, float topp, uint64_t seed) {
+    s->vocab_size = vocab_size;
+    s->temperature = temperature;
+    s->topp = topp;
+    s->rng_state = seed;
+    s->probindex = xcalloc((size_t)vocab_size, sizeof(ProbIndex));
+}
+
+static void free_sampler(Sampler *s) { free(s->probindex); s->probindex = NULL; }
+
+/* Picks the next token from `logits` (overwritten with probabilities). */
+static int sample(Sampler *s, float *logits) {
+    if (s->temperature == 0.0f) return sample_argmax(logits, s->vocab_size);
+    for (int q = 0; q < s->vocab_size; q++) logits[q] /= s->temperature;
+    softmax(logits, s->vocab_size);
+    float coin = random_f32(&s->rng_state);
+    if (s->topp <= 0 || s->topp >= 1) return sample_mult(logits, s->vocab_size, coin);
+    return sample_topp(logits, s->vocab_size, s->topp, s->probindex, coin);
+}
+
+/* log softmax(logits)[token], in double: log p = x_token - max - log sum exp(x - max) */
+static double log_prob(const float *logits, int n, int token) {
+    float max_val = logits[sample_argmax(logits, n)];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - max_val);
+    return (double)logits[token] - max_val - log(sum);
+}
+
+/* ------------------------------------------------------------------------ */
+/* 7. Generation loops                                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef enum { FORMAT_TEXT, FORMAT_JSON } OutputFormat;
+
+/* A finished sequence, as printed in JSON: the generated ids (no prompt, no
+   end token), its score and why it ended ("bos", "eos" or "length"). */
+typedef struct {
+    int *tokens;
+    int n_tokens;
+    double score;
+    const char *stop;
+} Hypothesis;
+
+typedef struct {
+    int prompt_tokens;
+    double prompt_seconds;
+    int generated_tokens;
+    double generate_seconds;
+} Stats;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void print_stats(const Stats *st) {
+    double prompt_rate = st->prompt_seconds > 0 ? st->prompt_tokens / st->prompt_seconds : 0;
+    double gen_rate = st->generate_seconds > 0 ? st->generated_tokens / st->generate_seconds : 0;
+    fprintf(stderr, "stats: prompt %d tokens, %.1f tok/s; generated %d tokens, %.1f tok/s\n",
+            st->prompt_tokens, prompt_rate, st->generated_tokens, gen_rate);
+}
+
+static void print_piece(const char *piece) {
+    if (piece_is_printable(piece)) fputs(piece, stdout);
+}
+
+static int is_end_token(int token) { return token == TOKEN_BOS || token == TOKEN_EOS; }
+
+static const char *end_reason(int token) { return token == TOKEN_BOS ? "bos" : "eos"; }
+
+/* Encodes `text` after a BOS. Returns NULL when it needs more than `room`
+   positions; text longer than room * max_token_length bytes is refused before
+   encoding, since no token spans more bytes than that. */
+static int *encode_prompt(const Tokenizer *tok, const char *text, int room, int *n_tokens) {
+    size_t len = strlen(text);
+    if (len / (size_t)tok->max_token_length > (size_t)room) return NULL;
+    int *tokens = xcalloc(len + 3, sizeof(int));
+    int bad_byte = 0;
+    *n_tokens = encode(tok, text, 1, 0, tokens, &bad_byte);
+    if (*n_tokens < 0) die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the prompt", bad_byte);
+    if (*n_tokens > room) {
+        free(tokens);
+        return NULL;
+    }
+    return tokens;
+}
+
+/* Writes `s` as a JSON string; bytes that are not valid UTF-8 become U+FFFD. */
+static void print_json_string(const char *s) {
+    const unsigned char *p = (const unsigned char *)s;
+    putchar('"');
+    while (*p) {
+        unsigned char c = *p;
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        int valid = len > 0;
+        for (int i = 1; valid && i < len; i++) valid = (p[i] & 0xC0) == 0x80;
+        if (!valid) { fputs("\\ufffd", stdout); p++; continue; }
+        if (len > 1) { fwrite(p, 1, (size_t)len, stdout); p += len; continue; }
+        if (c == '"' || c == '\\') printf("\\%c", c);
+        else if (c == '\n') fputs("\\n", stdout);
+        else if (c == '\t') fputs("\\t", stdout);
+        else if (c < 0x20 || c == 0x7f) printf("\\u%04x", c);
+        else putchar(c);
+        p++;
+    }
+    putchar('"');
+}
+
+/* One JSON line for a returned sequence. Its text is decoded the way generate
+   prints it, with the last prompt token before the first generated one. */
+static void print_json_hypothesis(const Tokenizer *tok, int rank, const Hypothesis *h, int last_prompt_token) {
+    size_t cap = 1;
+    for (int i = 0; i < h->n_tokens; i++) cap += strlen(tok->vocab[h->tokens[i]]) + 1;
+    char *text = xcalloc(cap, 1);
+    int prev = last_prompt_token;
+    for (int i = 0; i < h->n_tokens; i++) {
+        const char *piece = decode(tok, prev, h->tokens[i]);
+        if (piece_is_printable(piece)) strcat(text, piece);
+        prev = h->tokens[i];
+    }
+    printf("{\"rank\":%d,\"score\":%.6f,\"tokens\":[", rank, h->score);
+    for (int i = 0; i < h->n_tokens; i++) printf(i ? ",%d" : "%d", h->tokens[i]);
+    printf("],\"text\":");
+    print_json_string(text);
+    printf(",\"stop\":\"%s\"}\n", h->stop);
+    free(text);
+}
+
+/* Generates from a prompt, as llama2.c does: the prompt's tokens are forced
+   and printed, then tokens are sampled until `steps` positions are used
+   (prompt included) or the model emits BOS or EOS. In text mode the pieces
+   stream to stdout; in JSON mode one line describes the generated tokens. */
+static void generate(Transformer *t, const Tokenizer *tok, Sampler *sampler, const char *prompt, int steps, OutputFormat format) {
+    const Config *p = &t->config;
+    int n_prompt;
+    int *prompt_tokens = encode_prompt(tok, prompt, p->seq_len, &n_prompt);
+    if (!prompt_tokens) die(EXIT_USAGE, "the prompt does not fit the model's context of %d tokens", p->seq_len);
+    Stats stats = {n_prompt, 0, 0, 0};
+    Hypothesis out = {xcalloc((size_t)steps + 1, sizeof(int)), 0, 0.0, "length"};
+
+    /* llama2.c prints each prompt token as it forces it, up to `steps` */
+    int n_forced = n_prompt - 1 < steps ? n_prompt - 1 : steps;
+    if (format == FORMAT_TEXT) {
+        for (int i = 1; i <= n_forced; i++) print_piece(decode(tok, prompt_tokens[i - 1], prompt_tokens[i]));
+        fflush(stdout);
+    }
+    if (steps >= n_prompt) {
+        double start = now_seconds();
+        float *logits = forward_sequence(t, prompt_tokens, n_prompt, 0, 0);
+        stats.prompt_seconds = now_seconds() - start;
+        start = now_seconds();
+        int token = prompt_tokens[n_prompt - 1];
+        /* JSON reports the sum of log softmax(logits) of the chosen tokens, so
+           keep the logits that sampling overwrites */
+        float *raw = format == FORMAT_JSON ? xcalloc((size_t)p->vocab_size, sizeof(float)) : NULL;
+        for (int pos = n_prompt; ; pos++) {
+            if (raw) memcpy(raw, logits, (size_t)p->vocab_size * sizeof(float));
+            int next = sample(sampler, logits);
+            if (raw) out.score += log_prob(raw, p->vocab_size, next);
+            if (is_end_token(next)) { out.stop = end_reason(next); break; }
+            out.tokens[out.n_tokens++] = next;
+            stats.generated_tokens++;
+            if (format == FORMAT_TEXT) {
+                print_piece(decode(tok, token, next));
+                fflush(stdout);
+            }
+            token = next;
+            if (pos >= steps) break;
+            logits = forward_token(t, token, pos);
+        }
+        free(raw);
+        stats.generate_seconds = now_seconds() - start;
+    }
+    if (format == FORMAT_TEXT) printf("\n");
+    else print_json_hypothesis(tok, 1, &out, prompt_tokens[n_prompt - 1]);
+    fflush(stdout);
+    print_stats(&stats);
+    free(out.tokens);
+    free(prompt_tokens);
+}
+
+/* Reads one line of any length from stdin after printing `guide`, without its
+   newline. Returns NULL at end of input. The caller frees the line. */
+static char *read_line(const char *guide) {
+    fputs(guide, stdout);
+    fflush(stdout);
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len = getline(&line, &cap, stdin);
+    if (len < 0) {
+        free(line);
+        return NULL;
+    }
+    if (len > 0 && line[len - 1] == '\n') line[len - 1] = '\0';
+    return line;
+}
+
+/* The Llama 2 chat template for one user turn; the system prompt goes into
+   the first turn only. */
+static char *render_chat_turn(const char *system_prompt, const char *user) {
+    static const char *with_system = "[INST] <<SYS>>\n%s\n<</SYS>>\n\n%s [/INST]";
+    static const char *plain = "[INST] %s [/INST]";
+    int has_system = system_prompt && system_prompt[0] != '\0';
+    size_t size = strlen(user) + (has_system ? strlen(system_prompt) : 0) + 64;
+    char *out = xcalloc(size, 1);
+    if (has_system) snprintf(out, size, with_system, system_prompt, user);
+    else snprintf(out, size, plain, user);
+    return out;
+}
+
+/* An interactive conversation. Each user turn (BOS + template) is appended to
+   the key/value cache after the previous reply and its end token, so the
+   model sees the whole conversation; a reply ends at EOS (or BOS). The chat
+   ends at end of input or when the `steps` positions are used up. */
+static void chat(Transformer *t, const Tokenizer *tok, Sampler *sampler, const char *cli_user, const char *cli_system, int steps) {
+    Stats stats = {0, 0, 0, 0};
+    char *system_prompt = cli_system ? strdup(cli_system) : read_line("Enter system prompt (optional): ");
+    int pos = 0, pending_end = -1; /* the last reply's end token, not yet in the cache */
+    if (!system_prompt) printf("\n");
+    for (int turn = 0; system_prompt; turn++) {
+        char *user = (turn == 0 && cli_user) ? strdup(cli_user) : read_line("User: ");
+        if (!user) { printf("\n"); break; }
+        char *rendered = render_chat_turn(turn == 0 ? system_prompt : NULL, user);
+        free(user);
+        int room = steps - pos - (pending_end >= 0), n_prompt;
+        int *prompt = encode_prompt(tok, rendered, room, &n_prompt);
+        free(rendered);
+        if (!prompt) {
+            fprintf(stderr, "run: the context of %d positions is full; ending the chat\n", steps);
+            break;
+        }
+        printf("Assistant: ");
+        fflush(stdout);
+        /* feed the previous end token and this turn's prompt in one batch */
+        int *feed = xcalloc((size_t)n_prompt + 1, sizeof(int)), n_feed = 0;
+        if (pending_end >= 0) feed[n_feed++] = pending_end;
+        memcpy(feed + n_feed, prompt, (size_t)n_prompt * sizeof(int));
+        n_feed += n_prompt;
+        double start = now_seconds();
+        float *logits = forward_sequence(t, feed, n_feed, pos, 0);
+        stats.prompt_seconds += now_seconds() - start;
+        stats.prompt_tokens += n_feed;
+        pos += n_feed;
+        int token = prompt[n_prompt - 1], context_full = 0;
+        free(feed);
+        free(prompt);
+        start = now_seconds();
+        for (;;) {
+            int next = sample(sampler, logits);
+            if (is_end_token(next)) { pending_end = next; break; }
+            print_piece(decode(tok, token, next));
+            fflush(stdout);
+            stats.generated_tokens++;
+            token = next;
+            if (pos >= steps) { context_full = 1; break; }
+            logits = forward_token(t, token, pos++);
+        }
+        stats.generate_seconds += now_seconds() - start;
+        printf("\n");
+        if (context_full) {
+            fprintf(stderr, "run: the context of %d positions is full; ending the chat\n", steps);
+            break;
+        }
+    }
+    fflush(stdout);
+    free(system_prompt);
+    print_stats(&stats);
+}
+
+/* ------------------------------------------------------------------------ */
+/* 8. The command line                                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *checkpoint;
+    const char *tokenizer;
+    const char *prompt;        /* NULL: empty */
+    const char *system_prompt; /* NULL: asked for in chat */
+    const char *mode;
+    float temperature;
+    float topp;
+    uint64_t seed;             /* 0: from the clock */
+    int steps;
+    OutputFormat format;
+    int threads;               /* 0: all cores */
+} Options;
+
+static const char *usage_text =
+    "Usage:   run <checkpoint> [options]\n"
+    "Example: run stories260K.bin -z tok512.bin -i \"Once upon a time\"\n"
+    "Options:\n"
+    "  -t <float>  temperature, >= 0; 0 is greedy (default 1.0)\n"
+    "  -p <float>  top-p (nucleus) mass in [0, 1]; 0 or 1 samples from all tokens (default 0.9)\n"
+    "  -s <int>    random seed, >= 0; 0 takes it from the clock (default 0)\n"
+    "  -n <int>    positions to run, prompt included; 0 or above the context = the context (default 256)\n"
+    "  -i <string> prompt (default empty)\n"
+    "  -z <string> tokenizer file (default tokenizer.bin)\n"
+    "  -m <string> mode: generate or chat (default generate)\n"
+    "  -y <string> system prompt in chat mode (default: asked for)\n"
+    "  -f <string> output format: text or json (default text)\n"
+    "  -T <int>    threads, >= 1 (default: all cores; needs an OpenMP build)\n"
+    "  -h, --help  this help\n";
+
+static void usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("run: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    fputs(usage_text, stderr);
+    exit(EXIT_USAGE);
+}
+
+static double parse_number(const char *flag, const char *text, double lo, double hi) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (text[0] == '\0' || *end != '\0' || errno == ERANGE || !isfinite(v))
+        usage_error("%s needs a number, got '%s'", flag, text);
+    if (v < lo || v > hi) usage_error("%s is %s, outside [%g, %g]", flag, text, lo, hi);
+    return v;
+}
+
+static long long parse_integer(const char *flag, const char *text, long long lo, long long hi) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(text, &end, 10);
+    if (text[0] == '\0' || *end != '\0' || errno == ERANGE)
+        usage_error("%s needs an integer, got '%s'", flag, text);
+    if (v < lo || v > hi) usage_error("%s is %s, outside [%lld, %lld]", flag, text, lo, hi);
+    return v;
+}
+
+static Options parse_options(int argc, char **argv) {
+    Options o = {NULL, "tokenizer.bin", NULL, NULL, "generate", 1.0f, 0.9f, 0, 256, FORMAT_TEXT, 0};
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+            fputs(usage_text, stdout);
+            exit(0);
+        }
+    if (argc < 2) usage_error("missing the checkpoint file");
+    if (argv[1][0] == '-') usage_error("the first argument must be the checkpoint file, got '%s'", argv[1]);
+    o.checkpoint = argv[1];
+    for (int i = 2; i < argc; i += 2) {
+        const char *flag = argv[i];
+        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsnizmyfT", flag[1]))
+            usage_error("unknown option '%s'", flag);
+        if (i + 1 >= argc) usage_error("%s needs a value", flag);
+        const char *val = argv[i + 1];
+        switch (flag[1]) {
+        case 't': o.temperature = (float)parse_number(flag, val, 0.0, 1e30); break;
+        case 'p': o.topp = (float)parse_number(flag, val, 0.0, 1.0); break;
+        case 's': o.seed = (uint64_t)parse_integer(flag, val, 0, LLONG_MAX); break;
+        case 'n': o.steps = (int)parse_integer(flag, val, 0, INT_MAX); break;
+        case 'i': o.prompt = val; break;
+        case 'z': o.tokenizer = val; break;
+        case 'm':
+            if (strcmp(val, "generate") != 0 && strcmp(val, "chat") != 0)
+                usage_error("-m must be generate or chat, got '%s'", val);
+            o.mode = val;
+            break;
+        case 'y': o.system_prompt = val; break;
+        case 'f':
+            if (strcmp(val, "text") == 0) o.format = FORMAT_TEXT;
+            else if (strcmp(val, "json") == 0) o.format = FORMAT_JSON;
+            else usage_error("-f must be text or json, got '%s'", val);
+            break;
+        case 'T': o.threads = (int)parse_integer(flag, val, 1, 1024); break;
+        }
+    }
+    return o;
+}
+
+/* Rows pushed through the model at once while reading a prompt. */
+#define PROMPT_BLOCK_ROWS 64
+
+#ifndef TESTING
+int main(int argc, char **argv) {
+    Options o = parse_options(argc, argv);
+#ifdef _OPENMP
+    if (o.threads > 0) omp_set_num_threads(o.threads);
+#endif
+    Transformer t;
+    load_checkpoint(&t, o.checkpoint);
+    const Config *p = &t.config;
+    int steps = (o.steps == 0 || o.steps > p->seq_len) ? p->seq_len : o.steps;
+    Tokenizer tok;
+    load_tokenizer(&tok, o.tokenizer, p->vocab_size);
+    alloc_run_state(&t.state, p, PROMPT_BLOCK_ROWS, 1);
+    Sampler sampler;
+    init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : (uint64_t)time(NULL));
+
+    if (strcmp(o.mode, "chat") == 0) chat(&t, &tok, &sampler, o.prompt, o.system_prompt, steps);
+    else generate(&t, &tok, &sampler, o.prompt ? o.prompt : "", steps, o.format);
+
+    free_sampler(&sampler);
+    free_tokenizer(&tok);
+    free_transformer(&t);
+    return 0;
+}
+#endif
