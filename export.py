@@ -547,6 +547,48 @@ class SafetensorsFile:
 # ---------------------------------------------------------------------------
 # PyTorch pickles (torch imported lazily)
 
+_PICKLE_ALLOWED = {
+    ("collections", "OrderedDict"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("builtins", "complex"),
+}
+
+
+def _restricted_pickle_module():
+    """A stand-in for the pickle module whose Unpickler only builds tensors
+    and plain containers: loading a checkpoint must not run arbitrary code.
+    (torch's own weights_only mode in 1.13 rejects floats, which llama2.c
+    checkpoints contain.)"""
+    import pickle
+    import types
+    import torch
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _PICKLE_ALLOWED:
+                return super().find_class(module, name)
+            if module == "torch" and (name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError("refusing to unpickle %s.%s (only tensors and plain data are loaded)"
+                                         % (module, name))
+
+    mod = types.ModuleType("export_restricted_pickle")
+    mod.Unpickler = Unpickler
+    mod.UnpicklingError = pickle.UnpicklingError
+    mod.load = lambda f, **kw: Unpickler(f, **kw).load()
+    mod.loads = lambda b, **kw: Unpickler(__import__("io").BytesIO(b), **kw).load()
+    mod.__name__ = "pickle"
+    return mod
+
+
 def torch_load(path):
     try:
         import torch
@@ -554,10 +596,11 @@ def torch_load(path):
         fail("reading %s needs PyTorch (import torch failed); install python3-torch or convert to safetensors"
              % path)
     try:
+        pm = _restricted_pickle_module()
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", pickle_module=pm, weights_only=False)
         except TypeError:  # torch older than 1.13 has no weights_only
-            return torch.load(path, map_location="cpu")
+            return torch.load(path, map_location="cpu", pickle_module=pm)
     except ExportError:
         raise
     except Exception as e:
@@ -937,7 +980,9 @@ def open_source(src, opts):
         fail("%s: directory has neither config.json (Hugging Face) nor params.json (Meta)" % src)
     with open(src, "rb") as f:
         head = f.read(8)
-    if head[:2] == b"PK" or head[:1] == b"\x80":  # zip (torch >= 1.6) or legacy pickle
+    # torch.save writes a zip archive (torch >= 1.6) or, in the legacy format,
+    # starts with a pickled magic number (protocol 2, LONG1 of 10 bytes)
+    if head[:4] == b"PK\x03\x04" or head[:3] == b"\x80\x02\x8a":
         return pt_source(src, opts)
     if src.endswith(".safetensors"):
         fail("%s: give the directory holding config.json, not the .safetensors file" % src)

@@ -858,20 +858,126 @@ static double log_prob(const float *logits, int n, int token) {
     return (double)logits[token] - max_val - log(sum);
 }
 
+/* Beam search, with the semantics of Hugging Face transformers' generate()
+   (version 4.38): B beams advance together; each step ranks every (beam,
+   token) continuation by beam score + log softmax(logits)[token] and walks the
+   top 3B in order. An end token (BOS or EOS) ranked within the first B closes
+   a finished hypothesis; other end tokens are dropped; the first B other
+   continuations become the next beams. Finished hypotheses compete in a pool
+   of B, scored sum_logprobs / generated_length^length_penalty. */
+
+typedef enum { STOP_HEURISTIC, STOP_EARLY, STOP_NEVER } EarlyStopping; /* -e 0, 1, never */
+
+typedef struct {
+    int beams;            /* B; 1 is greedy */
+    float length_penalty; /* exponent of the length in the score */
+    EarlyStopping early_stopping;
+} BeamSettings;
+
+/* A returned sequence: the generated ids (no prompt, no end token), its score
+   and why it ended ("bos", "eos" or "length"). For beam search, slots[i] is
+   the cache slot holding the key/value of tokens[i], or -1 if never computed. */
+typedef struct {
+    int *tokens;
+    int *slots;
+    int n_tokens;
+    double score;
+    const char *stop;
+} Hypothesis;
+
+static void free_hypothesis(Hypothesis *h) {
+    free(h->tokens);
+    free(h->slots);
+    memset(h, 0, sizeof(*h));
+}
+
+/* The finished hypotheses, at most B. worst_score follows the library: 1e9
+   while empty, then the lowest score kept. */
+typedef struct {
+    Hypothesis *hyps; /* (B) */
+    int n;
+    double worst_score;
+} HypothesisPool;
+
+/* Offers a hypothesis of generated_length tokens (the end token counted) with
+   summed log-probability sum_logprobs. The pool takes ownership of h. */
+static void pool_add(HypothesisPool *pool, const BeamSettings *bs, Hypothesis h, float sum_logprobs, int generated_length) {
+    double score = sum_logprobs / pow((double)generated_length, bs->length_penalty);
+    if (pool->n == bs->beams && !(score > pool->worst_score)) {
+        free_hypothesis(&h);
+        return;
+    }
+    h.score = score;
+    if (pool->n < bs->beams) {
+        pool->hyps[pool->n++] = h;
+        pool->worst_score = score < pool->worst_score ? score : pool->worst_score;
+        return;
+    }
+    /* full: the new one replaces the worst (the earliest among equals), and
+       the worst score becomes the lowest of the others, the new one included */
+    int worst = 0;
+    for (int i = 1; i < pool->n; i++)
+        if (pool->hyps[i].score < pool->hyps[worst].score) worst = i;
+    free_hypothesis(&pool->hyps[worst]);
+    memmove(pool->hyps + worst, pool->hyps + worst + 1, (size_t)(pool->n - worst - 1) * sizeof(Hypothesis));
+    pool->hyps[pool->n - 1] = h;
+    pool->worst_score = pool->hyps[0].score;
+    for (int i = 1; i < pool->n; i++)
+        if (pool->hyps[i].score < pool->worst_score) pool->worst_score = pool->hyps[i].score;
+}
+
+/* Whether no running beam can still enter the pool. best_sum is this step's
+   highest candidate score, generated the tokens generated including this
+   step's, max_new the most tokens the search may generate. */
+static int pool_is_done(const HypothesisPool *pool, const BeamSettings *bs, float best_sum, int generated, int max_new) {
+    if (pool->n < bs->beams) return 0;
+    if (bs->early_stopping == STOP_EARLY) return 1;
+    int length = (bs->early_stopping == STOP_NEVER && bs->length_penalty > 0) ? max_new : generated;
+    double highest_attainable = best_sum / pow((double)length, bs->length_penalty);
+    return pool->worst_score >= highest_attainable;
+}
+
+/* A continuation of beam `beam` by `token`, with its summed log-probability. */
+typedef struct {
+    float score;
+    int beam, token;
+} Candidate;
+
+/* Keeps the k best continuations in `best` (sorted, best first; among equal
+   scores the lower beam, then the lower token, first). Beam b continues with
+   log-probabilities logprobs[b] (vocab values). */
+static int top_candidates(const float *beam_scores, float *const *logprobs, int n_beams, int vocab, Candidate *best, int k) {
+    int n = 0;
+    for (int b = 0; b < n_beams; b++) {
+        const float *lp = logprobs[b];
+        for (int v = 0; v < vocab; v++) {
+            float score = beam_scores[b] + lp[v];
+            if (n == k && !(score > best[k - 1].score)) continue;
+            int i = n < k ? n++ : k - 1;
+            while (i > 0 && score > best[i - 1].score) {
+                best[i] = best[i - 1];
+                i--;
+            }
+            best[i] = (Candidate){score, b, v};
+        }
+    }
+    return n;
+}
+
+/* out = log softmax(x) = x - max - log sum exp(x - max), in float32 */
+static void log_softmax(float *out, const float *x, int n) {
+    float max_val = x[sample_argmax(x, n)];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += expf(x[i] - max_val);
+    float log_sum = (float)log(sum);
+    for (int i = 0; i < n; i++) out[i] = (x[i] - max_val) - log_sum;
+}
+
 /* ------------------------------------------------------------------------ */
 /* 7. Generation loops                                                      */
 /* ------------------------------------------------------------------------ */
 
 typedef enum { FORMAT_TEXT, FORMAT_JSON } OutputFormat;
-
-/* A finished sequence, as printed in JSON: the generated ids (no prompt, no
-   end token), its score and why it ended ("bos", "eos" or "length"). */
-typedef struct {
-    int *tokens;
-    int n_tokens;
-    double score;
-    const char *stop;
-} Hypothesis;
 
 typedef struct {
     int prompt_tokens;
@@ -939,18 +1045,27 @@ static void print_json_string(const char *s) {
     putchar('"');
 }
 
-/* One JSON line for a returned sequence. Its text is decoded the way generate
-   prints it, with the last prompt token before the first generated one. */
-static void print_json_hypothesis(const Tokenizer *tok, int rank, const Hypothesis *h, int last_prompt_token) {
-    size_t cap = 1;
-    for (int i = 0; i < h->n_tokens; i++) cap += strlen(tok->vocab[h->tokens[i]]) + 1;
+/* The printable text of `tokens` as generate prints it, the first one
+   decoded after `prev_token`. The caller frees it. */
+static char *decode_text(const Tokenizer *tok, int prev_token, const int *tokens, int n) {
+    size_t cap = 1, len = 0;
+    for (int i = 0; i < n; i++) cap += strlen(tok->vocab[tokens[i]]) + 1;
     char *text = xcalloc(cap, 1);
-    int prev = last_prompt_token;
-    for (int i = 0; i < h->n_tokens; i++) {
-        const char *piece = decode(tok, prev, h->tokens[i]);
-        if (piece_is_printable(piece)) strcat(text, piece);
-        prev = h->tokens[i];
+    for (int i = 0; i < n; i++) {
+        const char *piece = decode(tok, prev_token, tokens[i]);
+        if (piece_is_printable(piece)) {
+            size_t piece_len = strlen(piece);
+            memcpy(text + len, piece, piece_len);
+            len += piece_len;
+        }
+        prev_token = tokens[i];
     }
+    return text;
+}
+
+/* One JSON line for a returned sequence. */
+static void print_json_hypothesis(const Tokenizer *tok, int rank, const Hypothesis *h, int last_prompt_token) {
+    char *text = decode_text(tok, last_prompt_token, h->tokens, h->n_tokens);
     printf("{\"rank\":%d,\"score\":%.6f,\"tokens\":[", rank, h->score);
     for (int i = 0; i < h->n_tokens; i++) printf(i ? ",%d" : "%d", h->tokens[i]);
     printf("],\"text\":");
@@ -959,64 +1074,258 @@ static void print_json_hypothesis(const Tokenizer *tok, int rank, const Hypothes
     free(text);
 }
 
+/* How to choose the continuation of a prompt. */
+typedef struct {
+    Sampler *sampler;     /* used when beam.beams == 0 */
+    BeamSettings beam;    /* beam search when beam.beams >= 1 */
+    int n_return;         /* hypotheses printed, best first (beam search) */
+    OutputFormat format;
+} Decoding;
+
+/* Feeds `feed` (n_feed tokens) at positions start.. of cache slot 0, then
+   samples up to max_new tokens, each fed back at the next position; stops
+   after an end token (not included). With `stream`, pieces are printed as they
+   come. Returns the generated tokens; score is the sum of their log-probs. */
+static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Sampler *sampler, const int *feed, int n_feed,
+                                      int start, int max_new, int stream, Stats *stats) {
+    const int vocab = t->config.vocab_size;
+    Hypothesis h = {xcalloc((size_t)max_new, sizeof(int)), NULL, 0, 0.0, "length"};
+    double t0 = now_seconds();
+    float *logits = forward_sequence(t, feed, n_feed, start, 0);
+    double t1 = now_seconds();
+    stats->prompt_seconds += t1 - t0;
+    stats->prompt_tokens += n_feed;
+    /* the sampler overwrites the logits; the score needs them as they were */
+    float *raw = xcalloc((size_t)vocab, sizeof(float));
+    int token = feed[n_feed - 1], pos = start + n_feed;
+    for (;;) {
+        memcpy(raw, logits, (size_t)vocab * sizeof(float));
+        int next = sample(sampler, logits);
+        h.score += log_prob(raw, vocab, next);
+        if (is_end_token(next)) { h.stop = end_reason(next); break; }
+        h.tokens[h.n_tokens++] = next;
+        if (stream) {
+            print_piece(decode(tok, token, next));
+            fflush(stdout);
+        }
+        token = next;
+        if (h.n_tokens == max_new) break;
+        logits = forward_token(t, token, pos++);
+    }
+    free(raw);
+    stats->generated_tokens += h.n_tokens;
+    stats->generate_seconds += now_seconds() - t1;
+    return h;
+}
+
+/* A hypothesis holding the first n tokens of `tokens`, with the cache slots
+   of those that have been fed through the model (`n_slots` of them). */
+static Hypothesis make_hypothesis(const int *tokens, int n, const int *slots, int n_slots, const char *stop) {
+    Hypothesis h = {xcalloc((size_t)n + 1, sizeof(int)), xcalloc((size_t)n + 1, sizeof(int)), n, 0.0, stop};
+    if (n > 0) memcpy(h.tokens, tokens, (size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) h.slots[i] = i < n_slots ? slots[i] : -1;
+    return h;
+}
+
+/* Puts the hypotheses in the library's output order: best score first, and
+   among equal scores the one that entered the pool last first. */
+static void sort_best_first(Hypothesis *hyps, int n) {
+    for (int i = 1; i < n; i++) {
+        Hypothesis h = hyps[i];
+        int j = i;
+        while (j > 0 && hyps[j - 1].score <= h.score) {
+            hyps[j] = hyps[j - 1];
+            j--;
+        }
+        hyps[j] = h;
+    }
+}
+
+/* Beam search after `feed` (n_feed tokens at positions start.. of cache
+   slot 0), generating at most max_new tokens. Fills `out` (room for B) with
+   the finished hypotheses, best first, and returns their count.
+
+   The B beams run as the rows of one batch, so each weight matrix is read
+   once per step for all of them. Their keys and values are never copied when
+   beams are reordered: beam j writes the token it feeds at position p into
+   cache slot j, and history[j][t] names the slot holding its key/value for
+   each earlier position t (FasterTransformer's "cache indirection"). A
+   reorder copies these small index rows (B x positions ints) instead of the
+   cache (B x positions x layers x kv_dim floats), and the prompt's keys and
+   values, computed once in slot 0, are shared by every beam. */
+static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, int n_feed, int start, int max_new,
+                       Hypothesis *out, Stats *stats) {
+    const int B = bs->beams, vocab = t->config.vocab_size, seq_len = t->config.seq_len, K = 3 * B;
+    const int first_pos = start + n_feed; /* position of the first generated token */
+    double t0 = now_seconds();
+    float *logits = forward_sequence(t, feed, n_feed, start, 0);
+    double t1 = now_seconds();
+    stats->prompt_seconds += t1 - t0;
+    stats->prompt_tokens += n_feed;
+
+    float *beam_scores = xcalloc((size_t)B, sizeof(float));
+    float *logprob_rows = xcalloc((size_t)B * vocab, sizeof(float)); /* (B, vocab) */
+    float **logprobs = xcalloc((size_t)B, sizeof(float *));
+    int *history = xcalloc((size_t)B * seq_len, sizeof(int)), *next_history = xcalloc((size_t)B * seq_len, sizeof(int));
+    int *tokens = xcalloc((size_t)B * max_new, sizeof(int)), *next_tokens = xcalloc((size_t)B * max_new, sizeof(int));
+    int *parent = xcalloc((size_t)B, sizeof(int)), *row_token = xcalloc((size_t)B, sizeof(int));
+    int *row_pos = xcalloc((size_t)B, sizeof(int)), *row_slot = xcalloc((size_t)B, sizeof(int));
+    float *next_scores = xcalloc((size_t)B, sizeof(float));
+    Candidate *cand = xcalloc((size_t)K, sizeof(Candidate));
+    HypothesisPool pool = {out, 0, 1e9};
+
+    /* every beam starts as the prompt, but only the first one expands at the
+       first step (the others score -1e9), so the B beams come out distinct */
+    log_softmax(logprob_rows, logits, vocab);
+    for (int b = 0; b < B; b++) {
+        logprobs[b] = logprob_rows;
+        beam_scores[b] = b == 0 ? 0.0f : -1e9f;
+    }
+    for (int step = 0;; step++) { /* step: tokens generated so far by each beam */
+        int n_cand = top_candidates(beam_scores, logprobs, B, vocab, cand, K), n_next = 0;
+        for (int rank = 0; rank < n_cand && n_next < B; rank++) {
+            Candidate c = cand[rank];
+            if (is_end_token(c.token)) {
+                if (rank >= B) continue;
+                const int *slots = history + (size_t)c.beam * seq_len + first_pos;
+                Hypothesis h = make_hypothesis(tokens + (size_t)c.beam * max_new, step, slots, step, end_reason(c.token));
+                pool_add(&pool, bs, h, c.score, step + 1);
+            } else {
+                parent[n_next] = c.beam;
+                row_token[n_next] = c.token;
+                next_scores[n_next++] = c.score;
+            }
+        }
+        int generated = step + 1, done = pool_is_done(&pool, bs, cand[0].score, generated, max_new);
+        /* reorder: beam j continues beam parent[j] with row_token[j] */
+        for (int j = 0; j < B; j++) {
+            memcpy(next_tokens + (size_t)j * max_new, tokens + (size_t)parent[j] * max_new, (size_t)step * sizeof(int));
+            next_tokens[(size_t)j * max_new + step] = row_token[j];
+            memcpy(next_history + (size_t)j * seq_len, history + (size_t)parent[j] * seq_len, (size_t)(first_pos + step) * sizeof(int));
+            beam_scores[j] = next_scores[j];
+        }
+        int *swap = tokens; tokens = next_tokens; next_tokens = swap;
+        swap = history; history = next_history; next_history = swap;
+        stats->generated_tokens++;
+        if (done) break;
+        if (generated == max_new) { /* the length limit: running beams join the pool */
+            for (int j = 0; j < B; j++) {
+                const int *slots = history + (size_t)j * seq_len + first_pos;
+                pool_add(&pool, bs, make_hypothesis(tokens + (size_t)j * max_new, generated, slots, step, "length"), beam_scores[j], generated);
+            }
+            break;
+        }
+        /* feed every beam's new token at position first_pos + step into its own slot */
+        for (int j = 0; j < B; j++) {
+            row_pos[j] = first_pos + step;
+            row_slot[j] = j;
+        }
+        Batch batch = {B, row_token, row_pos, row_slot, history, B};
+        logits = forward(t, &batch);
+        for (int j = 0; j < B; j++) {
+            history[(size_t)j * seq_len + first_pos + step] = j;
+            logprobs[j] = logprob_rows + (size_t)j * vocab;
+            log_softmax(logprobs[j], logits + (size_t)j * vocab, vocab);
+        }
+    }
+    stats->generate_seconds += now_seconds() - t1;
+    sort_best_first(pool.hyps, pool.n);
+    free(beam_scores); free(logprob_rows); free(logprobs); free(history); free(next_history);
+    free(tokens); free(next_tokens); free(parent); free(row_token); free(row_pos); free(row_slot);
+    free(next_scores); free(cand);
+    return pool.n;
+}
+
+/* Copies the keys and values of a beam-search reply, scattered over the
+   beams' slots, into slot 0 at positions first_pos.., so that the reply joins
+   the conversation's cache. */
+static void adopt_hypothesis_cache(Transformer *t, const Hypothesis *h, int first_pos) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    size_t kv_bytes = (size_t)(p->dim / p->n_heads * p->n_kv_heads) * sizeof(float);
+    for (int l = 0; l < p->n_layers; l++)
+        for (int i = 0; i < h->n_tokens; i++) {
+            if (h->slots[i] <= 0) continue;
+            size_t from = cache_offset(p, s, l, h->slots[i], first_pos + i), to = cache_offset(p, s, l, 0, first_pos + i);
+            memcpy(s->key_cache + to, s->key_cache + from, kv_bytes);
+            memcpy(s->value_cache + to, s->value_cache + from, kv_bytes);
+        }
+}
+
+/* Chooses the continuation of `feed` (fed at positions start..) with at most
+   max_new tokens: by sampling (streamed in text mode when `stream`) or by beam
+   search. Returns the number of hypotheses in `out` (room for max(1, B)),
+   best first. */
+static int continue_sequence(Transformer *t, const Tokenizer *tok, const Decoding *d, const int *feed, int n_feed, int start,
+                             int max_new, int stream, Hypothesis *out, Stats *stats) {
+    if (d->beam.beams == 0) {
+        out[0] = sample_continuation(t, tok, d->sampler, feed, n_feed, start, max_new, stream, stats);
+        return 1;
+    }
+    return beam_search(t, &d->beam, feed, n_feed, start, max_new, out, stats);
+}
+
+/* Prints the returned hypotheses: in text mode the best one after the prompt
+   (or, with several, each in a block with its rank and score); in JSON one
+   line each. The sampled text mode has already streamed its output. */
+static void print_results(const Tokenizer *tok, const Decoding *d, const Hypothesis *hyps, int n_hyps, int last_prompt_token,
+                          const char *prompt_text, int streamed) {
+    int n = n_hyps < d->n_return ? n_hyps : d->n_return;
+    if (d->format == FORMAT_JSON) {
+        for (int i = 0; i < n; i++) print_json_hypothesis(tok, i + 1, &hyps[i], last_prompt_token);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        char *text = decode_text(tok, last_prompt_token, hyps[i].tokens, hyps[i].n_tokens);
+        if (n > 1) printf("%s[rank %d] score %.6f, stop %s\n%s", i ? "\n" : "", i + 1, hyps[i].score, hyps[i].stop, prompt_text);
+        if (!streamed) fputs(text, stdout);
+        if (n > 1) printf("\n");
+        free(text);
+    }
+    if (n <= 1) printf("\n");
+}
+
 /* Generates from a prompt, as llama2.c does: the prompt's tokens are forced
-   and printed, then tokens are sampled until `steps` positions are used
-   (prompt included) or the model emits BOS or EOS. In text mode the pieces
-   stream to stdout; in JSON mode one line describes the generated tokens. */
-static void generate(Transformer *t, const Tokenizer *tok, Sampler *sampler, const char *prompt, int steps, OutputFormat format) {
+   and printed, then the continuation is chosen until `steps` positions are
+   used (prompt included) or the model emits BOS or EOS. Sampled text streams
+   to stdout as it comes. */
+static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, const char *prompt, int steps) {
     const Config *p = &t->config;
     int n_prompt;
     int *prompt_tokens = encode_prompt(tok, prompt, p->seq_len, &n_prompt);
     if (!prompt_tokens) die(EXIT_USAGE, "the prompt does not fit the model's context of %d tokens", p->seq_len);
-    Stats stats = {n_prompt, 0, 0, 0};
-    Hypothesis out = {xcalloc((size_t)steps + 1, sizeof(int)), 0, 0.0, "length"};
-
+    Stats stats = {0, 0, 0, 0};
     /* llama2.c prints each prompt token as it forces it, up to `steps` */
     int n_forced = n_prompt - 1 < steps ? n_prompt - 1 : steps;
-    if (format == FORMAT_TEXT) {
-        for (int i = 1; i <= n_forced; i++) print_piece(decode(tok, prompt_tokens[i - 1], prompt_tokens[i]));
+    char *prompt_text = decode_text(tok, prompt_tokens[0], prompt_tokens + 1, n_forced);
+    int several = d->format == FORMAT_TEXT && d->n_return > 1 && d->beam.beams > 0;
+    if (d->format == FORMAT_TEXT && !several) {
+        fputs(prompt_text, stdout);
         fflush(stdout);
     }
-    if (steps >= n_prompt) {
-        double start = now_seconds();
-        float *logits = forward_sequence(t, prompt_tokens, n_prompt, 0, 0);
-        stats.prompt_seconds = now_seconds() - start;
-        start = now_seconds();
-        int token = prompt_tokens[n_prompt - 1];
-        /* JSON reports the sum of log softmax(logits) of the chosen tokens, so
-           keep the logits that sampling overwrites */
-        float *raw = format == FORMAT_JSON ? xcalloc((size_t)p->vocab_size, sizeof(float)) : NULL;
-        for (int pos = n_prompt; ; pos++) {
-            if (raw) memcpy(raw, logits, (size_t)p->vocab_size * sizeof(float));
-            int next = sample(sampler, logits);
-            if (raw) out.score += log_prob(raw, p->vocab_size, next);
-            if (is_end_token(next)) { out.stop = end_reason(next); break; }
-            out.tokens[out.n_tokens++] = next;
-            stats.generated_tokens++;
-            if (format == FORMAT_TEXT) {
-                print_piece(decode(tok, token, next));
-                fflush(stdout);
-            }
-            token = next;
-            if (pos >= steps) break;
-            logits = forward_token(t, token, pos);
-        }
-        free(raw);
-        stats.generate_seconds = now_seconds() - start;
-    }
-    if (format == FORMAT_TEXT) printf("\n");
-    else print_json_hypothesis(tok, 1, &out, prompt_tokens[n_prompt - 1]);
+    int stream = d->format == FORMAT_TEXT && d->beam.beams == 0;
+    Hypothesis *hyps = xcalloc((size_t)(d->beam.beams > 1 ? d->beam.beams : 1), sizeof(Hypothesis));
+    int n_hyps = 0;
+    if (steps >= n_prompt)
+        n_hyps = continue_sequence(t, tok, d, prompt_tokens, n_prompt, 0, steps - n_prompt + 1, stream, hyps, &stats);
+    else
+        hyps[n_hyps++] = make_hypothesis(NULL, 0, NULL, 0, "length");
+    print_results(tok, d, hyps, n_hyps, prompt_tokens[n_prompt - 1], prompt_text, stream);
     fflush(stdout);
     print_stats(&stats);
-    free(out.tokens);
+    for (int i = 0; i < n_hyps; i++) free_hypothesis(&hyps[i]);
+    free(hyps);
+    free(prompt_text);
     free(prompt_tokens);
 }
 
-/* Reads one line of any length from stdin after printing `guide`, without its
-   newline. Returns NULL at end of input. The caller frees the line. */
-static char *read_line(const char *guide) {
-    fputs(guide, stdout);
-    fflush(stdout);
+/* Reads one line of any length from stdin after printing `guide` (text mode),
+   without its newline. Returns NULL at end of input. The caller frees it. */
+static char *read_line(const char *guide, OutputFormat format) {
+    if (format == FORMAT_TEXT) {
+        fputs(guide, stdout);
+        fflush(stdout);
+    }
     char *line = NULL;
     size_t cap = 0;
     ssize_t len = getline(&line, &cap, stdin);
@@ -1041,61 +1350,73 @@ static char *render_chat_turn(const char *system_prompt, const char *user) {
     return out;
 }
 
+static void announce_full_context(int steps) {
+    fprintf(stderr, "run: the context of %d positions is full; ending the chat\n", steps);
+}
+
 /* An interactive conversation. Each user turn (BOS + template) is appended to
    the key/value cache after the previous reply and its end token, so the
    model sees the whole conversation; a reply ends at EOS (or BOS). The chat
-   ends at end of input or when the `steps` positions are used up. */
-static void chat(Transformer *t, const Tokenizer *tok, Sampler *sampler, const char *cli_user, const char *cli_system, int steps) {
+   ends at end of input or when the `steps` positions are used up. In JSON
+   mode the guides are not printed and each reply is one JSON line. */
+static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const char *cli_user, const char *cli_system, int steps) {
     Stats stats = {0, 0, 0, 0};
-    char *system_prompt = cli_system ? strdup(cli_system) : read_line("Enter system prompt (optional): ");
+    int text_mode = d->format == FORMAT_TEXT;
+    char *system_prompt = cli_system ? strdup(cli_system) : read_line("Enter system prompt (optional): ", d->format);
     int pos = 0, pending_end = -1; /* the last reply's end token, not yet in the cache */
-    if (!system_prompt) printf("\n");
+    Hypothesis *hyps = xcalloc((size_t)(d->beam.beams > 1 ? d->beam.beams : 1), sizeof(Hypothesis));
+    if (!system_prompt && text_mode) printf("\n");
     for (int turn = 0; system_prompt; turn++) {
-        char *user = (turn == 0 && cli_user) ? strdup(cli_user) : read_line("User: ");
-        if (!user) { printf("\n"); break; }
+        char *user = (turn == 0 && cli_user) ? strdup(cli_user) : read_line("User: ", d->format);
+        if (!user) {
+            if (text_mode) printf("\n");
+            break;
+        }
         char *rendered = render_chat_turn(turn == 0 ? system_prompt : NULL, user);
         free(user);
         int room = steps - pos - (pending_end >= 0), n_prompt;
         int *prompt = encode_prompt(tok, rendered, room, &n_prompt);
         free(rendered);
         if (!prompt) {
-            fprintf(stderr, "run: the context of %d positions is full; ending the chat\n", steps);
+            if (text_mode) printf("\n");
+            announce_full_context(steps);
             break;
         }
-        printf("Assistant: ");
+        if (text_mode) printf("Assistant: ");
         fflush(stdout);
-        /* feed the previous end token and this turn's prompt in one batch */
+        /* the previous reply's end token and this turn's prompt go in one batch */
         int *feed = xcalloc((size_t)n_prompt + 1, sizeof(int)), n_feed = 0;
         if (pending_end >= 0) feed[n_feed++] = pending_end;
         memcpy(feed + n_feed, prompt, (size_t)n_prompt * sizeof(int));
         n_feed += n_prompt;
-        double start = now_seconds();
-        float *logits = forward_sequence(t, feed, n_feed, pos, 0);
-        stats.prompt_seconds += now_seconds() - start;
-        stats.prompt_tokens += n_feed;
-        pos += n_feed;
-        int token = prompt[n_prompt - 1], context_full = 0;
+        int first_pos = pos + n_feed, stream = text_mode && d->beam.beams == 0;
+        int n_hyps = continue_sequence(t, tok, d, feed, n_feed, pos, steps - first_pos + 1, stream, hyps, &stats);
+        Hypothesis *reply = &hyps[0];
+        if (d->beam.beams > 0) adopt_hypothesis_cache(t, reply, first_pos);
+        if (text_mode) {
+            if (!stream) {
+                char *text = decode_text(tok, prompt[n_prompt - 1], reply->tokens, reply->n_tokens);
+                fputs(text, stdout);
+                free(text);
+            }
+            printf("\n");
+        } else {
+            print_json_hypothesis(tok, 1, reply, prompt[n_prompt - 1]);
+        }
+        fflush(stdout);
+        int context_full = strcmp(reply->stop, "length") == 0;
+        pending_end = context_full ? -1 : (strcmp(reply->stop, "bos") == 0 ? TOKEN_BOS : TOKEN_EOS);
+        pos = first_pos + reply->n_tokens;
+        for (int i = 0; i < n_hyps; i++) free_hypothesis(&hyps[i]);
         free(feed);
         free(prompt);
-        start = now_seconds();
-        for (;;) {
-            int next = sample(sampler, logits);
-            if (is_end_token(next)) { pending_end = next; break; }
-            print_piece(decode(tok, token, next));
-            fflush(stdout);
-            stats.generated_tokens++;
-            token = next;
-            if (pos >= steps) { context_full = 1; break; }
-            logits = forward_token(t, token, pos++);
-        }
-        stats.generate_seconds += now_seconds() - start;
-        printf("\n");
         if (context_full) {
-            fprintf(stderr, "run: the context of %d positions is full; ending the chat\n", steps);
+            announce_full_context(steps);
             break;
         }
     }
     fflush(stdout);
+    free(hyps);
     free(system_prompt);
     print_stats(&stats);
 }
@@ -1116,6 +1437,11 @@ typedef struct {
     int steps;
     OutputFormat format;
     int threads;               /* 0: all cores */
+    int beams;                 /* 0: sampling */
+    float length_penalty;
+    EarlyStopping early_stopping;
+    int n_return;
+    int sampling_flags;        /* whether -t, -p or -s was given */
 } Options;
 
 static const char *usage_text =
@@ -1131,6 +1457,10 @@ static const char *usage_text =
     "  -m <string> mode: generate or chat (default generate)\n"
     "  -y <string> system prompt in chat mode (default: asked for)\n"
     "  -f <string> output format: text or json (default text)\n"
+    "  -b <int>    beam search with this many beams; 1 is greedy (default: off, sample)\n"
+    "  -l <float>  beam search length penalty: score = sum logprob / length^l (default 1.0)\n"
+    "  -e <string> beam search early stopping: 0 (heuristic), 1 or never (default 0)\n"
+    "  -r <int>    beam search hypotheses to print, best first, 1..b (default 1)\n"
     "  -T <int>    threads, >= 1 (default: all cores; needs an OpenMP build)\n"
     "  -h, --help  this help\n";
 
@@ -1166,7 +1496,7 @@ static long long parse_integer(const char *flag, const char *text, long long lo,
 }
 
 static Options parse_options(int argc, char **argv) {
-    Options o = {NULL, "tokenizer.bin", NULL, NULL, "generate", 1.0f, 0.9f, 0, 256, FORMAT_TEXT, 0};
+    Options o = {NULL, "tokenizer.bin", NULL, NULL, "generate", 1.0f, 0.9f, 0, 256, FORMAT_TEXT, 0, 0, 1.0f, STOP_HEURISTIC, 1, 0};
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
             fputs(usage_text, stdout);
@@ -1177,7 +1507,7 @@ static Options parse_options(int argc, char **argv) {
     o.checkpoint = argv[1];
     for (int i = 2; i < argc; i += 2) {
         const char *flag = argv[i];
-        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsnizmyfT", flag[1]))
+        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsnizmyfTbler", flag[1]))
             usage_error("unknown option '%s'", flag);
         if (i + 1 >= argc) usage_error("%s needs a value", flag);
         const char *val = argv[i + 1];
@@ -1200,8 +1530,20 @@ static Options parse_options(int argc, char **argv) {
             else usage_error("-f must be text or json, got '%s'", val);
             break;
         case 'T': o.threads = (int)parse_integer(flag, val, 1, 1024); break;
+        case 'b': o.beams = (int)parse_integer(flag, val, 1, INT_MAX); break;
+        case 'l': o.length_penalty = (float)parse_number(flag, val, -1e30, 1e30); break;
+        case 'e':
+            if (strcmp(val, "0") == 0) o.early_stopping = STOP_HEURISTIC;
+            else if (strcmp(val, "1") == 0) o.early_stopping = STOP_EARLY;
+            else if (strcmp(val, "never") == 0) o.early_stopping = STOP_NEVER;
+            else usage_error("-e must be 0, 1 or never, got '%s'", val);
+            break;
+        case 'r': o.n_return = (int)parse_integer(flag, val, 1, INT_MAX); break;
         }
+        if (strchr("tps", flag[1])) o.sampling_flags = 1;
     }
+    if (o.n_return > (o.beams > 0 ? o.beams : 1))
+        usage_error("-r %d asks for more hypotheses than the %d beams (-b) keep", o.n_return, o.beams > 0 ? o.beams : 1);
     return o;
 }
 
@@ -1218,14 +1560,20 @@ int main(int argc, char **argv) {
     load_checkpoint(&t, o.checkpoint);
     const Config *p = &t.config;
     int steps = (o.steps == 0 || o.steps > p->seq_len) ? p->seq_len : o.steps;
+    if (o.beams > p->vocab_size)
+        usage_error("-b %d is more beams than the %d tokens of the vocabulary", o.beams, p->vocab_size);
+    if (o.beams > 1 && o.sampling_flags)
+        fprintf(stderr, "run: note: -t, -p and -s do not apply to beam search (-b %d)\n", o.beams);
     Tokenizer tok;
     load_tokenizer(&tok, o.tokenizer, p->vocab_size);
-    alloc_run_state(&t.state, p, PROMPT_BLOCK_ROWS, 1);
+    int n_slots = o.beams > 1 ? o.beams : 1;
+    alloc_run_state(&t.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots);
     Sampler sampler;
     init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : (uint64_t)time(NULL));
+    Decoding d = {&sampler, {o.beams, o.length_penalty, o.early_stopping}, o.n_return, o.format};
 
-    if (strcmp(o.mode, "chat") == 0) chat(&t, &tok, &sampler, o.prompt, o.system_prompt, steps);
-    else generate(&t, &tok, &sampler, o.prompt ? o.prompt : "", steps, o.format);
+    if (strcmp(o.mode, "chat") == 0) chat(&t, &tok, &d, o.prompt, o.system_prompt, steps);
+    else generate(&t, &tok, &d, o.prompt ? o.prompt : "", steps);
 
     free_sampler(&sampler);
     free_tokenizer(&tok);

@@ -52,7 +52,9 @@ def make_meta_weights(cfg, seed, scale=0.3, shared=True):
     def norm(n):
         return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
 
-    w = {"tok_embeddings.weight": mat(V, dim, 1.0), "norm.weight": norm(dim)}
+    # a tied embedding is kept small next to what the layers add, or the
+    # classifier just repeats the input token
+    w = {"tok_embeddings.weight": mat(V, dim, 0.05 if shared else 1.0), "norm.weight": norm(dim)}
     for l in range(L):
         p = "layers.%d." % l
         w[p + "attention_norm.weight"] = norm(dim)

@@ -107,6 +107,16 @@ def log_softmax64(logits):
     return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
 
 
+def log_softmax32(logits):
+    """log-softmax done in float32 throughout (what a float32 C/torch does, up
+    to summation order); only used to probe how fragile a case is."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = np.max(x, axis=-1, keepdims=True)
+    z = (x - m).astype(np.float32)
+    s = np.sum(np.exp(z), axis=-1, keepdims=True, dtype=np.float32)
+    return (z - np.log(s).astype(np.float32)).astype(np.float32)
+
+
 def max_new_tokens(n, seq_len, prompt_len):
     """Number of new tokens allowed by llama2.c-style `-n n`."""
     if n <= 0 or n > seq_len:
@@ -357,7 +367,7 @@ class LlamaBatchStepper:
 # ----------------------------------------------------------------------------
 # the searches
 
-def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0):
+def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0, precision='float64'):
     res = Result()
     if max_new <= 0:
         return res
@@ -374,7 +384,10 @@ def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0):
         srt = np.sort(row)
         if srt.size > 1:
             res.note(_rel_gap(float(srt[-1]), float(srt[-2])), 'step %d: argmax' % t)
-        total += float(log_softmax64(row)[tok])
+        if precision == 'float32':
+            total = float(np.float32(total) + log_softmax32(row)[tok])
+        else:
+            total += float(log_softmax64(row)[tok])
         if tok in END_TOKENS:
             stop = STOP_NAMES[tok]
             gen_len = t
@@ -391,16 +404,23 @@ def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0):
 
 
 def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
-                early_stopping=False, num_return=1):
-    """HF 4.38 beam search for one prompt; see the module docstring."""
+                early_stopping=False, num_return=1, precision='float64', greedy_for_one=True):
+    """HF 4.38 beam search for one prompt; see the module docstring.
+
+    greedy_for_one=False runs the beam machinery even for B=1 (not what HF or
+    the issue do; only used to show that the B=1 tests can tell the two apart).
+
+    precision='float32' keeps log-probs and beam sums in float32 (like HF and
+    the C code); the default float64 is the reference proper.  Comparing the
+    two tells whether a case hinges on rounding."""
     B = int(num_beams)
     early_stopping = parse_early_stopping(early_stopping)
     if B < 1:
         raise ValueError('num_beams must be >= 1')
     if num_return > B:
         raise ValueError('num_return must be <= num_beams')
-    if B == 1:
-        return greedy(stepper, prompt_tokens, max_new, length_penalty)
+    if B == 1 and greedy_for_one:
+        return greedy(stepper, prompt_tokens, max_new, length_penalty, precision)
     res = Result()
     if max_new <= 0:
         return res
@@ -411,7 +431,9 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
     state, logits = stepper.prefill(prompt_tokens)
     # step 1: B identical beams, all but beam 0 at -inf
     beam_tokens = [[] for _ in range(B)]
-    beam_scores = np.full(B, NEG_INF)
+    acc = np.float32 if precision == 'float32' else np.float64
+    lsm_fn = log_softmax32 if precision == 'float32' else log_softmax64
+    beam_scores = np.full(B, NEG_INF, dtype=acc)
     beam_scores[0] = 0.0
     beam_parent_state = [0] * B     # row of `logits`/`state` each beam uses
 
@@ -419,7 +441,7 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
     t = 0
     for t in range(1, max_new + 1):
         res.steps = t
-        lsm = log_softmax64(logits)                        # (rows, V)
+        lsm = lsm_fn(logits)                               # (rows, V)
         lsm = lsm[np.asarray(beam_parent_state)]           # (B, V)
         with np.errstate(invalid='ignore'):
             cand = beam_scores[:, None] + lsm              # (B, V)
@@ -466,7 +488,7 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
 
         parents = [b for (b, _, _) in chosen]
         beam_tokens = [beam_tokens[b] + [v] for (b, v, _) in chosen]
-        beam_scores = np.array([s for (_, _, s) in chosen], dtype=np.float64)
+        beam_scores = np.array([s for (_, _, s) in chosen], dtype=acc)
         if done or t == max_new:
             break
         rows = [beam_parent_state[p] for p in parents]
@@ -500,7 +522,7 @@ def decode_tokens(tok, prev, tokens):
 
 
 def reference(model, tok, prompt, n, num_beams, length_penalty=1.0, early_stopping=False,
-              num_return=1, stepper=None):
+              num_return=1, stepper=None, precision='float64'):
     """Expected hypotheses of `run model -z tok -i prompt -n n -b B -l lp -e E -r R -f json`.
 
     Returns (lines, result): lines is a list of dicts with rank, score,
@@ -514,7 +536,7 @@ def reference(model, tok, prompt, n, num_beams, length_penalty=1.0, early_stoppi
     if stepper is None:
         stepper = LlamaBatchStepper(model)
     res = beam_search(stepper, prompt_tokens, mx, num_beams, length_penalty,
-                      early_stopping, num_return)
+                      early_stopping, num_return, precision)
     lines = []
     for i, h in enumerate(res.hyps):
         raw, safe = decode_tokens(tok, prompt_tokens[-1], h.tokens)

@@ -61,6 +61,31 @@ def matvec(w, x):
     return _seqsum(w * x[None, :], axis=1)
 
 
+def q8_quantize(x, gs):
+    """runq.c quantize(): per group scale = max|x| / 127, q = (int8) round(x / scale)."""
+    g = x.reshape(-1, gs).astype(F32)
+    wmax = np.abs(g).max(axis=1)
+    scale = (wmax / F32(127.0)).astype(F32)
+    with np.errstate(divide='ignore', invalid='ignore'):
+        v = (g / scale[:, None]).astype(F32).astype(np.float64)
+    v = np.where(np.isfinite(v), v, 0.0)
+    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int64)   # C round(): half away from 0
+    return q, scale
+
+
+def q8_matvec(qw, gs, x):
+    """runq.c matmul(): per group int32 dot, val += (float)ival * ws * xs (sequential)."""
+    wq, ws = qw
+    d, n = wq.shape
+    if n % gs:
+        raise NotImplementedError('q8 activations need n %% group_size == 0 (n=%d, gs=%d)' % (n, gs))
+    xq, xs = q8_quantize(x, gs)
+    ival = (wq.astype(np.int64).reshape(d, n // gs, gs) * xq[None, :, :]).sum(axis=2)
+    ws = ws.reshape(d, n // gs)
+    terms = ((ival.astype(F32) * ws).astype(F32) * xs[None, :]).astype(F32)
+    return _seqsum(terms, axis=1)
+
+
 def rmsnorm(x, w):
     ss = _seqsum(x * x)
     ss = F32(ss / F32(x.shape[0]))
@@ -129,19 +154,26 @@ class _Reader:
         self.off += 4 * n
         return a.astype(F32).reshape(shape)
 
-    def q8(self, gs, *shape):
+    def q8(self, gs, *shape, raw=None):
         n = int(np.prod(shape))
-        q = np.frombuffer(self.data, dtype=np.int8, count=n, offset=self.off).astype(F32)
+        q = np.frombuffer(self.data, dtype=np.int8, count=n, offset=self.off)
         self.off += n
         s = np.frombuffer(self.data, dtype='<f4', count=n // gs, offset=self.off).astype(F32)
         self.off += 4 * (n // gs)
-        return (q.reshape(-1, gs) * s[:, None]).astype(F32).reshape(shape)
+        if raw is not None:
+            raw.append((q.reshape(shape), s))
+        return (q.astype(F32).reshape(-1, gs) * s[:, None]).astype(F32).reshape(shape)
 
     def skip(self, nbytes):
         self.off += nbytes
 
 
 class Model:
+    # For version 2 files: False = weights dequantised to float32, float
+    # activations (what the brief asks); True = llama2.c runq.c semantics
+    # (activations quantised per group to int8 before every matmul).
+    q8_activations = False
+
     def __init__(self, config, weights, version=0):
         self.config = config
         self.version = version
@@ -222,20 +254,28 @@ class Model:
         r = _Reader(data, 256)
         L, D, H, V, KV = c.n_layers, c.dim, c.hidden_dim, c.vocab_size, c.kv_dim
         w = {}
+        qt = {}
         w['rms_att'] = r.f32(L, D)
         w['rms_ffn'] = r.f32(L, D)
         w['rms_final'] = r.f32(D)
-        w['emb'] = r.q8(gs, V, D)
-        w['wq'] = np.stack([r.q8(gs, D, D) for _ in range(L)])
-        w['wk'] = np.stack([r.q8(gs, KV, D) for _ in range(L)])
-        w['wv'] = np.stack([r.q8(gs, KV, D) for _ in range(L)])
-        w['wo'] = np.stack([r.q8(gs, D, D) for _ in range(L)])
-        w['w1'] = np.stack([r.q8(gs, H, D) for _ in range(L)])
-        w['w2'] = np.stack([r.q8(gs, D, H) for _ in range(L)])
-        w['w3'] = np.stack([r.q8(gs, H, D) for _ in range(L)])
-        w['wcls'] = w['emb'] if shared else r.q8(gs, V, D)
+        raw = []
+        w['emb'] = r.q8(gs, V, D, raw=raw)
+        qt['emb'] = raw[-1]
+        for name, rows, cols in (('wq', D, D), ('wk', KV, D), ('wv', KV, D), ('wo', D, D),
+                                 ('w1', H, D), ('w2', D, H), ('w3', H, D)):
+            raw = []
+            w[name] = np.stack([r.q8(gs, rows, cols, raw=raw) for _ in range(L)])
+            qt[name] = raw
+        if shared:
+            w['wcls'] = w['emb']
+            qt['wcls'] = qt['emb']
+        else:
+            raw = []
+            w['wcls'] = r.q8(gs, V, D, raw=raw)
+            qt['wcls'] = raw[-1]
         m = cls(c, w, version=2)
         m.group_size = gs
+        m.q = qt
         return m
 
     # -- inference -----------------------------------------------------------
@@ -256,6 +296,13 @@ class Model:
         out[1::2] = v0 * fci + v1 * fcr
         return out
 
+    def _mv(self, name, layer, x):
+        w = self.w[name] if layer is None else self.w[name][layer]
+        if self.version == 2 and self.q8_activations:
+            q = self.q[name] if layer is None else self.q[name][layer]
+            return q8_matvec(q, self.group_size, x)
+        return matvec(w, x)
+
     def forward(self, token, pos, cache):
         c = self.config
         w = self.w
@@ -269,9 +316,9 @@ class Model:
         sqrt_hs = F32(np.sqrt(F32(hs)))
         for l in range(c.n_layers):
             xb = rmsnorm(x, w['rms_att'][l])
-            q = matvec(w['wq'][l], xb)
-            k = matvec(w['wk'][l], xb)
-            v = matvec(w['wv'][l], xb)
+            q = self._mv('wq', l, xb)
+            k = self._mv('wk', l, xb)
+            v = self._mv('wv', l, xb)
             q = self._rope(q, pos)
             k = self._rope(k, pos)
             cache.k[l, pos] = k
@@ -288,15 +335,15 @@ class Model:
             att = softmax(scores)                                      # (H, T)
             xo = _seqsum(att[:, :, None] * Vh, axis=1)                 # (H, hs)
             xb = xo.reshape(c.dim).astype(F32)
-            x = (x + matvec(w['wo'][l], xb)).astype(F32)
+            x = (x + self._mv('wo', l, xb)).astype(F32)
             xb = rmsnorm(x, w['rms_ffn'][l])
-            hb = matvec(w['w1'][l], xb)
-            hb2 = matvec(w['w3'][l], xb)
+            hb = self._mv('w1', l, xb)
+            hb2 = self._mv('w3', l, xb)
             hb = (hb * (F32(1.0) / (F32(1.0) + _expf(-hb)))).astype(F32)
             hb = (hb * hb2).astype(F32)
-            x = (x + matvec(w['w2'][l], hb)).astype(F32)
+            x = (x + self._mv('w2', l, hb)).astype(F32)
         x = rmsnorm(x, w['rms_final'])
-        return matvec(w['wcls'], x)
+        return self._mv('wcls', None, x)
 
 
 # ----------------------------------------------------------------------------
@@ -502,11 +549,14 @@ def sample_topp(probs, topp, coin):
 # ----------------------------------------------------------------------------
 # generation
 
-def generate(model, tok, prompt, steps, temperature, topp, seed, return_tokens=False):
+def generate(model, tok, prompt, steps, temperature, topp, seed, return_tokens=False,
+             stop_on_eos=False):
     """Exact stdout bytes of `run model -z tok -t T -p P -s S -n steps -i prompt`.
 
     temperature/topp/steps are taken as already validated by main()
-    (use normalize_args() for the CLI clamping rules)."""
+    (use normalize_args() for the CLI clamping rules).  llama2.c stops only
+    when BOS (1) is sampled; stop_on_eos=True also stops on EOS (2), a
+    sampled EOS then being neither printed nor counted."""
     c = model.config
     if prompt is None:
         prompt = b''
@@ -523,12 +573,13 @@ def generate(model, tok, prompt, steps, temperature, topp, seed, return_tokens=F
     pos = 0
     while pos < steps:
         logits = model.forward(token, pos, cache)
-        if pos < len(tokens) - 1:
+        forced = pos < len(tokens) - 1
+        if forced:
             nxt = tokens[pos + 1]
         else:
             nxt = sampler.sample(logits)
         pos += 1
-        if nxt == 1:
+        if nxt == 1 or (stop_on_eos and nxt == 2 and not forced):
             break
         out += safe_piece(tok.decode(token, nxt))
         emitted.append(nxt)
