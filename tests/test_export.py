@@ -18,10 +18,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-import numpy as np  # noqa: E402
-
-import export_fixtures as fx  # noqa: E402
-from export_hf_reference import hf_forward  # noqa: E402
+try:
+    import numpy as np
+    import export_fixtures as fx
+    from export_hf_reference import hf_forward
+except Exception as _e:  # report a broken setup as a failure, not a crash
+    print("FAIL test_export_setup: cannot import numpy or the test helpers: %s" % _e)
+    sys.exit(1)
 
 RUN = os.environ.get("RUN", "./run")
 MODELS = os.environ.get("MODELS_DIR", "../shared/models")
@@ -55,9 +58,9 @@ def p(*parts):
     return os.path.join(TMP, *parts)
 
 
-def export(*args, timeout=300):
+def export(*args, timeout=300, env=None):
     return subprocess.run([PY, EXPORT] + [str(a) for a in args], capture_output=True, text=True,
-                          timeout=timeout, cwd=os.getcwd())
+                          timeout=timeout, cwd=os.getcwd(), env=env)
 
 
 def export_ok(*args):
@@ -620,10 +623,36 @@ def t_err_trunc_ckpt():
     expect_error(p("bad.bin"), "model", bad, p("bad.bin"), want="truncated")
 
 
+@case("torch_is_optional")
+def t_no_torch():
+    # a torch that fails to import: safetensors and run.c inputs still work,
+    # pickles give a one-line error
+    fake = p("notorch")
+    os.makedirs(os.path.join(fake, "torch"), exist_ok=True)
+    with open(os.path.join(fake, "torch", "__init__.py"), "w") as f:
+        f.write("raise ImportError('torch disabled for this test')\n")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(fake))
+    d = bad_hf("notorch_ok")
+    r = export("model", d, p("notorch.bin"), env=env)
+    check(r.returncode == 0, "safetensors export needs torch? %s" % r.stderr.strip()[-300:])
+    with open(p("fake.pt"), "wb") as f:
+        f.write(b"PK\x03\x04" + b"\0" * 100)
+    out = p("bad.bin")
+    r = export("model", p("fake.pt"), out, env=env)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    check(r.returncode == 1 and len(lines) == 1 and "torch" in lines[0].lower(),
+          "want a one-line error about torch, got %d: %r" % (r.returncode, r.stderr[-300:]))
+    check(not os.path.exists(out), "output file left behind")
+
+
 # --- main ---------------------------------------------------------------------------
 
 def main():
-    os.makedirs(TMP, exist_ok=True)
+    try:
+        os.makedirs(TMP, exist_ok=True)
+    except OSError as e:
+        print("FAIL test_export_setup: cannot create %s: %s" % (TMP, e))
+        return 1
     only = sys.argv[1:]
     failed = 0
     for name, fn in CASES:
