@@ -1570,7 +1570,10 @@ int main(int argc, char **argv) {
     alloc_run_state(&t.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots);
     Sampler sampler;
     init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : (uint64_t)time(NULL));
-    Decoding d = {&sampler, {o.beams, o.length_penalty, o.early_stopping}, o.n_return, o.format};
+    /* one beam is greedy search, as in the library: it stops at the first end
+       token whatever -e says */
+    EarlyStopping early = o.beams == 1 ? STOP_EARLY : o.early_stopping;
+    Decoding d = {&sampler, {o.beams, o.length_penalty, early}, o.n_return, o.format};
 
     if (strcmp(o.mode, "chat") == 0) chat(&t, &tok, &d, o.prompt, o.system_prompt, steps);
     else generate(&t, &tok, &d, o.prompt ? o.prompt : "", steps);
