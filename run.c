@@ -52,6 +52,25 @@
 
 enum { EXIT_BAD_FILE = 1, EXIT_USAGE = 2 };
 
+#ifdef TESTING
+#include <setjmp.h>
+/* Unit tests and fuzz targets set error_trap to catch errors instead of
+   exiting; error_status then holds the exit status that would have been. */
+static jmp_buf *error_trap;
+static int error_status;
+#endif
+
+/* Ends the program with `status`, or returns to the test's trap. */
+static void leave(int status) {
+#ifdef TESTING
+    if (error_trap) {
+        error_status = status;
+        longjmp(*error_trap, 1);
+    }
+#endif
+    exit(status);
+}
+
 /* Prints "run: <message>" on one line of stderr and exits with `status`. */
 static void die(int status, const char *fmt, ...) {
     va_list ap;
@@ -60,7 +79,7 @@ static void die(int status, const char *fmt, ...) {
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
-    exit(status);
+    leave(status);
 }
 
 static void *xcalloc(size_t count, size_t size) {
@@ -1472,7 +1491,7 @@ static void usage_error(const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     fputs(usage_text, stderr);
-    exit(EXIT_USAGE);
+    leave(EXIT_USAGE);
 }
 
 static double parse_number(const char *flag, const char *text, double lo, double hi) {
@@ -1500,7 +1519,7 @@ static Options parse_options(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
             fputs(usage_text, stdout);
-            exit(0);
+            leave(0);
         }
     if (argc < 2) usage_error("missing the checkpoint file");
     if (argv[1][0] == '-') usage_error("the first argument must be the checkpoint file, got '%s'", argv[1]);
