@@ -35,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -834,6 +835,7 @@ static int sample_topp(const float *probabilities, int n, float topp, ProbIndex 
     const float cutoff = (1.0f - topp) / (n - 1);
     for (int i = 0; i < n; i++)
         if (probabilities[i] >= cutoff) probindex[n0++] = (ProbIndex){probabilities[i], i};
+    if (n0 == 0) return sample_argmax(probabilities, n); /* topp < 1/n on a flat distribution */
     qsort(probindex, (size_t)n0, sizeof(ProbIndex), compare_prob_desc);
     float cumulative_prob = 0.0f;
     int last_idx = n0 - 1;
@@ -1018,6 +1020,12 @@ static void print_stats(const Stats *st) {
             st->prompt_tokens, prompt_rate, st->generated_tokens, gen_rate);
 }
 
+/* Flushes stdout; when the reader has gone (a closed pipe), there is no one
+   left to generate for, so the program stops with a one-line message. */
+static void flush_output(void) {
+    if (fflush(stdout) != 0 || ferror(stdout)) die(EXIT_BAD_FILE, "cannot write to stdout: %s", strerror(errno));
+}
+
 static void print_piece(const char *piece) {
     if (piece_is_printable(piece)) fputs(piece, stdout);
 }
@@ -1125,7 +1133,7 @@ static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Samp
         h.tokens[h.n_tokens++] = next;
         if (stream) {
             print_piece(decode(tok, token, next));
-            fflush(stdout);
+            flush_output();
         }
         token = next;
         if (h.n_tokens == max_new) break;
@@ -1320,7 +1328,7 @@ static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, co
     int several = d->format == FORMAT_TEXT && d->n_return > 1 && d->beam.beams > 0;
     if (d->format == FORMAT_TEXT && !several) {
         fputs(prompt_text, stdout);
-        fflush(stdout);
+        flush_output();
     }
     int stream = d->format == FORMAT_TEXT && d->beam.beams == 0;
     Hypothesis *hyps = xcalloc((size_t)(d->beam.beams > 1 ? d->beam.beams : 1), sizeof(Hypothesis));
@@ -1330,7 +1338,7 @@ static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, co
     else
         hyps[n_hyps++] = make_hypothesis(NULL, 0, NULL, 0, "length");
     print_results(tok, d, hyps, n_hyps, prompt_tokens[n_prompt - 1], prompt_text, stream);
-    fflush(stdout);
+    flush_output();
     print_stats(&stats);
     for (int i = 0; i < n_hyps; i++) free_hypothesis(&hyps[i]);
     free(hyps);
@@ -1343,7 +1351,7 @@ static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, co
 static char *read_line(const char *guide, OutputFormat format) {
     if (format == FORMAT_TEXT) {
         fputs(guide, stdout);
-        fflush(stdout);
+        flush_output();
     }
     char *line = NULL;
     size_t cap = 0;
@@ -1402,7 +1410,7 @@ static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const 
             break;
         }
         if (text_mode) printf("Assistant: ");
-        fflush(stdout);
+        flush_output();
         /* the previous reply's end token and this turn's prompt go in one batch */
         int *feed = xcalloc((size_t)n_prompt + 1, sizeof(int)), n_feed = 0;
         if (pending_end >= 0) feed[n_feed++] = pending_end;
@@ -1422,7 +1430,7 @@ static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const 
         } else {
             print_json_hypothesis(tok, 1, reply, prompt[n_prompt - 1]);
         }
-        fflush(stdout);
+        flush_output();
         int context_full = strcmp(reply->stop, "length") == 0;
         pending_end = context_full ? -1 : (strcmp(reply->stop, "bos") == 0 ? TOKEN_BOS : TOKEN_EOS);
         pos = first_pos + reply->n_tokens;
@@ -1434,7 +1442,7 @@ static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const 
             break;
         }
     }
-    fflush(stdout);
+    flush_output();
     free(hyps);
     free(system_prompt);
     print_stats(&stats);
@@ -1572,8 +1580,11 @@ static Options parse_options(int argc, char **argv) {
 #ifndef TESTING
 int main(int argc, char **argv) {
     Options o = parse_options(argc, argv);
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout becomes a write error, reported by flush_output */
 #ifdef _OPENMP
     if (o.threads > 0) omp_set_num_threads(o.threads);
+#else
+    if (o.threads > 1) fprintf(stderr, "run: note: -T needs an OpenMP build (make runomp); running on one thread\n");
 #endif
     Transformer t;
     load_checkpoint(&t, o.checkpoint);
