@@ -513,7 +513,6 @@ class Sampler:
 
     def sample(self, logits):
         logits = np.asarray(logits, dtype=F32)
-        n = self.vocab_size
         if self.temperature == F32(0.0):
             return int(np.argmax(logits))
         probs = softmax((logits / self.temperature).astype(F32))

@@ -30,6 +30,7 @@ except ImportError:
     print('FAIL test_reference: numpy is not importable by %s (set PYTHON)' % sys.executable)
     sys.exit(1)
 
+sys.dont_write_bytecode = True
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ref_llama as ref  # noqa: E402
@@ -51,7 +52,7 @@ RUN_TIMEOUT = 60
 #     llama2.c runq.c semantics (activations quantised per group before each
 #     matmul).  The v2 cases SKIP while the runner says v2 is not supported.
 STOP_ON_EOS = False
-LONG_PROMPT = True
+LONG_PROMPT = False
 V2_Q8_ACTIVATIONS = False
 
 COUNTS = {'PASS': 0, 'FAIL': 0, 'SKIP': 0}
@@ -368,6 +369,15 @@ def suite_random():
             case('rand_%s_%s' % (name, mode),
                  lambda mp=mp, tk=tk, T=T, P=P, S=S, N=N, prompt=prompt: compare(mp, tk, T, P, S, N, prompt))
 
+    # a sampled EOS (id 2): llama2.c prints "\n</s>\n" and goes on
+    def eos_case(name, seed):
+        m, t = load_ref(paths[name][0], own_tok)
+        _, toks = ref.generate(m, t, b'', 40, ref.F32(1.0), ref.F32(0.9), seed, return_tokens=True)
+        assert 2 in toks[:-1], 'test setup: the reference no longer samples EOS here'
+        compare(paths[name][0], own_tok, '1.0', '0.9', seed, 40, None)
+    case('rand_mha_eos_sampled_s19', lambda: eos_case('mha', 19))
+    case('rand_mqa_eos_sampled_s4', lambda: eos_case('mqa', 4))
+
     # int8 version 2 checkpoints
     v2paths = {}
     for name, (dim, hidden, L, H, KV), seq_len, sep, gs, seed in (
@@ -424,6 +434,22 @@ def suite_real():
         ('real_unicode', '1.0', '0.9', 8, 50, UTF8_PROMPT),
         ('real_noprompt_default_topp', '1.0', '0.9', 9, 50, None),
     ]
+    # the reference itself must reproduce the publisher's documented outputs
+    def documented(i, T, P, S):
+        readme = os.path.join(MODELS_DIR, 'README.md')
+        if not (present and os.path.exists(readme)):
+            raise Skip('stories260K.bin, tok512.bin or README.md absent in %s' % MODELS_DIR)
+        import re
+        blocks = re.findall(r'```\n(.*?)```', open(readme, encoding='utf-8').read(), re.S)
+        blocks = [b for b in blocks if b.startswith('Once upon a time')]
+        assert len(blocks) >= 2, 'documented outputs not found in %s' % readme
+        m, t = load_ref(model, tok)
+        got = ref.generate(m, t, b'', 256, ref.F32(T), ref.F32(P), S)
+        want = blocks[i].encode('utf-8')
+        assert got == want, 'reference differs from the documented output at byte %d' % first_diff(got, want)
+    case('ref_documented_greedy', lambda: documented(0, 0.0, 0.9, 1))
+    case('ref_documented_t1_p0.9_s133742', lambda: documented(1, 1.0, 0.9, 133742))
+
     for name, T, P, S, N, prompt in cases:
         def fn(T=T, P=P, S=S, N=N, prompt=prompt):
             if not present:
