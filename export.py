@@ -167,8 +167,17 @@ class atomic_output:
             if exc_type is None:
                 raise
         if exc_type is None:
-            os.chmod(self.tmp, 0o644)
-            os.replace(self.tmp, self.path)
+            try:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(self.tmp, 0o666 & ~umask)
+                os.replace(self.tmp, self.path)
+            except OSError as e:
+                try:
+                    os.unlink(self.tmp)
+                except OSError:
+                    pass
+                fail("cannot write %s: %s" % (self.path, e.strerror))
         else:
             try:
                 os.unlink(self.tmp)
@@ -553,6 +562,10 @@ _PICKLE_ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_parameter"),
     ("torch._utils", "_rebuild_parameter_with_state"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_from_type_v2"),
+    ("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"),
     ("torch", "Size"),
     ("torch", "device"),
     ("builtins", "set"),
@@ -595,8 +608,14 @@ def torch_load(path):
     except ImportError:
         fail("reading %s needs PyTorch (import torch failed); install python3-torch or convert to safetensors"
              % path)
+    import torch.serialization as ts
+    pm = _restricted_pickle_module()
+    saved = getattr(ts, "pickle", None)
     try:
-        pm = _restricted_pickle_module()
+        # torch 1.13 ignores pickle_module unless weights_only, and uses its
+        # module-global `pickle` instead: point that at the restricted one too
+        if saved is not None:
+            ts.pickle = pm
         try:
             return torch.load(path, map_location="cpu", pickle_module=pm, weights_only=False)
         except TypeError:  # torch older than 1.13 has no weights_only
@@ -606,6 +625,9 @@ def torch_load(path):
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail("cannot load %s with torch: %s" % (path, msg))
+    finally:
+        if saved is not None:
+            ts.pickle = saved
 
 
 def to_numpy(t):
@@ -711,14 +733,12 @@ class HFSource:
         for k in ("attention_bias", "mlp_bias"):
             if hf.get(k):
                 fail("%s: %s is true; biases are not supported by run.c" % (where, k))
-        eps = hf.get("rms_norm_eps", NORM_EPS)
+        eps = hf.get("rms_norm_eps", 1e-6)  # LlamaConfig's default when absent
         if not _eps_ok(eps):
             fail("%s: rms_norm_eps %r is not supported (run.c uses 1e-5)" % (where, eps))
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             fail("%s: hidden_act %r is not supported (run.c uses SiLU)" % (where, act))
-        if hf.get("pretraining_tp", 1) not in (1, None):
-            pass  # only affects how HF computes, not the weights
 
     def find_weights(self, d):
         files = sorted(os.listdir(d))
@@ -1082,7 +1102,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    p = Parser(prog="export.py", description="Make checkpoints and tokenizers for run.c.")
+    p = Parser(prog="export.py", description=__doc__.split("\n", 1)[0],
+               epilog=__doc__.split("\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
 

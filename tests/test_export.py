@@ -105,7 +105,8 @@ def run_tokens(ckpt, tok, steps=STEPS):
 
 def have_torch():
     try:
-        import torch  # noqa: F401
+        import importlib
+        importlib.import_module("torch")
         return True
     except Exception:
         return False
@@ -313,7 +314,7 @@ def t_hf_torch_bin():
           "pytorch_model.bin and model.safetensors exports differ")
 
 
-def llama2c_pt(path, cfg, meta, n_kv_none=False):
+def llama2c_pt(path, cfg, meta, n_kv_none=False, legacy=False):
     import torch
     args = dict(dim=cfg["dim"], n_layers=cfg["n_layers"], n_heads=cfg["n_heads"],
                 n_kv_heads=None if n_kv_none else cfg["n_kv_heads"], vocab_size=cfg["vocab_size"],
@@ -324,7 +325,7 @@ def llama2c_pt(path, cfg, meta, n_kv_none=False):
     if "_orig_mod.output.weight" not in sd:  # llama2.c ties by sharing the tensor
         sd["_orig_mod.output.weight"] = sd["_orig_mod.tok_embeddings.weight"]
     torch.save({"model_args": args, "model": sd, "iter_num": 7, "best_val_loss": 1.5,
-                "config": {"batch_size": 8}}, path)
+                "config": {"batch_size": 8}}, path, _use_new_zipfile_serialization=not legacy)
 
 
 @case("pt_llama2c_checkpoint")
@@ -344,13 +345,19 @@ def t_pt():
     write_hf_dir(p("hf_same"), cfg, meta, "F32", True, False)
     export_ok("model", p("hf_same"), p("from_hf_same.bin"))
     check(sha256(out) == sha256(p("from_hf_same.bin")), "llama2.c .pt and HF exports of one model differ")
-    # n_kv_heads None means n_heads
+    # n_kv_heads None means n_heads; torch's pre-1.6 (non-zip) file format
     cfg2 = dict(TINY, n_kv_heads=4)
     meta2 = fx.make_meta_weights(cfg2, 32, shared=True)
-    llama2c_pt(p("ckpt2.pt"), cfg2, meta2, n_kv_none=True)
+    llama2c_pt(p("ckpt2.pt"), cfg2, meta2, n_kv_none=True, legacy=True)
     export_ok("model", p("ckpt2.pt"), p("from_pt2.bin"))
-    c2, _ = fx.read_checkpoint(p("from_pt2.bin"))
+    c2, w2 = fx.read_checkpoint(p("from_pt2.bin"))
     check(c2["n_kv_heads"] == 4, "n_kv_heads None exported as %d" % c2["n_kv_heads"])
+    compare_weights(w2, fx.meta_to_stacked(meta2, cfg2))
+    # pickles are loaded without running arbitrary code: other classes are refused
+    import fractions
+    import torch
+    torch.save({"model_args": {"dim": 8}, "model": {}, "evil": fractions.Fraction(1, 3)}, p("evil.pt"))
+    expect_error(p("bad.bin"), "model", p("evil.pt"), p("bad.bin"), want="refusing")
 
 
 @case("meta_consolidated_two_shards")
