@@ -43,8 +43,12 @@
 #ifdef _OPENMP
 #include <omp.h>
 #define PARALLEL_FOR _Pragma("omp parallel for schedule(static)")
+/* the same, but on one thread unless `cond` holds */
+#define PRAGMA(text) _Pragma(#text)
+#define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
 #else
 #define PARALLEL_FOR
+#define PARALLEL_FOR_IF(cond)
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -103,14 +107,19 @@ typedef struct {
     int seq_len;    /* maximum context length */
 } Config;
 
-/* A weight matrix W of shape (rows, cols), row-major, applied as W @ x. */
+/* A weight matrix W of shape (rows, cols), row-major, applied as W @ x:
+   float32 values, or int8 values in groups of group_size consecutive values
+   of a row, value = q * scale of its group ("Q8_0"). */
 typedef struct {
-    const float *w; /* (rows, cols) */
+    const float *w;     /* float32: (rows, cols); NULL for int8 */
+    const int8_t *q;    /* int8: (rows, cols) */
+    const char *scales; /* int8: (rows * cols / group_size) float32, maybe unaligned */
     int rows, cols;
+    int group_size;     /* 0 for float32 */
 } Matrix;
 
 typedef struct {
-    const float *token_embedding; /* (vocab_size, dim) */
+    Matrix token_embedding;       /* (vocab_size, dim) */
     const float *rms_att;         /* (n_layers, dim) */
     const float *rms_ffn;         /* (n_layers, dim) */
     const float *rms_final;       /* (dim) */
@@ -147,7 +156,8 @@ typedef struct {
 
 typedef struct {
     Config config;
-    int version;      /* 0 legacy, 1 float32 "ak42" */
+    int version;      /* 0 legacy, 1 float32 "ak42", 2 int8 "ak42" */
+    int group_size;   /* version 2: int8 values per float32 scale */
     Weights weights;
     RunState state;
     void *mapping;    /* the whole checkpoint file, mmap'ed read-only */
@@ -169,16 +179,31 @@ typedef struct {
     const char *path;
 } FileCursor;
 
-/* Returns a pointer to the next `count` floats and advances, or dies when the
+/* Returns a pointer to the next `bytes` bytes and advances, or dies when the
    file is shorter than that. */
-static const float *take_floats(FileCursor *c, uint64_t count, const char *what) {
-    uint64_t bytes = count * sizeof(float);
+static const char *take_bytes(FileCursor *c, uint64_t bytes, const char *what) {
     if (c->offset > c->size || bytes > c->size - c->offset)
         die(EXIT_BAD_FILE, "%s: truncated checkpoint: %s needs %llu bytes at offset %zu, file has %zu",
             c->path, what, (unsigned long long)bytes, c->offset, c->size);
-    const float *p = (const float *)(c->base + c->offset);
+    const char *p = c->base + c->offset;
     c->offset += bytes;
     return p;
+}
+
+/* The next `count` floats. Every float array starts at a multiple of 4 bytes:
+   after a 28- or 256-byte header, float arrays, or (version 2) the norms. */
+static const float *take_floats(FileCursor *c, uint64_t count, const char *what) {
+    return (const float *)take_bytes(c, count * sizeof(float), what);
+}
+
+/* The next matrix: float32 values, or (group_size > 0) int8 values followed
+   by their float32 scales, one per group of group_size values. */
+static Matrix take_matrix(FileCursor *c, int rows, int cols, int group_size, const char *what) {
+    uint64_t count = (uint64_t)rows * (uint64_t)cols;
+    if (group_size == 0) return (Matrix){take_floats(c, count, what), NULL, NULL, rows, cols, 0};
+    const int8_t *q = (const int8_t *)take_bytes(c, count, what);
+    const char *scales = take_bytes(c, count / (uint64_t)group_size * sizeof(float), what);
+    return (Matrix){NULL, q, scales, rows, cols, group_size};
 }
 
 static int32_t read_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -198,48 +223,48 @@ static void validate_config(const Config *p, const char *path) {
         die(EXIT_BAD_FILE, "%s: bad header: n_heads %d is not divisible by n_kv_heads %d", path, p->n_heads, p->n_kv_heads);
     if ((p->dim / p->n_heads) % 2 != 0)
         die(EXIT_BAD_FILE, "%s: bad header: head size %d is odd (RoPE rotates pairs)", path, p->dim / p->n_heads);
+    if (p->vocab_size < 3)
+        die(EXIT_BAD_FILE, "%s: bad header: vocab_size %d has no room for BOS (1) and EOS (2)", path, p->vocab_size);
 }
 
-static Matrix *map_layer_matrices(FileCursor *c, int n_layers, int rows, int cols, const char *what) {
+static Matrix *map_layer_matrices(FileCursor *c, int n_layers, int rows, int cols, int group_size, const char *what) {
     Matrix *m = xcalloc((size_t)n_layers, sizeof(Matrix));
-    for (int l = 0; l < n_layers; l++)
-        m[l] = (Matrix){take_floats(c, (uint64_t)rows * (uint64_t)cols, what), rows, cols};
+    for (int l = 0; l < n_layers; l++) m[l] = take_matrix(c, rows, cols, group_size, what);
     return m;
 }
 
-/* Maps the float32 arrays in the order of the legacy (version 0) or the
-   "ak42" version 1 layout. */
+/* Maps the arrays in the order of the legacy (version 0) or the "ak42"
+   layout (version 1 float32, version 2 int8 matrices with float32 norms). */
 static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
     const Config *p = &t->config;
     Weights *w = &t->weights;
     int head_size = p->dim / p->n_heads;
     int kv_dim = head_size * p->n_kv_heads;
     uint64_t L = (uint64_t)p->n_layers, dim = (uint64_t)p->dim;
-    if (t->version == 1) {
+    int gs = t->group_size;
+    if (t->version >= 1) {
         w->rms_att = take_floats(c, L * dim, "rms_att");
         w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
         w->rms_final = take_floats(c, dim, "rms_final");
-        w->token_embedding = take_floats(c, (uint64_t)p->vocab_size * dim, "token_embedding");
+        w->token_embedding = take_matrix(c, p->vocab_size, p->dim, gs, "token_embedding");
     } else {
-        w->token_embedding = take_floats(c, (uint64_t)p->vocab_size * dim, "token_embedding");
+        w->token_embedding = take_matrix(c, p->vocab_size, p->dim, gs, "token_embedding");
         w->rms_att = take_floats(c, L * dim, "rms_att");
     }
-    w->wq = map_layer_matrices(c, p->n_layers, p->dim, p->dim, "wq");
-    w->wk = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, "wk");
-    w->wv = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, "wv");
-    w->wo = map_layer_matrices(c, p->n_layers, p->dim, p->dim, "wo");
+    w->wq = map_layer_matrices(c, p->n_layers, p->dim, p->dim, gs, "wq");
+    w->wk = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, gs, "wk");
+    w->wv = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, gs, "wv");
+    w->wo = map_layer_matrices(c, p->n_layers, p->dim, p->dim, gs, "wo");
     if (t->version == 0) w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
-    w->w1 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, "w1");
-    w->w2 = map_layer_matrices(c, p->n_layers, p->dim, p->hidden_dim, "w2");
-    w->w3 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, "w3");
+    w->w1 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, gs, "w1");
+    w->w2 = map_layer_matrices(c, p->n_layers, p->dim, p->hidden_dim, gs, "w2");
+    w->w3 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, gs, "w3");
     if (t->version == 0) {
         w->rms_final = take_floats(c, dim, "rms_final");
         /* two RoPE tables (seq_len, head_size / 2) that run.c recomputes */
         take_floats(c, (uint64_t)p->seq_len * (uint64_t)head_size, "rope tables");
     }
-    const float *cls = shared_classifier ? w->token_embedding
-                                         : take_floats(c, (uint64_t)p->vocab_size * dim, "classifier");
-    w->wcls = (Matrix){cls, p->vocab_size, p->dim};
+    w->wcls = shared_classifier ? w->token_embedding : take_matrix(c, p->vocab_size, p->dim, gs, "classifier");
 }
 
 /* Reads the header at the start of the mapping into t->config and returns
@@ -256,13 +281,12 @@ static int read_header(Transformer *t, FileCursor *c) {
         if (c->size < AK42_HEADER_BYTES)
             die(EXIT_BAD_FILE, "%s: truncated checkpoint: header needs %d bytes, file has %zu", c->path, AK42_HEADER_BYTES, c->size);
         int32_t version = read_i32(c->base + 4);
-        if (version == 2)
-            die(EXIT_BAD_FILE, "%s: checkpoint version 2 (int8) is not supported yet", c->path);
-        if (version != 1)
-            die(EXIT_BAD_FILE, "%s: unknown checkpoint version %d (this program reads 1)", c->path, version);
+        if (version != 1 && version != 2)
+            die(EXIT_BAD_FILE, "%s: unknown checkpoint version %d (this program reads 1 and 2)", c->path, version);
         for (int i = 0; i < 7; i++) h[i] = read_i32(c->base + 8 + 4 * i);
         shared = (unsigned char)c->base[36] != 0;
-        t->version = 1;
+        t->version = version;
+        if (version == 2) t->group_size = read_i32(c->base + 37);
         c->offset = AK42_HEADER_BYTES;
     } else {
         for (int i = 0; i < 7; i++) h[i] = read_i32(c->base + 4 * i);
@@ -274,11 +298,18 @@ static int read_header(Transformer *t, FileCursor *c) {
     }
     t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6]};
     validate_config(&t->config, c->path);
+    /* whole groups in every row; an int32 group sum of products of int8
+       values (|q| <= 127) stays below 2^31 */
+    int gs = t->group_size;
+    if (t->version == 2 && (gs <= 0 || t->config.dim % gs != 0 || t->config.hidden_dim % gs != 0))
+        die(EXIT_BAD_FILE, "%s: bad header: group size %d does not divide dim %d and hidden_dim %d",
+            c->path, gs, t->config.dim, t->config.hidden_dim);
+    if (gs > 65536) die(EXIT_BAD_FILE, "%s: bad header: group size %d is above 65536", c->path, gs);
     return shared;
 }
 
 static void *map_file(const char *path, size_t *size, const char *kind) {
-    int fd = open(path, O_RDONLY);
+    int fd = open(path, O_RDONLY | O_NONBLOCK); /* a FIFO must not block here: it is rejected below */
     if (fd < 0) die(EXIT_BAD_FILE, "%s: cannot open %s: %s", path, kind, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -373,11 +404,66 @@ static void softmax(float *x, int size) {
     for (int i = 0; i < size; i++) x[i] /= sum;
 }
 
-/* out (n, W.rows) = x (n, W.cols) @ W^T: every row of W is read once for all
-   n input rows. Each output is summed left to right, as llama2.c does. */
-static void matmul(float *out, const float *x, const Matrix *W, int n) {
+/* ---- Matrix multiplication -------------------------------------------------
+   matmul(out, x, W, n): out (n, W.rows) = x (n, W.cols) @ W^T, that is
+     out[b][i] = sum_j W[i][j] * x[b][j]
+   for n input rows at once (1 when decoding, a prompt block, or the beams):
+   each row of W is read from memory once for all n of them.
+
+   float32 weights: the plain C kernel sums each output left to right, as
+   llama2.c does, so the default build prints exactly what llama2.c prints.
+   The vector kernels (AVX2, AVX-512) keep one vector accumulator per output,
+   add the products of the next SIMD_WIDTH columns to it lane by lane, and add
+   up its lanes at the end: the same order for every n, so a prompt read in
+   blocks gives the same logits as one read token by token.
+
+   int8 weights ("Q8_0", as llama2.c's runq.c): each input row is quantised in
+   groups of group_size values, x ~ xq * xs with xs = max|x| / 127 and
+   xq = round(x / xs) in -127..127; then, with exact integer sums per group g,
+     out[b][i] = sum_g (sum_{j in g} wq[i][j] * xq[b][j]) * ws[i][g] * xs[b][g] */
+
+/* A matmul of fewer multiply-adds than this runs on one thread: waking the
+   others would cost more than it saves. */
+#define PARALLEL_MIN_WORK 100000.0
+#define PARALLEL_WORK(W, n) ((double)(W)->rows * (W)->cols * (n) >= PARALLEL_MIN_WORK)
+
+/* The float32 scale of group g of an int8 matrix (read bytewise: scales
+   follow int8 arrays, so they need not be 4-byte aligned). */
+static float group_scale(const Matrix *W, size_t g) {
+    float s;
+    memcpy(&s, W->scales + g * sizeof(float), sizeof(float));
+    return s;
+}
+
+/* out = row `row` of W in float32: int8 values times their group's scale. */
+static void matrix_row(float *out, const Matrix *W, int row) {
+    size_t at = (size_t)row * W->cols;
+    if (W->group_size == 0) {
+        memcpy(out, W->w + at, (size_t)W->cols * sizeof(float));
+        return;
+    }
+    for (int j = 0; j < W->cols; j++) out[j] = W->q[at + j] * group_scale(W, (at + j) / W->group_size);
+}
+
+/* Quantises `count` values (whole groups of gs) as described above: per
+   group xs = max|x| / 127 and xq = round(x / xs), 0 for an all-zero group.
+   xq is int16 so that vector kernels multiply it with widened weights. */
+static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count, int gs) {
+    for (size_t g = 0; g < count / gs; g++) {
+        const float *v = x + g * gs;
+        float amax = 0.0f;
+        for (int j = 0; j < gs; j++)
+            if (fabsf(v[j]) > amax) amax = fabsf(v[j]);
+        float scale = amax / 127.0f;
+        xs[g] = scale;
+        for (int j = 0; j < gs; j++) xq[g * gs + j] = scale > 0.0f ? (int16_t)roundf(v[j] / scale) : 0;
+    }
+}
+
+/* Plain C, float32: each output summed left to right. */
+static void matmul_f32_plain(float *out, const float *x, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols;
-    PARALLEL_FOR
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
     for (int i = 0; i < rows; i++) {
         const float *w = W->w + (size_t)i * cols;
         for (int b = 0; b < n; b++) {
@@ -387,6 +473,211 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
             out[(size_t)b * rows + i] = val;
         }
     }
+}
+
+/* Plain C, int8: groups in order, as runq.c sums them. */
+static void matmul_q8_plain(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
+    const int rows = W->rows, cols = W->cols, gs = W->group_size, groups = cols / gs;
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    for (int i = 0; i < rows; i++) {
+        const int8_t *w = W->q + (size_t)i * cols;
+        for (int b = 0; b < n; b++) {
+            const int16_t *q = xq + (size_t)b * cols;
+            float val = 0.0f;
+            for (int g = 0; g < groups; g++) {
+                int32_t ival = 0;
+                for (int j = g * gs; j < (g + 1) * gs; j++) ival += w[j] * q[j];
+                val += (float)ival * group_scale(W, (size_t)i * groups + g) * xs[(size_t)b * groups + g];
+            }
+            out[(size_t)b * rows + i] = val;
+        }
+    }
+}
+
+/* Vector types and operations, when the compiler targets AVX-512 or AVX2:
+   vfloat holds SIMD_WIDTH floats; vint SIMD_WIDTH int32 or twice as many
+   int16. Each kernel block computes MM_ROWS weight rows times MM_INPUTS
+   (float32) or QMM_INPUTS (int8) input rows, as many accumulators as the
+   registers hold (32 vector registers with AVX-512, 16 with AVX2). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SIMD_WIDTH 16
+#define MM_INPUTS 4
+#define QMM_INPUTS 2
+typedef __m512 vfloat;
+typedef __m512i vint;
+static inline vfloat vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vfloat vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vfloat vf_set(float v) { return _mm512_set1_ps(v); }
+static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vf_sum(vfloat v) { return _mm512_reduce_add_ps(v); }
+static inline vint vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vint vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vint vi_load_i16(const int16_t *p) { return _mm512_loadu_si512(p); }
+static inline vfloat vi_to_float(vint v) { return _mm512_cvtepi32_ps(v); }
+/* int32 lane k += a[2k] * b[2k] + a[2k+1] * b[2k+1] (int16 a, b) */
+static inline vint vi_dot(vint acc, vint a, vint b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SIMD_WIDTH 8
+#define MM_INPUTS 2
+#define QMM_INPUTS 1
+typedef __m256 vfloat;
+typedef __m256i vint;
+static inline vfloat vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vfloat vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vfloat vf_set(float v) { return _mm256_set1_ps(v); }
+static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vf_sum(vfloat v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vint vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vint vi_load_i8(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vint vi_load_i16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vfloat vi_to_float(vint v) { return _mm256_cvtepi32_ps(v); }
+static inline vint vi_dot(vint acc, vint a, vint b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
+
+#ifdef SIMD_WIDTH
+#define MM_ROWS 4
+/* Always inlined, so that NB is a constant in every copy: the loops over
+   rows and inputs unroll and the accumulators live in registers. */
+#define KERNEL static inline __attribute__((always_inline))
+
+/* out[b * stride + r] = W_r . x_b for the MM_ROWS rows of W from w (the last
+   one repeated when only n_rows remain) and the NB input rows from x (the
+   last repeated past n_in); cols is a multiple of SIMD_WIDTH. */
+KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *x, int n_in, int cols, const int NB) {
+    const float *wr[MM_ROWS], *xr[MM_INPUTS];
+    vfloat acc[MM_ROWS][MM_INPUTS];
+    for (int r = 0; r < MM_ROWS; r++) wr[r] = w + (size_t)(r < n_rows ? r : n_rows - 1) * cols;
+    for (int b = 0; b < NB; b++) xr[b] = x + (size_t)(b < n_in ? b : n_in - 1) * cols;
+    for (int r = 0; r < MM_ROWS; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = vf_zero();
+    for (int j = 0; j < cols; j += SIMD_WIDTH) {
+        vfloat xv[MM_INPUTS];
+        for (int b = 0; b < NB; b++) xv[b] = vf_load(xr[b] + j);
+        for (int r = 0; r < MM_ROWS; r++) {
+            vfloat wv = vf_load(wr[r] + j);
+            for (int b = 0; b < NB; b++) acc[r][b] = vf_fma(wv, xv[b], acc[r][b]);
+        }
+    }
+    for (int r = 0; r < n_rows; r++)
+        for (int b = 0; b < NB && b < n_in; b++) out[b * stride + r] = vf_sum(acc[r][b]);
+}
+
+/* The same for int8 rows i.. of W and quantised inputs: per group, exact
+   int32 sums of products (two columns per lane), then
+   acc += float(sum) * ws * xs lane by lane; group_size is a multiple of
+   2 * SIMD_WIDTH. */
+KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const int16_t *xq, const float *xs,
+                     int n_in, const int NB) {
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
+    const int8_t *wr[MM_ROWS];
+    const int16_t *xr[QMM_INPUTS];
+    const float *sr[QMM_INPUTS];
+    size_t wg[MM_ROWS];
+    vfloat acc[MM_ROWS][QMM_INPUTS];
+    for (int r = 0; r < MM_ROWS; r++) {
+        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
+        wr[r] = W->q + row * cols;
+        wg[r] = row * groups;
+    }
+    for (int b = 0; b < NB; b++) {
+        int in = b < n_in ? b : n_in - 1;
+        xr[b] = xq + (size_t)in * cols;
+        sr[b] = xs + (size_t)in * groups;
+    }
+    for (int r = 0; r < MM_ROWS; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = vf_zero();
+    for (int g = 0; g < groups; g++) {
+        vint isum[MM_ROWS][QMM_INPUTS];
+        for (int r = 0; r < MM_ROWS; r++)
+            for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
+        for (int j = g * gs; j < (g + 1) * gs; j += 2 * SIMD_WIDTH) {
+            vint xv[QMM_INPUTS];
+            for (int b = 0; b < NB; b++) xv[b] = vi_load_i16(xr[b] + j);
+            for (int r = 0; r < MM_ROWS; r++) {
+                vint wv = vi_load_i8(wr[r] + j);
+                for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, xv[b]);
+            }
+        }
+        for (int r = 0; r < MM_ROWS; r++) {
+            float ws = group_scale(W, wg[r] + g);
+            for (int b = 0; b < NB; b++) acc[r][b] = vf_fma(vi_to_float(isum[r][b]), vf_set(ws * sr[b][g]), acc[r][b]);
+        }
+    }
+    for (int r = 0; r < n_rows; r++)
+        for (int b = 0; b < NB && b < n_in; b++) out[b * stride + r] = vf_sum(acc[r][b]);
+}
+
+/* Blocks of MM_ROWS rows of W, split between threads; in each, all input
+   rows, while the block's weights stay in the L1 cache. */
+static void matmul_f32_simd(float *out, const float *x, const Matrix *W, int n) {
+    const int rows = W->rows, cols = W->cols, n_blocks = (rows + MM_ROWS - 1) / MM_ROWS;
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    for (int blk = 0; blk < n_blocks; blk++) {
+        int i = blk * MM_ROWS, n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
+        const float *w = W->w + (size_t)i * cols;
+        if (n == 1) {
+            block_f32(out + i, (size_t)rows, w, n_rows, x, 1, cols, 1);
+            continue;
+        }
+        for (int b = 0; b < n; b += MM_INPUTS)
+            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, n_rows, x + (size_t)b * cols, n - b, cols, MM_INPUTS);
+    }
+}
+
+static void matmul_q8_simd(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
+    const int rows = W->rows, cols = W->cols, groups = cols / W->group_size;
+    const int n_blocks = (rows + MM_ROWS - 1) / MM_ROWS;
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    for (int blk = 0; blk < n_blocks; blk++) {
+        int i = blk * MM_ROWS, n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
+        if (n == 1) {
+            block_q8(out + i, (size_t)rows, W, i, n_rows, xq, xs, 1, 1);
+            continue;
+        }
+        for (int b = 0; b < n; b += QMM_INPUTS)
+            block_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, xq + (size_t)b * cols, xs + (size_t)b * groups,
+                     n - b, QMM_INPUTS);
+    }
+}
+#endif
+
+/* out (n, W.rows) = x (n, W.cols) @ W^T with the fastest kernel that fits:
+   the vector kernels need the columns (float32) or the groups (int8) to be
+   whole vectors. */
+static void matmul(float *out, const float *x, const Matrix *W, int n) {
+    if (W->group_size == 0) {
+#ifdef SIMD_WIDTH
+        if (W->cols % SIMD_WIDTH == 0) {
+            matmul_f32_simd(out, x, W, n);
+            return;
+        }
+#endif
+        matmul_f32_plain(out, x, W, n);
+        return;
+    }
+    size_t count = (size_t)n * W->cols;
+    int16_t *xq = xcalloc(count, sizeof(int16_t));
+    float *xs = xcalloc(count / W->group_size, sizeof(float));
+    quantize_groups(xq, xs, x, count, W->group_size);
+#ifdef SIMD_WIDTH
+    if (W->group_size % (2 * SIMD_WIDTH) == 0) matmul_q8_simd(out, xq, xs, W, n);
+    else
+#endif
+        matmul_q8_plain(out, xq, xs, W, n);
+    free(xq);
+    free(xs);
 }
 
 /* Rotary position embedding on adjacent pairs: for the pair (v[2i], v[2i+1])
@@ -478,7 +769,7 @@ static float *forward(Transformer *t, const Batch *b) {
     const int head_size = dim / p->n_heads, kv_dim = head_size * p->n_kv_heads;
 
     for (int r = 0; r < n; r++)
-        memcpy(s->x + (size_t)r * dim, w->token_embedding + (size_t)b->token[r] * dim, dim * sizeof(float));
+        matrix_row(s->x + (size_t)r * dim, &w->token_embedding, b->token[r]);
 
     for (int l = 0; l < p->n_layers; l++) {
         /* attention block: x += wo @ attention(rope(wq @ xb), rope(wk @ xb), wv @ xb) */
@@ -864,6 +1155,8 @@ static void free_sampler(Sampler *s) { free(s->probindex); s->probindex = NULL; 
 /* Picks the next token from `logits` (overwritten with probabilities). */
 static int sample(Sampler *s, float *logits) {
     if (s->temperature == 0.0f) return sample_argmax(logits, s->vocab_size);
+    /* a temperature so small that the largest logit overflows is greedy */
+    if (!isfinite(logits[sample_argmax(logits, s->vocab_size)] / s->temperature)) return sample_argmax(logits, s->vocab_size);
     for (int q = 0; q < s->vocab_size; q++) logits[q] /= s->temperature;
     softmax(logits, s->vocab_size);
     float coin = random_f32(&s->rng_state);
@@ -1111,10 +1404,11 @@ typedef struct {
 
 /* Feeds `feed` (n_feed tokens) at positions start.. of cache slot 0, then
    samples up to max_new tokens, each fed back at the next position; stops
-   after an end token (not included). With `stream`, pieces are printed as they
-   come. Returns the generated tokens; score is the sum of their log-probs. */
+   after BOS, or EOS when `stop_at_eos` (the end token is not included). With
+   `stream`, pieces are printed as they come. Returns the generated tokens;
+   score is the sum of their log-probs. */
 static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Sampler *sampler, const int *feed, int n_feed,
-                                      int start, int max_new, int stream, Stats *stats) {
+                                      int start, int max_new, int stop_at_eos, int stream, Stats *stats) {
     const int vocab = t->config.vocab_size;
     Hypothesis h = {xcalloc((size_t)max_new, sizeof(int)), NULL, 0, 0.0, "length"};
     double t0 = now_seconds();
@@ -1129,7 +1423,7 @@ static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Samp
         memcpy(raw, logits, (size_t)vocab * sizeof(float));
         int next = sample(sampler, logits);
         h.score += log_prob(raw, vocab, next);
-        if (is_end_token(next)) { h.stop = end_reason(next); break; }
+        if (next == TOKEN_BOS || (stop_at_eos && next == TOKEN_EOS)) { h.stop = end_reason(next); break; }
         h.tokens[h.n_tokens++] = next;
         if (stream) {
             print_piece(decode(tok, token, next));
@@ -1280,13 +1574,13 @@ static void adopt_hypothesis_cache(Transformer *t, const Hypothesis *h, int firs
 }
 
 /* Chooses the continuation of `feed` (fed at positions start..) with at most
-   max_new tokens: by sampling (streamed in text mode when `stream`) or by beam
-   search. Returns the number of hypotheses in `out` (room for max(1, B)),
-   best first. */
+   max_new tokens: by sampling (streamed in text mode when `stream`; EOS ends
+   it when `stop_at_eos`) or by beam search (BOS and EOS end hypotheses).
+   Returns the number of hypotheses in `out` (room for max(1, B)), best first. */
 static int continue_sequence(Transformer *t, const Tokenizer *tok, const Decoding *d, const int *feed, int n_feed, int start,
-                             int max_new, int stream, Hypothesis *out, Stats *stats) {
+                             int max_new, int stop_at_eos, int stream, Hypothesis *out, Stats *stats) {
     if (d->beam.beams == 0) {
-        out[0] = sample_continuation(t, tok, d->sampler, feed, n_feed, start, max_new, stream, stats);
+        out[0] = sample_continuation(t, tok, d->sampler, feed, n_feed, start, max_new, stop_at_eos, stream, stats);
         return 1;
     }
     return beam_search(t, &d->beam, feed, n_feed, start, max_new, out, stats);
@@ -1314,8 +1608,10 @@ static void print_results(const Tokenizer *tok, const Decoding *d, const Hypothe
 
 /* Generates from a prompt, as llama2.c does: the prompt's tokens are forced
    and printed, then the continuation is chosen until `steps` positions are
-   used (prompt included) or the model emits BOS or EOS. Sampled text streams
-   to stdout as it comes. */
+   used (prompt included) or it ends. Sampling ends at BOS only, exactly as in
+   llama2.c (a sampled EOS prints as its piece and generation goes on), so
+   that the output stays byte-identical; beam search ends hypotheses at BOS or
+   EOS, as the library does. Sampled text streams to stdout as it comes. */
 static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, const char *prompt, int steps) {
     const Config *p = &t->config;
     int n_prompt;
@@ -1334,7 +1630,7 @@ static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, co
     Hypothesis *hyps = xcalloc((size_t)(d->beam.beams > 1 ? d->beam.beams : 1), sizeof(Hypothesis));
     int n_hyps = 0;
     if (steps >= n_prompt)
-        n_hyps = continue_sequence(t, tok, d, prompt_tokens, n_prompt, 0, steps - n_prompt + 1, stream, hyps, &stats);
+        n_hyps = continue_sequence(t, tok, d, prompt_tokens, n_prompt, 0, steps - n_prompt + 1, 0, stream, hyps, &stats);
     else
         hyps[n_hyps++] = make_hypothesis(NULL, 0, NULL, 0, "length");
     print_results(tok, d, hyps, n_hyps, prompt_tokens[n_prompt - 1], prompt_text, stream);
@@ -1417,7 +1713,7 @@ static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const 
         memcpy(feed + n_feed, prompt, (size_t)n_prompt * sizeof(int));
         n_feed += n_prompt;
         int first_pos = pos + n_feed, stream = text_mode && d->beam.beams == 0;
-        int n_hyps = continue_sequence(t, tok, d, feed, n_feed, pos, steps - first_pos + 1, stream, hyps, &stats);
+        int n_hyps = continue_sequence(t, tok, d, feed, n_feed, pos, steps - first_pos + 1, 1, stream, hyps, &stats);
         Hypothesis *reply = &hyps[0];
         if (d->beam.beams > 0) adopt_hypothesis_cache(t, reply, first_pos);
         if (text_mode) {
@@ -1524,7 +1820,8 @@ static long long parse_integer(const char *flag, const char *text, long long lo,
 
 static Options parse_options(int argc, char **argv) {
     Options o = {NULL, "tokenizer.bin", NULL, NULL, "generate", 1.0f, 0.9f, 0, 256, FORMAT_TEXT, 0, 0, 1.0f, STOP_HEURISTIC, 1, 0};
-    for (int i = 1; i < argc; i++)
+    /* -h or --help where a checkpoint or a flag is expected (not as a value) */
+    for (int i = 1; i < argc; i += (i == 1 ? 1 : 2))
         if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
             fputs(usage_text, stdout);
             leave(0);

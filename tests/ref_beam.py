@@ -139,10 +139,13 @@ def parse_early_stopping(s):
 
 
 def _rel_gap(a, b):
-    """Gap between two scores relative to their size (inf when not finite)."""
+    """Gap between two scores relative to their size (inf when not finite).
+    Float32 rounding of a sum of log-probs is relative to the sum, hence
+    relative (a length-normalised score like -0.0013 has the same relative
+    error as its sum)."""
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
-    return abs(a - b) / max(1.0, abs(a), abs(b))
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
 class Hyp:
@@ -168,11 +171,28 @@ class Result:
         self.steps = 0          # generation steps performed
         self.done_early = False  # pool declared done before the length limit
         self.forwards = 0
+        self.pool_events = []
 
     def note(self, margin, where):
         if margin < self.min_margin:
             self.min_margin = margin
             self.margin_where = where
+
+    def pool_event(self, a, b, where):
+        """A pool comparison between two scores.  Which of two nearly equal
+        hypotheses survives only matters if they could be returned, so these
+        are noted at the end, and only when max(a, b) reaches the lowest
+        returned score."""
+        self.pool_events.append((a, b, where))
+
+    def settle_pool_events(self):
+        if not self.hyps:
+            return
+        lowest = min(h.score for h in self.hyps)
+        slack = 1e-6 * max(1.0, abs(lowest))
+        for a, b, where in self.pool_events:
+            if max(a, b) >= lowest - slack:
+                self.note(_rel_gap(a, b), where)
 
 
 # ----------------------------------------------------------------------------
@@ -197,16 +217,16 @@ class Pool:
     def add(self, tokens, sum_logprobs, gen_len, stop, step):
         score = self.normalise(sum_logprobs, gen_len)
         if len(self.entries) >= self.num_beams:
-            self.res.note(_rel_gap(score, self.worst_score),
-                          'step %d: new hypothesis vs worst in full pool' % step)
+            self.res.pool_event(score, self.worst_score,
+                                'step %d: new hypothesis vs worst in full pool' % step)
         if len(self.entries) < self.num_beams or score > self.worst_score:
             self.entries.append(Hyp(score, sum_logprobs, tokens, gen_len, stop))
             if len(self.entries) > self.num_beams:
                 order = sorted(range(len(self.entries)),
                                key=lambda i: (self.entries[i].score, i))
                 lo, nxt = self.entries[order[0]], self.entries[order[1]]
-                self.res.note(_rel_gap(lo.score, nxt.score),
-                              'step %d: choice of the evicted hypothesis' % step)
+                self.res.pool_event(lo.score, nxt.score,
+                                    'step %d: choice of the evicted hypothesis' % step)
                 del self.entries[order[0]]
                 self.worst_score = nxt.score
             else:
@@ -239,6 +259,34 @@ class Pool:
 
 # ----------------------------------------------------------------------------
 # steppers: run the model for a set of beams
+
+class NoisyStepper:
+    """Wraps a stepper and perturbs every logit by a random relative amount
+    of at most `scale` (in float32): a stand-in for a different float32
+    summation order in the C code.  Only used to vet test cases."""
+
+    def __init__(self, base, scale=5e-7, seed=1):
+        self.base = base
+        self.vocab_size = base.vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.scale = scale
+
+    @property
+    def forwards(self):
+        return self.base.forwards
+
+    def _noise(self, logits):
+        f = 1.0 + self.rng.uniform(-self.scale, self.scale, size=logits.shape)
+        return (logits.astype(np.float64) * f).astype(np.float32)
+
+    def prefill(self, tokens):
+        st, lg = self.base.prefill(tokens)
+        return st, self._noise(lg)
+
+    def step(self, state, parents, tokens, pos):
+        st, lg = self.base.step(state, parents, tokens, pos)
+        return st, self._noise(lg)
+
 
 class GenericStepper:
     """Per-beam caches over any model with new_cache/forward/cache.copy."""
@@ -284,6 +332,7 @@ class LlamaBatchStepper:
         self.c = model.config
         self.vocab_size = self.c.vocab_size
         self.forwards = 0
+        self._tcache = {}
 
     def prefill(self, tokens):
         cache = self.model.new_cache()
@@ -293,6 +342,15 @@ class LlamaBatchStepper:
             self.forwards += 1
         state = (cache.k[None].copy(), cache.v[None].copy())
         return state, np.asarray(logits, dtype=np.float32)[None, :]
+
+    def _t(self, mat):
+        """Contiguous transpose of a weight matrix, cached by identity."""
+        key = id(mat)
+        hit = self._tcache.get(key)
+        if hit is None or hit[0] is not mat:
+            hit = (mat, np.ascontiguousarray(mat.T))
+            self._tcache[key] = hit
+        return hit[1]
 
     def _rope(self, vec, pos):
         # vec (N, n): same arithmetic as ref_llama.Model._rope, batched
@@ -319,8 +377,8 @@ class LlamaBatchStepper:
         V = state[1][idx]
         N = len(parents)
         hs = c.head_size
-        kvmul = c.n_heads // c.n_kv_heads
-        kv_idx = np.arange(c.n_heads) // kvmul
+        kvh = c.n_kv_heads
+        kvmul = c.n_heads // kvh   # query head h uses kv head h // kvmul
 
         def rms(x, weight):
             ss = seqsum(x * x, axis=1)
@@ -330,7 +388,13 @@ class LlamaBatchStepper:
             return (weight[None, :] * (ss[:, None] * x)).astype(F32)
 
         def mv(mat, x):
-            return seqsum(mat[None, :, :] * x[:, None, :], axis=2)
+            # xout[n, i] = sum_j mat[i, j] * x[n, j], summed left to right in
+            # float32 like ref_llama.matvec (cumsum), as vector adds over j
+            p = self._t(mat)[:, None, :] * x.T[:, :, None]       # (in, N, out)
+            s = p[0].copy()
+            for j in range(1, p.shape[0]):
+                s += p[j]
+            return s
 
         x = w['emb'][np.asarray(tokens)].astype(F32).copy()     # (N, D)
         sqrt_hs = F32(np.sqrt(F32(hs)))
@@ -344,13 +408,20 @@ class LlamaBatchStepper:
             k = self._rope(k, pos)
             K[:, l, pos] = k
             V[:, l, pos] = v
-            qh = q.reshape(N, c.n_heads, hs)
-            Kh = K[:, l, :T].reshape(N, T, c.n_kv_heads, hs)[:, :, kv_idx, :].transpose(0, 2, 1, 3)
-            Vh = V[:, l, :T].reshape(N, T, c.n_kv_heads, hs)[:, :, kv_idx, :].transpose(0, 2, 1, 3)
-            scores = seqsum(qh[:, :, None, :] * Kh, axis=3)             # (N, H, T)
+            # attention; same products and left-to-right float32 sums as
+            # ref_llama (over the head dim for scores, over time for the
+            # output), grouped as (N, T, kv head, query head in group, hs)
+            K5 = K[:, l, :T].reshape(N, T, kvh, 1, hs)
+            V5 = V[:, l, :T].reshape(N, T, kvh, 1, hs)
+            prod = q.reshape(N, 1, kvh, kvmul, hs) * K5
+            sc = prod[..., 0].copy()
+            for j in range(1, hs):
+                sc += prod[..., j]
+            scores = sc.reshape(N, T, c.n_heads).transpose(0, 2, 1)     # (N, H, T)
             scores = (scores / sqrt_hs).astype(F32)
             att = R.softmax(scores)
-            xo = seqsum(att[:, :, :, None] * Vh, axis=2)                 # (N, H, hs)
+            p = att.transpose(0, 2, 1).reshape(N, T, kvh, kvmul, 1) * V5
+            xo = np.add.accumulate(p, axis=1, dtype=F32)[:, -1]         # (N, kvh, kvmul, hs)
             xb = xo.reshape(N, c.dim).astype(F32)
             x = (x + mv(w['wo'][l], xb)).astype(F32)
             xb = rms(x, w['rms_ffn'][l])
@@ -383,7 +454,8 @@ def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0, precision='float
         tok = int(np.argmax(row))
         srt = np.sort(row)
         if srt.size > 1:
-            res.note(_rel_gap(float(srt[-1]), float(srt[-2])), 'step %d: argmax' % t)
+            res.note(float(srt[-1] - srt[-2]) / max(1.0, abs(float(srt[-1]))),
+                     'step %d: argmax' % t)
         if precision == 'float32':
             total = float(np.float32(total) + log_softmax32(row)[tok])
         else:
@@ -501,6 +573,7 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
         for i in range(B):
             pool.add(beam_tokens[i], float(beam_scores[i]), len(beam_tokens[i]), 'length', t)
     res.hyps = pool.best(num_return)
+    res.settle_pool_events()
     res.forwards = stepper.forwards
     return res
 

@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Benchmark of run.c: decode and prefill speed against the machine's memory
+bandwidth (`make bench` runs it).
+
+Decoding one token reads every weight once, so tokens/s x weight bytes per
+token ("effective GB/s") is compared with a streaming read of a large buffer
+(bench/bandwidth.c). For random checkpoints shaped like stories15M and
+stories110M, in float32 and int8, with 1 and 2 threads, it measures (medians
+of --runs runs, greedy):
+  decode   tok/s generating 128 tokens after a 16-token prompt
+  prefill  tok/s reading a 128-token prompt
+  peak RSS of the process, against checkpoint + key/value cache + 10%
+and, with 2 threads, the time of a beam search step with 4 and 8 beams
+relative to a greedy step (same 16-token prompt, 64 steps).
+The table goes to stdout and to bench/results.md.
+
+Environment / options: RUN (binary, default ./runomp), MODELS_DIR (for
+tokenizer.bin), PYTHON; --runs N, --cache DIR (checkpoints, default
+build/bench), --bandwidth BIN (the compiled probe), --out FILE.
+"""
+import argparse
+import datetime
+import os
+import re
+import statistics
+import struct
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A story to cut prompts from; the prompt of N tokens is its longest prefix of
+# whole words with at most N tokens (BOS included), padded with " a".
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+    "friends. One day, she saw a big red ball under a tall tree. She wanted to play with it, but it was stuck "
+    "between two branches. Lily asked her friend Tom to help her. Tom was a kind boy who liked to climb trees. "
+    "He climbed up the tree and reached for the ball, but the branch was too thin and it started to bend. "
+    "Lily was scared and shouted, \"Tom, come down! It is not safe!\" Tom listened to Lily and climbed down "
+    "carefully. Then they had an idea. They found a long stick near the pond and used it to push the ball. "
+    "The ball fell down and bounced on the soft grass. Lily and Tom laughed and clapped their hands. They "
+    "played with the ball all afternoon, kicking it and throwing it high in the sky. When the sun began to set, "
+    "their moms called them home for dinner. Lily hugged Tom and said, \"Thank you for helping me today. You "
+    "are my best friend.\" Tom smiled and said, \"We can play again tomorrow.\" That night, Lily dreamed of "
+    "red balls, tall trees and sunny days in the park."
+)
+
+MODELS = [  # label, export.py shape, version
+    ("stories15M f32", "stories15M", 1),
+    ("stories15M int8", "stories15M", 2),
+    ("stories110M f32", "stories110M", 1),
+    ("stories110M int8", "stories110M", 2),
+]
+
+STATS_RE = re.compile(r"stats: prompt (\d+) tokens, ([\d.]+) tok/s; generated (\d+) tokens, ([\d.]+) tok/s")
+
+
+def stats_of(cmd):
+    """Runs cmd (stdout discarded); returns the parsed stats line and the
+    process's peak RSS in bytes."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = p.stderr.read().decode(errors="replace")
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        sys.exit("bench: %s failed (%d): %s" % (" ".join(cmd), p.returncode, err.strip()[-300:]))
+    m = None
+    for m in STATS_RE.finditer(err):
+        pass
+    if not m:
+        sys.exit("bench: no stats line from %s: %s" % (" ".join(cmd), err.strip()[-300:]))
+    return (int(m.group(1)), float(m.group(2)), int(m.group(3)), float(m.group(4))), usage.ru_maxrss * 1024
+
+
+def read_header(path):
+    """(dim, hidden, layers, heads, kv_heads, vocab, seq_len, shared, group_size) of an ak42 file."""
+    with open(path, "rb") as f:
+        h = f.read(41)
+    magic, version = struct.unpack_from("<Ii", h, 0)
+    if magic != 0x616B3432:
+        sys.exit("bench: %s is not an ak42 checkpoint" % path)
+    dims = struct.unpack_from("<7i", h, 8)
+    gs = struct.unpack_from("<i", h, 37)[0] if version == 2 else 0
+    return dims + (h[36] != 0, gs)
+
+
+def weight_bytes_per_token(path):
+    """Bytes of the matrices read for one token: every layer matrix and the
+    classifier (an int8 value costs 1 byte plus 4 / group_size of scale)."""
+    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs = read_header(path)
+    kv_dim = dim // heads * kv_heads
+    values = layers * (2 * dim * dim + 2 * kv_dim * dim + 3 * dim * hidden) + vocab * dim
+    return values * (1 + 4 / gs if gs else 4)
+
+
+def kv_cache_bytes(path):
+    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs = read_header(path)
+    return 2 * layers * seq * (dim // heads * kv_heads) * 4
+
+
+def make_models(python, cache):
+    os.makedirs(cache, exist_ok=True)
+    paths = {}
+    for label, shape, version in MODELS:
+        path = os.path.join(cache, "%s_v%d.bin" % (shape, version))
+        if not os.path.exists(path):
+            print("bench: writing %s" % path, file=sys.stderr)
+            subprocess.run([python, os.path.join(ROOT, "export.py"), "random", path, "--shape", shape,
+                            "--seed", "1", "--version", str(version)], check=True, stdout=subprocess.DEVNULL)
+        paths[label] = path
+    return paths
+
+
+def prompt_tokens(runbin, model, tok, text):
+    """Tokens (BOS included) of text, as run.c counts them in its stats line."""
+    (n, _, _, _), _ = stats_of([runbin, model, "-z", tok, "-t", "0", "-n", "1024", "-i", text, "-T", "1"])
+    return n
+
+
+def make_prompt(runbin, model, tok, n):
+    words = STORY.split(" ")
+    lo, hi = 0, len(words)  # largest prefix of words with <= n tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prompt_tokens(runbin, model, tok, " ".join(words[:mid])) <= n:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = " ".join(words[:lo])
+    while prompt_tokens(runbin, model, tok, text) < n:
+        text += " a"
+    if prompt_tokens(runbin, model, tok, text) != n:
+        sys.exit("bench: cannot make a prompt of %d tokens" % n)
+    return text
+
+
+def probe_bandwidth(binary):
+    out = subprocess.run([binary], check=True, stdout=subprocess.PIPE).stdout.decode()
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"threads (\d+): ([\d.]+) GB/s", out)}
+
+
+def median_run(cmd, runs, pick):
+    values, rss = [], 0
+    for _ in range(runs):
+        st, peak = stats_of(cmd)
+        values.append(pick(st))
+        rss = max(rss, peak)
+    return statistics.median(values), rss
+
+
+def machine():
+    name, cores = "unknown", str(os.cpu_count())
+    try:
+        out = subprocess.run(["lscpu"], stdout=subprocess.PIPE, check=True).stdout.decode()
+        for line in out.splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "Model name":
+                name = val.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return "%s, %s cores" % (name, cores)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench"))
+    ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.md"))
+    args = ap.parse_args()
+    runbin = os.environ.get("RUN", "./runomp")
+    tok = os.path.join(os.environ.get("MODELS_DIR", "../shared/models"), "tokenizer.bin")
+    python = os.environ.get("PYTHON", sys.executable)
+    if not os.path.exists(tok):
+        sys.exit("bench: %s not found (set MODELS_DIR)" % tok)
+
+    paths = make_models(python, args.cache)
+    first = paths[MODELS[0][0]]
+    p16, p128 = make_prompt(runbin, first, tok, 16), make_prompt(runbin, first, tok, 128)
+    bw = probe_bandwidth(args.bandwidth)
+
+    rows, results = [], {}
+    for label, _, _ in MODELS:
+        path = paths[label]
+        wbytes = weight_bytes_per_token(path)
+        budget = (os.path.getsize(path) + kv_cache_bytes(path)) * 1.1
+        for threads in (1, 2):
+            base = [runbin, path, "-z", tok, "-t", "0", "-T", str(threads)]
+            decode, rss1 = median_run(base + ["-n", "144", "-i", p16], args.runs, lambda s: s[3])
+            prefill, rss2 = median_run(base + ["-n", "129", "-i", p128], args.runs, lambda s: s[1])
+            gbs = wbytes * decode / 1e9
+            rss = max(rss1, rss2)
+            results[(label, threads)] = (decode, prefill, rss, budget)
+            rows.append("| %s | %d | %.0f | %.1f | %.1f | %.1fx | %.1f | %.0f%% | %.0f | %.0f |" % (
+                label, threads, wbytes / 1e6, decode, prefill, prefill / decode, gbs, 100 * gbs / bw[threads],
+                rss / 1e6, budget / 1e6))
+            print(rows[-1], file=sys.stderr)
+
+    # beam search: time of a step with B beams / time of a greedy step
+    beam_rows = []
+    for label in ("stories110M f32", "stories110M int8"):
+        base = [runbin, paths[label], "-z", tok, "-t", "0", "-T", "2", "-n", "80", "-i", p16]
+        greedy, _ = median_run(base, args.runs, lambda s: s[3])
+        ratios = []
+        for beams in (4, 8):
+            rate, _ = median_run(base + ["-b", str(beams), "-e", "never"], args.runs, lambda s: s[3])
+            ratios.append(greedy / rate)
+        beam_rows.append("| %s | %.1f | %.2fx | %.2fx |" % (label, greedy, ratios[0], ratios[1]))
+
+    f32, q8 = results[("stories110M f32", 2)], results[("stories110M int8", 2)]
+    s15 = (results[("stories15M f32", 1)], results[("stories15M f32", 2)])
+    s15q = (results[("stories15M int8", 1)], results[("stories15M int8", 2)])
+    eff = weight_bytes_per_token(paths["stories110M f32"]) * f32[0] / 1e9 / bw[2]
+    checks = [
+        ("float32 decode >= 85%% of the 2-thread read bandwidth", eff >= 0.85, "%.0f%%" % (100 * eff)),
+        ("int8 decode >= 3x float32 decode", q8[0] >= 3 * f32[0], "%.2fx" % (q8[0] / f32[0])),
+        ("prefill (128 tokens) >= 8x decode, float32", f32[1] >= 8 * f32[0], "%.1fx" % (f32[1] / f32[0])),
+        ("peak RSS <= checkpoint + KV cache + 10%", all(r[2] <= r[3] for r in results.values()),
+         "worst %.0f%% of budget" % max(100 * r[2] / r[3] for r in results.values())),
+        ("stories15M no slower with 2 threads than 1", s15[1][0] >= s15[0][0] and s15q[1][0] >= s15q[0][0],
+         "f32 %.0f vs %.0f, int8 %.0f vs %.0f tok/s" % (s15[1][0], s15[0][0], s15q[1][0], s15q[0][0])),
+    ]
+
+    lines = [
+        "# run.c benchmark",
+        "",
+        "%s; %s; `%s`, medians of %d runs, greedy." % (
+            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), machine(), runbin, args.runs),
+        "",
+        "Streaming read bandwidth (bench/bandwidth.c): %s." % ", ".join(
+            "%.1f GB/s with %d thread%s" % (v, k, "s" if k > 1 else "") for k, v in sorted(bw.items())),
+        "Random checkpoints (export.py random, seed 1): float32 = version 1, int8 = version 2 (Q8_0).",
+        "Decode: 128 tokens after a 16-token prompt. Prefill: a 128-token prompt.",
+        "Effective GB/s = weight bytes read per token x decode tok/s; % of the probe with as many threads.",
+        "",
+        "| model | threads | weights MB/token | decode tok/s | prefill tok/s | prefill/decode | effective GB/s "
+        "| % of read bandwidth | peak RSS MB | RSS budget MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ] + rows + [
+        "",
+        "Beam search, 2 threads, 64 steps after the 16-token prompt (`-b B -e never`): time per step relative to greedy.",
+        "",
+        "| model | greedy tok/s | B=4 step / greedy | B=8 step / greedy |",
+        "| --- | --- | --- | --- |",
+    ] + beam_rows + [
+        "",
+        "| target | met | measured |",
+        "| --- | --- | --- |",
+    ] + ["| %s | %s | %s |" % (name, "yes" if ok else "NO", value) for name, ok, value in checks]
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
