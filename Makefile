@@ -4,6 +4,9 @@ CFLAGS ?= -std=c11 -Wall -Wextra
 PYTHON ?= python3
 MODELS_DIR ?= ../shared/models
 TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
+# the binary `make test` checks: ./run, ./runfast or ./runomp
+RUN ?= ./run
+BENCH_RUNS ?= 5
 
 .PHONY: all test bench clean
 
@@ -23,8 +26,65 @@ tests/.bin/unit: tests/unit.c run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -O2 -o $@ tests/unit.c -lm
 
-test: run tests/.bin/unit
-	MODELS_DIR=$(MODELS_DIR) PYTHON=$(PYTHON) RUN=./run bash tests/run_tests.sh
+# Sanitizer builds (tests/test_sanitize.sh): AddressSanitizer with its leak
+# checker, and UndefinedBehaviorSanitizer; every report is fatal
+SANFLAGS = -fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1
+SANITIZE_BINS = tests/.bin/run_asan $(if $(wildcard tests/unit.c),tests/.bin/unit_asan) tests/.bin/run_g
+
+tests/.bin/run_asan: run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ run.c -lm
+
+tests/.bin/unit_asan: tests/unit.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ tests/unit.c -lm
+
+# for tests/test_valgrind.sh: debug info, no -march (valgrind has no AVX-512)
+tests/.bin/run_g: run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) -g -O2 -o $@ run.c -lm
+
+# libFuzzer targets in tests/fuzz/ (clang): `make fuzz FUZZ_SECONDS=N` runs
+# each for N seconds; fuzz-build says so and builds none where clang's
+# libFuzzer does not link. FUZZ_SECONDS also reaches tests/test_fuzz.sh.
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 5
+export FUZZ_SECONDS
+FUZZ_TARGETS = checkpoint tokenizer encode options generate
+FUZZ_BINS = $(FUZZ_TARGETS:%=tests/.bin/fuzz_%)
+FUZZ_FLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+
+tests/.bin/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_common.h tests/fuzz/encode_check.h run.c
+	@mkdir -p tests/.bin
+	$(FUZZ_CC) $(FUZZ_FLAGS) -I. -o $@ $< -lm
+
+.PHONY: fuzz fuzz-build fuzz-bins clean-fuzz
+fuzz-bins: $(FUZZ_BINS)
+fuzz-build:
+	@mkdir -p tests/.bin
+	@if printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }\n' | \
+	    $(FUZZ_CC) -fsanitize=fuzzer -x c - -o tests/.bin/fuzz_probe >/dev/null 2>&1; then \
+	    $(MAKE) --no-print-directory fuzz-bins; \
+	else echo "fuzz-build: '$(FUZZ_CC) -fsanitize=fuzzer' does not link here: fuzz targets not built"; fi
+
+fuzz: fuzz-build
+	MODELS_DIR=$(MODELS_DIR) bash tests/fuzz/run_fuzz.sh $(FUZZ_SECONDS) tests/fuzz/.out
+
+clean: clean-fuzz
+clean-fuzz:
+	rm -rf tests/fuzz/.out
+
+test: $(RUN) tests/.bin/unit $(SANITIZE_BINS) fuzz-build
+	MODELS_DIR=$(MODELS_DIR) PYTHON=$(PYTHON) RUN=$(RUN) bash tests/run_tests.sh
+
+# the streaming-read probe, then bench/bench.py with the fastest build; the
+# random checkpoints are written once into build/bench
+build/bench/bandwidth: bench/bandwidth.c
+	@mkdir -p build/bench
+	$(CC) $(CFLAGS) -O3 -march=native -fopenmp -o $@ $<
+
+bench: runomp build/bench/bandwidth
+	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/bench.py --runs $(BENCH_RUNS)
 
 tokenizer.bin: $(TOKENIZER_MODEL) export.py
 	$(PYTHON) export.py tokenizer $(TOKENIZER_MODEL) $@

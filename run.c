@@ -25,6 +25,7 @@
    runtime failure, 2: bad usage). */
 
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, madvise */
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -152,6 +153,7 @@ typedef struct {
     float *logits;  /* (max_rows, vocab_size) */
     float *key_cache;   /* (n_layers, n_slots, seq_len, kv_dim) */
     float *value_cache; /* (n_layers, n_slots, seq_len, kv_dim) */
+    size_t cache_bytes; /* of each of the two caches */
 } RunState;
 
 typedef struct {
@@ -324,6 +326,15 @@ static void *map_file(const char *path, size_t *size, const char *kind) {
     void *data = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
     if (data == MAP_FAILED) die(EXIT_BAD_FILE, "%s: cannot map %s: %s", path, kind, strerror(errno));
+    /* advice only: 2 MB pages where the file system has them (streaming the
+       weights then misses the TLB 512 times less often), and every page read
+       and mapped now rather than faulted in during the first tokens */
+#ifdef MADV_HUGEPAGE /* Linux */
+    madvise(data, *size, MADV_HUGEPAGE);
+#endif
+#ifdef MADV_POPULATE_READ /* Linux 5.14 */
+    madvise(data, *size, MADV_POPULATE_READ);
+#endif
     return data;
 }
 
@@ -333,6 +344,18 @@ static void load_checkpoint(Transformer *t, const char *path) {
     FileCursor c = {t->mapping, t->file_size, 0, path};
     int shared = read_header(t, &c);
     map_weights(t, &c, shared);
+}
+
+/* Zeroed pages for a key or value cache, 2 MB ones where the kernel has
+   them: attention reads the cache at a stride of kv_dim floats, a different
+   4 kB page for every position, and would miss the TLB on each. */
+static float *alloc_cache(size_t bytes) {
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) die(EXIT_BAD_FILE, "out of memory (%zu bytes for the key/value cache)", bytes);
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
 }
 
 /* Allocates activations for `max_rows` rows at once and a cache with
@@ -357,14 +380,16 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_sl
     s->v = xcalloc(rows * kv_dim, sizeof(float));
     s->att = xcalloc(rows * (size_t)p->n_heads * (size_t)p->seq_len, sizeof(float));
     s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
-    s->key_cache = xcalloc(cache, sizeof(float));
-    s->value_cache = xcalloc(cache, sizeof(float));
+    s->cache_bytes = cache * sizeof(float);
+    s->key_cache = alloc_cache(s->cache_bytes);
+    s->value_cache = alloc_cache(s->cache_bytes);
 }
 
 static void free_run_state(RunState *s) {
     free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
     free(s->q); free(s->k); free(s->v); free(s->att); free(s->logits);
-    free(s->key_cache); free(s->value_cache);
+    if (s->key_cache) munmap(s->key_cache, s->cache_bytes);
+    if (s->value_cache) munmap(s->value_cache, s->cache_bytes);
     memset(s, 0, sizeof(*s));
 }
 
@@ -456,7 +481,12 @@ static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count
             if (fabsf(v[j]) > amax) amax = fabsf(v[j]);
         float scale = amax / 127.0f;
         xs[g] = scale;
-        for (int j = 0; j < gs; j++) xq[g * gs + j] = scale > 0.0f ? (int16_t)roundf(v[j] / scale) : 0;
+        for (int j = 0; j < gs; j++) {
+            float q = scale > 0.0f ? roundf(v[j] / scale) : 0.0f;
+            /* in -127..127 unless x holds NaN or infinities (a broken
+               model): those become 0 rather than an undefined conversion */
+            xq[g * gs + j] = q >= -127.0f && q <= 127.0f ? (int16_t)q : 0;
+        }
     }
 }
 
@@ -552,6 +582,15 @@ static inline vint vi_dot(vint acc, vint a, vint b) { return _mm256_add_epi32(ac
    rows and inputs unroll and the accumulators live in registers. */
 #define KERNEL static inline __attribute__((always_inline))
 
+/* A block reads MM_ROWS short streams (a row of int8 is about a kilobyte),
+   too short for the hardware prefetchers to follow: while the kernels work on
+   one block, they ask for the next one (the rows that follow it in memory),
+   as many bytes at a time as they read: `bytes` from byte `at` of `next`.
+   (Inlined by force: GCC drops calls of a function that only prefetches.) */
+KERNEL void prefetch_ahead(const void *next, size_t at, int bytes) {
+    for (int k = 0; k < bytes; k += 64) _mm_prefetch((const char *)next + at + k, _MM_HINT_T0);
+}
+
 /* out[b * stride + r] = W_r . x_b for the MM_ROWS rows of W from w (the last
    one repeated when only n_rows remain) and the NB input rows from x (the
    last repeated past n_in); cols is a multiple of SIMD_WIDTH. */
@@ -565,6 +604,7 @@ KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, con
     for (int j = 0; j < cols; j += SIMD_WIDTH) {
         vfloat xv[MM_INPUTS];
         for (int b = 0; b < NB; b++) xv[b] = vf_load(xr[b] + j);
+        prefetch_ahead(w + (size_t)MM_ROWS * cols, (size_t)MM_ROWS * j * sizeof(float), MM_ROWS * SIMD_WIDTH * sizeof(float));
         for (int r = 0; r < MM_ROWS; r++) {
             vfloat wv = vf_load(wr[r] + j);
             for (int b = 0; b < NB; b++) acc[r][b] = vf_fma(wv, xv[b], acc[r][b]);
@@ -596,6 +636,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         xr[b] = xq + (size_t)in * cols;
         sr[b] = xs + (size_t)in * groups;
     }
+    const int8_t *next = W->q + ((size_t)i + MM_ROWS) * cols; /* the next block */
     for (int r = 0; r < MM_ROWS; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = vf_zero();
     for (int g = 0; g < groups; g++) {
@@ -603,11 +644,10 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         for (int r = 0; r < MM_ROWS; r++)
             for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
         for (int j = g * gs; j < (g + 1) * gs; j += 2 * SIMD_WIDTH) {
-            vint xv[QMM_INPUTS];
-            for (int b = 0; b < NB; b++) xv[b] = vi_load_i16(xr[b] + j);
+            prefetch_ahead(next, (size_t)MM_ROWS * j, MM_ROWS * 2 * SIMD_WIDTH);
             for (int r = 0; r < MM_ROWS; r++) {
                 vint wv = vi_load_i8(wr[r] + j);
-                for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, xv[b]);
+                for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, vi_load_i16(xr[b] + j));
             }
         }
         for (int r = 0; r < MM_ROWS; r++) {
@@ -732,9 +772,13 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     int head_size = p->dim / p->n_heads;
     int kv_mul = p->n_heads / p->n_kv_heads;
     int n_items = b->n_rows * p->n_heads;
-    PARALLEL_FOR
+    double work = 0; /* multiply-adds */
+    for (int r = 0; r < b->n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
+    /* item by item, head-major: in a prompt block, later rows attend to more
+       positions, and each thread takes whole heads with all of the rows */
+    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
     for (int item = 0; item < n_items; item++) {
-        int r = item / p->n_heads, h = item % p->n_heads;
+        int h = item / b->n_rows, r = item % b->n_rows;
         int pos = b->pos[r];
         const float *q = s->q + (size_t)r * p->dim + h * head_size;
         float *att = s->att + ((size_t)r * p->n_heads + h) * p->seq_len;
@@ -1350,9 +1394,15 @@ static void print_json_string(const char *s) {
     putchar('"');
     while (*p) {
         unsigned char c = *p;
-        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        /* well-formed UTF-8 only (RFC 3629): no overlong forms, surrogates or
+           code points above U+10FFFF, which JSON parsers reject */
+        int len = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3 : (c >= 0xF0 && c <= 0xF4) ? 4 : 0;
         int valid = len > 0;
-        for (int i = 1; valid && i < len; i++) valid = (p[i] & 0xC0) == 0x80;
+        if (len > 1) {
+            unsigned char lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80, hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+            valid = p[1] >= lo && p[1] <= hi;
+        }
+        for (int i = 2; valid && i < len; i++) valid = (p[i] & 0xC0) == 0x80;
         if (!valid) { fputs("\\ufffd", stdout); p++; continue; }
         if (len > 1) { fwrite(p, 1, (size_t)len, stdout); p += len; continue; }
         if (c == '"' || c == '\\') printf("\\%c", c);
