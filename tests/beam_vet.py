@@ -10,6 +10,7 @@ Also prints the closest decision margin, steps, CPU time and the returned
 hypotheses.
 
 Usage: python3 tests/beam_vet.py [MODELS_DIR] [name-substring]
+(synthetic-model cases are named synth_*; their files go to $TEST_TMP or /tmp)
 """
 import os
 import sys
@@ -27,17 +28,25 @@ clock = time.process_time
 def main():
     mdir = sys.argv[1] if len(sys.argv) > 1 else test_beam.MODELS_DIR
     filt = sys.argv[2] if len(sys.argv) > 2 else ''
-    m = ref_llama.Model.load(os.path.join(mdir, 'stories260K.bin'))
-    tok = ref_llama.Tokenizer.load(os.path.join(mdir, 'tok512.bin'), m.config.vocab_size)
-    cases = list(test_beam.CASES) + [
-        ('b1_greedy', 'Once upon a time', 100, 1, '1', '0', 1),
-        ('b1_greedy_never', 'Lily', 0, 1, '2', 'never', 1),
-    ]
+    import beam_synth
+    sdir = os.path.join(os.environ.get('TEST_TMP', '/tmp'), 'beam_synth')
+    smodel, stok = beam_synth.write_synth(sdir)
+    models = {}
+    for label, mp, tp in (('stories', os.path.join(mdir, 'stories260K.bin'),
+                           os.path.join(mdir, 'tok512.bin')), ('synth', smodel, stok)):
+        mm = ref_llama.Model.load(mp)
+        models[label] = (mm, ref_llama.Tokenizer.load(tp, mm.config.vocab_size))
+    cases = [('stories',) + c for c in test_beam.CASES] + [
+        ('stories', 'b1_greedy', 'Once upon a time', 100, 1, '1', '0', 1),
+        ('stories', 'b1_greedy_never', 'Lily', 0, 1, '2', 'never', 1),
+    ] + [('synth', 'synth_' + c[0]) + tuple(c[1:]) for c in test_beam.SYNTH_CASES] + [
+        ('synth', 'synth_b1_greedy_eos', 'a dog ran', 0, 1, '1', '0', 1)]
     total = 0.0
     bad = 0
-    for (name, prompt, n, B, lp, e, r) in cases:
+    for (label, name, prompt, n, B, lp, e, r) in cases:
         if filt not in name:
             continue
+        m, tok = models[label]
         es = ref_beam.parse_early_stopping(e)
         t0 = clock()
         l64, r64 = ref_beam.reference(m, tok, prompt, n, B, float(lp), es, r)

@@ -62,7 +62,9 @@ Semantics (each point says where it comes from):
   later-added entry comes first; mirrored here).
 * max_new (llama2.c `-n` semantics): n = 0 or n > seq_len means seq_len; with
   a P-token prompt (BOS included) at most n - P + 1 new tokens (positions
-  P-1 .. n-1 are forwarded).
+  P-1 .. n-1 are forwarded).  A prompt that does not fit (max_new <= 0) gives
+  no hypotheses here; the issue does not specify this case and the tests do
+  not use it.
 * B = 1 is plain greedy decoding (HF uses greedy search for num_beams=1):
   argmax of the logits (first index among equal maxima, like llama2.c's
   argmax), stop at the first end token or after max_new tokens.  Its score is
@@ -73,12 +75,18 @@ Python API:
     res = beam_search(stepper, prompt_tokens, max_new, num_beams,
                       length_penalty=1.0, early_stopping=False, num_return=1)
     res.hyps: list of Hyp(score, sum_logprobs, tokens, gen_len, stop) best first
-    res.min_margin / res.margin_where: closest decision seen (relative gap)
+    res.min_margin / res.margin_where: closest decision seen (relative gap
+      between the two scores a decision compared; pool comparisons only
+      count when they could change the returned hypotheses)
+    res.events: how often the rarer rules fired (end token dropped at rank
+      >= B, best candidate an end token at a full-pool done test, evictions,
+      rejections), used to choose test cases
     reference(model, tok, prompt, n, B, lp, e, r) -> list of dicts like the
       JSON lines of `./run -f json` plus 'text_bytes', and the Result.
 Steppers: `LlamaBatchStepper(ref_llama.Model)` (batched over beams, bitwise
 equal to Model.forward), `GenericStepper(model)` for any object with
-new_cache() / forward(token, pos, cache) / cache.copy().
+new_cache() / forward(token, pos, cache) / cache.copy(), and
+`NoisyStepper(stepper)` which perturbs logits (for vetting cases only).
 
 CLI (prints JSON lines like `./run ... -f json`):
     python3 tests/ref_beam.py model.bin -z tok.bin -i PROMPT -n N -b B
@@ -172,6 +180,9 @@ class Result:
         self.done_early = False  # pool declared done before the length limit
         self.forwards = 0
         self.pool_events = []
+        # how often the rarer rules were exercised (for vetting test cases)
+        self.events = {'end_hyp': 0, 'end_dropped_rank_ge_B': 0,
+                       'best_is_end_at_full_pool': 0, 'pool_rejected': 0, 'pool_evicted': 0}
 
     def note(self, margin, where):
         if margin < self.min_margin:
@@ -219,6 +230,8 @@ class Pool:
         if len(self.entries) >= self.num_beams:
             self.res.pool_event(score, self.worst_score,
                                 'step %d: new hypothesis vs worst in full pool' % step)
+        if not (len(self.entries) < self.num_beams or score > self.worst_score):
+            self.res.events['pool_rejected'] += 1
         if len(self.entries) < self.num_beams or score > self.worst_score:
             self.entries.append(Hyp(score, sum_logprobs, tokens, gen_len, stop))
             if len(self.entries) > self.num_beams:
@@ -228,6 +241,7 @@ class Pool:
                 self.res.pool_event(lo.score, nxt.score,
                                     'step %d: choice of the evicted hypothesis' % step)
                 del self.entries[order[0]]
+                self.res.events['pool_evicted'] += 1
                 self.worst_score = nxt.score
             else:
                 self.worst_score = min(score, self.worst_score)
@@ -242,7 +256,11 @@ class Pool:
             highest = best_sum / (self.max_new ** lp)
         else:
             highest = best_sum / (t ** lp)
-        self.res.note(_rel_gap(self.worst_score, highest), 'step %d: done test' % step)
+        if self.worst_score != highest:
+            # (exact equality is structural, not a near-tie: the step's best
+            # candidate is the end token whose hypothesis just became the
+            # worst in the pool, so both sides are the same computation)
+            self.res.note(_rel_gap(self.worst_score, highest), 'step %d: done test' % step)
         return self.worst_score >= highest
 
     def best(self, r):
@@ -531,7 +549,9 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
             last_rank = rank
             if v in END_TOKENS:
                 if rank >= B:
+                    res.events['end_dropped_rank_ge_B'] += 1
                     continue
+                res.events['end_hyp'] += 1
                 pool.add(beam_tokens[b], s, t, STOP_NAMES[v], t)
             else:
                 chosen.append((b, v, s))
@@ -556,6 +576,8 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
                     res.note(_rel_gap(float(flat[a]), float(flat[c2])),
                              'step %d: end-token candidate at the rank-B boundary' % t)
 
+        if int(order[0]) % V in END_TOKENS and len(pool) == B:
+            res.events['best_is_end_at_full_pool'] += 1
         done = pool.is_done(best_sum, t, t)
 
         parents = [b for (b, _, _) in chosen]
