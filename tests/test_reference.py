@@ -53,7 +53,7 @@ RUN_TIMEOUT = 60
 #     matmul).  The v2 cases SKIP while the runner says v2 is not supported.
 STOP_ON_EOS = False
 LONG_PROMPT = False
-V2_Q8_ACTIVATIONS = False
+V2_Q8_ACTIVATIONS = True
 
 COUNTS = {'PASS': 0, 'FAIL': 0, 'SKIP': 0}
 
