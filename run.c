@@ -17,15 +17,17 @@
 
    BUILD OPTIONS
      -fopenmp        threads over matrix rows (set the count with -T)
+     -march=native   AVX2 or AVX-512 matmul kernels where the machine has them
+                     (otherwise plain C, summed in llama2.c's order)
      -DTESTING       leaves out main(), so tests can #include "run.c"
 
    Output is byte-identical to karpathy's llama2.c run.c for the same checkpoint,
-   tokenizer, flags and seed; unlike it, every input is validated and every
-   failure is a one-line error with a non-zero exit status (1: bad file or
-   runtime failure, 2: bad usage). */
+   tokenizer, flags and seed (built as `make run`: no -march, no fast-math);
+   unlike it, every input is validated and every failure is a one-line error
+   with a non-zero exit status (1: bad file or runtime failure, 2: bad usage). */
 
 #define _POSIX_C_SOURCE 200809L
-#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, madvise */
+#define _DEFAULT_SOURCE /* madvise */
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -43,13 +45,14 @@
 #include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
-#define PARALLEL_FOR _Pragma("omp parallel for schedule(static)")
-/* the same, but on one thread unless `cond` holds */
+/* the loop that follows split in equal ranges between threads, or run on one
+   thread when `cond` is false (too little work) */
 #define PRAGMA(text) _Pragma(#text)
 #define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
+static int max_threads(void) { return omp_get_max_threads(); }
 #else
-#define PARALLEL_FOR
 #define PARALLEL_FOR_IF(cond)
+static int max_threads(void) { return 1; }
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -153,7 +156,6 @@ typedef struct {
     float *logits;  /* (max_rows, vocab_size) */
     float *key_cache;   /* (n_layers, n_slots, seq_len, kv_dim) */
     float *value_cache; /* (n_layers, n_slots, seq_len, kv_dim) */
-    size_t cache_bytes; /* of each of the two caches */
 } RunState;
 
 typedef struct {
@@ -346,18 +348,6 @@ static void load_checkpoint(Transformer *t, const char *path) {
     map_weights(t, &c, shared);
 }
 
-/* Zeroed pages for a key or value cache, 2 MB ones where the kernel has
-   them: attention reads the cache at a stride of kv_dim floats, a different
-   4 kB page for every position, and would miss the TLB on each. */
-static float *alloc_cache(size_t bytes) {
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) die(EXIT_BAD_FILE, "out of memory (%zu bytes for the key/value cache)", bytes);
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    return p;
-}
-
 /* Allocates activations for `max_rows` rows at once and a cache with
    `n_slots` slots. */
 static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_slots) {
@@ -380,16 +370,14 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_sl
     s->v = xcalloc(rows * kv_dim, sizeof(float));
     s->att = xcalloc(rows * (size_t)p->n_heads * (size_t)p->seq_len, sizeof(float));
     s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
-    s->cache_bytes = cache * sizeof(float);
-    s->key_cache = alloc_cache(s->cache_bytes);
-    s->value_cache = alloc_cache(s->cache_bytes);
+    s->key_cache = xcalloc(cache, sizeof(float));
+    s->value_cache = xcalloc(cache, sizeof(float));
 }
 
 static void free_run_state(RunState *s) {
     free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
     free(s->q); free(s->k); free(s->v); free(s->att); free(s->logits);
-    if (s->key_cache) munmap(s->key_cache, s->cache_bytes);
-    if (s->value_cache) munmap(s->value_cache, s->cache_bytes);
+    free(s->key_cache); free(s->value_cache);
     memset(s, 0, sizeof(*s));
 }
 
@@ -446,6 +434,17 @@ static void softmax(float *x, int size) {
    groups of group_size values, x ~ xq * xs with xs = max|x| / 127 and
    xq = round(x / xs) in -127..127; then, with exact integer sums per group g,
      out[b][i] = sum_g (sum_{j in g} wq[i][j] * xq[b][j]) * ws[i][g] * xs[b][g] */
+
+/* Starts loading the `bytes` bytes at p into the cache ahead of their use,
+   where the compiler offers it (GCC, Clang; inlined by force, as GCC drops
+   the calls of a function that does nothing but prefetch). */
+#if defined(__GNUC__)
+static inline __attribute__((always_inline)) void prefetch(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
+}
+#else
+static void prefetch(const void *p, size_t bytes) { (void)p; (void)bytes; }
+#endif
 
 /* A matmul of fewer multiply-adds than this runs on one thread: waking the
    others would cost more than it saves. */
@@ -582,19 +581,15 @@ static inline vint vi_dot(vint acc, vint a, vint b) { return _mm256_add_epi32(ac
    rows and inputs unroll and the accumulators live in registers. */
 #define KERNEL static inline __attribute__((always_inline))
 
-/* A block reads MM_ROWS short streams (a row of int8 is about a kilobyte),
-   too short for the hardware prefetchers to follow: while the kernels work on
-   one block, they ask for the next one (the rows that follow it in memory),
-   as many bytes at a time as they read: `bytes` from byte `at` of `next`.
-   (Inlined by force: GCC drops calls of a function that only prefetches.) */
-KERNEL void prefetch_ahead(const void *next, size_t at, int bytes) {
-    for (int k = 0; k < bytes; k += 64) _mm_prefetch((const char *)next + at + k, _MM_HINT_T0);
-}
-
 /* out[b * stride + r] = W_r . x_b for the MM_ROWS rows of W from w (the last
    one repeated when only n_rows remain) and the NB input rows from x (the
-   last repeated past n_in); cols is a multiple of SIMD_WIDTH. */
-KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *x, int n_in, int cols, const int NB) {
+   last repeated past n_in); cols is a multiple of SIMD_WIDTH.
+   A block reads MM_ROWS short streams (a row of int8 is about a kilobyte),
+   too short for the hardware prefetchers to follow: the kernels prefetch
+   `next`, the next block of rows (the last block: its own rows), as many
+   bytes at a time as they read. */
+KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *next, const float *x, int n_in, int cols,
+                      const int NB) {
     const float *wr[MM_ROWS], *xr[MM_INPUTS];
     vfloat acc[MM_ROWS][MM_INPUTS];
     for (int r = 0; r < MM_ROWS; r++) wr[r] = w + (size_t)(r < n_rows ? r : n_rows - 1) * cols;
@@ -604,7 +599,7 @@ KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, con
     for (int j = 0; j < cols; j += SIMD_WIDTH) {
         vfloat xv[MM_INPUTS];
         for (int b = 0; b < NB; b++) xv[b] = vf_load(xr[b] + j);
-        prefetch_ahead(w + (size_t)MM_ROWS * cols, (size_t)MM_ROWS * j * sizeof(float), MM_ROWS * SIMD_WIDTH * sizeof(float));
+        prefetch(next + (size_t)MM_ROWS * j, MM_ROWS * SIMD_WIDTH * sizeof(float));
         for (int r = 0; r < MM_ROWS; r++) {
             vfloat wv = vf_load(wr[r] + j);
             for (int b = 0; b < NB; b++) acc[r][b] = vf_fma(wv, xv[b], acc[r][b]);
@@ -618,8 +613,8 @@ KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, con
    int32 sums of products (two columns per lane), then
    acc += float(sum) * ws * xs lane by lane; group_size is a multiple of
    2 * SIMD_WIDTH. */
-KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const int16_t *xq, const float *xs,
-                     int n_in, const int NB) {
+KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const int8_t *next, const int16_t *xq,
+                     const float *xs, int n_in, const int NB) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs;
     const int8_t *wr[MM_ROWS];
     const int16_t *xr[QMM_INPUTS];
@@ -636,7 +631,6 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         xr[b] = xq + (size_t)in * cols;
         sr[b] = xs + (size_t)in * groups;
     }
-    const int8_t *next = W->q + ((size_t)i + MM_ROWS) * cols; /* the next block */
     for (int r = 0; r < MM_ROWS; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = vf_zero();
     for (int g = 0; g < groups; g++) {
@@ -644,7 +638,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         for (int r = 0; r < MM_ROWS; r++)
             for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
         for (int j = g * gs; j < (g + 1) * gs; j += 2 * SIMD_WIDTH) {
-            prefetch_ahead(next, (size_t)MM_ROWS * j, MM_ROWS * 2 * SIMD_WIDTH);
+            prefetch(next + (size_t)MM_ROWS * j, MM_ROWS * 2 * SIMD_WIDTH);
             for (int r = 0; r < MM_ROWS; r++) {
                 vint wv = vi_load_i8(wr[r] + j);
                 for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, vi_load_i16(xr[b] + j));
@@ -666,29 +660,31 @@ static void matmul_f32_simd(float *out, const float *x, const Matrix *W, int n) 
     PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
     for (int blk = 0; blk < n_blocks; blk++) {
         int i = blk * MM_ROWS, n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
-        const float *w = W->w + (size_t)i * cols;
+        const float *w = W->w + (size_t)i * cols, *next = blk + 1 < n_blocks ? w + (size_t)MM_ROWS * cols : w;
         if (n == 1) {
-            block_f32(out + i, (size_t)rows, w, n_rows, x, 1, cols, 1);
+            block_f32(out + i, (size_t)rows, w, n_rows, next, x, 1, cols, 1);
             continue;
         }
         for (int b = 0; b < n; b += MM_INPUTS)
-            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, n_rows, x + (size_t)b * cols, n - b, cols, MM_INPUTS);
+            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, n_rows, next, x + (size_t)b * cols, n - b, cols, MM_INPUTS);
     }
 }
 
+/* The same with int8 weights and quantised inputs. */
 static void matmul_q8_simd(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols, groups = cols / W->group_size;
     const int n_blocks = (rows + MM_ROWS - 1) / MM_ROWS;
     PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
     for (int blk = 0; blk < n_blocks; blk++) {
         int i = blk * MM_ROWS, n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
+        const int8_t *next = W->q + (size_t)(blk + 1 < n_blocks ? i + MM_ROWS : i) * cols;
         if (n == 1) {
-            block_q8(out + i, (size_t)rows, W, i, n_rows, xq, xs, 1, 1);
+            block_q8(out + i, (size_t)rows, W, i, n_rows, next, xq, xs, 1, 1);
             continue;
         }
         for (int b = 0; b < n; b += QMM_INPUTS)
-            block_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, xq + (size_t)b * cols, xs + (size_t)b * groups,
-                     n - b, QMM_INPUTS);
+            block_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, next, xq + (size_t)b * cols,
+                     xs + (size_t)b * groups, n - b, QMM_INPUTS);
     }
 }
 #endif
@@ -713,9 +709,10 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
     quantize_groups(xq, xs, x, count, W->group_size);
 #ifdef SIMD_WIDTH
     if (W->group_size % (2 * SIMD_WIDTH) == 0) matmul_q8_simd(out, xq, xs, W, n);
-    else
+    else matmul_q8_plain(out, xq, xs, W, n);
+#else
+    matmul_q8_plain(out, xq, xs, W, n);
 #endif
-        matmul_q8_plain(out, xq, xs, W, n);
     free(xq);
     free(xs);
 }
@@ -723,19 +720,21 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
 /* Rotary position embedding on adjacent pairs: for the pair (v[2i], v[2i+1])
    at offset d = 2i mod head_size inside its head, rotate by the angle
    pos / 10000^(d / head_size). q (dim values) is rotated in all heads and k
-   (kv_dim values) in the key heads. */
+   (kv_dim values) in the key heads; each angle's cosine and sine are
+   computed once for all the heads. */
 static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size) {
-    for (int i = 0; i < dim; i += 2) {
-        int head_dim = i % head_size;
+    for (int head_dim = 0; head_dim < head_size; head_dim += 2) {
         float freq = 1.0f / powf(10000.0f, head_dim / (float)head_size);
         float val = pos * freq;
         float fcr = cosf(val), fci = sinf(val);
-        int n_vectors = i < kv_dim ? 2 : 1;
-        for (int v = 0; v < n_vectors; v++) {
-            float *vec = v == 0 ? q : k;
-            float v0 = vec[i], v1 = vec[i + 1];
-            vec[i] = v0 * fcr - v1 * fci;
-            vec[i + 1] = v0 * fci + v1 * fcr;
+        for (int i = head_dim; i < dim; i += head_size) {
+            int n_vectors = i < kv_dim ? 2 : 1;
+            for (int v = 0; v < n_vectors; v++) {
+                float *vec = v == 0 ? q : k;
+                float v0 = vec[i], v1 = vec[i + 1];
+                vec[i] = v0 * fcr - v1 * fci;
+                vec[i + 1] = v0 * fci + v1 * fcr;
+            }
         }
     }
 }
@@ -763,42 +762,74 @@ static size_t cache_offset(const Config *p, const RunState *s, int layer, int sl
     return (((size_t)layer * s->n_slots + slot) * p->seq_len + pos) * kv_dim;
 }
 
+/* Where in the caches row r of the batch reads position tp: its own slot, or
+   the slot the history names (see Batch). */
+static size_t attended_offset(const Transformer *t, const Batch *b, int layer, int r, int tp) {
+    const Config *p = &t->config;
+    int slot = (b->history && tp < b->pos[r]) ? b->history[(size_t)r * p->seq_len + tp] : b->slot[r];
+    return cache_offset(p, &t->state, layer, slot, tp);
+}
+
+/* Positions ahead whose keys or values attention prefetches: it reads the
+   cache at a stride of kv_dim floats, which hardware prefetchers follow
+   poorly. */
+#define ATTENTION_PREFETCH 16
+
 /* Multi-head attention of every row, reading keys and values from the cache:
    for each head h, with key head h / (n_heads / n_kv_heads),
-     att[t] = softmax_t(q_h . k_t / sqrt(head_size)),  xb_h = sum_t att[t] v_t. */
+     att[t] = softmax_t(q_h . k_t / sqrt(head_size)),  xb_h = sum_t att[t] v_t.
+   Work items are a row and a range of consecutive heads, as many ranges as
+   threads: the heads of a range read one stretch of each cached position,
+   and each thread takes one range of every row (in a prompt block, later
+   rows attend to more positions). */
 static void attention(Transformer *t, const Batch *b, int layer) {
     const Config *p = &t->config;
     RunState *s = &t->state;
-    int head_size = p->dim / p->n_heads;
-    int kv_mul = p->n_heads / p->n_kv_heads;
-    int n_items = b->n_rows * p->n_heads;
+    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, n_rows = b->n_rows;
+    const int threads = max_threads() < p->n_heads ? max_threads() : p->n_heads;
+    const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
     double work = 0; /* multiply-adds */
-    for (int r = 0; r < b->n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
-    /* item by item, head-major: in a prompt block, later rows attend to more
-       positions, and each thread takes whole heads with all of the rows */
+    for (int r = 0; r < n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
     PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
-    for (int item = 0; item < n_items; item++) {
-        int h = item / b->n_rows, r = item % b->n_rows;
-        int pos = b->pos[r];
-        const float *q = s->q + (size_t)r * p->dim + h * head_size;
-        float *att = s->att + ((size_t)r * p->n_heads + h) * p->seq_len;
-        size_t head_offset = (size_t)(h / kv_mul) * head_size;
-        for (int tp = 0; tp <= pos; tp++) {
-            int slot = (b->history && tp < pos) ? b->history[(size_t)r * p->seq_len + tp] : b->slot[r];
-            const float *k = s->key_cache + cache_offset(p, s, layer, slot, tp) + head_offset;
-            float score = 0.0f;
-            for (int i = 0; i < head_size; i++) score += q[i] * k[i];
-            score /= sqrtf(head_size);
-            att[tp] = score;
+    for (int item = 0; item < n_ranges * n_rows; item++) {
+        const int r = item % n_rows, pos = b->pos[r];
+        const int h0 = item / n_rows * range, h1 = h0 + range < p->n_heads ? h0 + range : p->n_heads;
+        /* the part of a cached position that heads h0..h1-1 read */
+        const size_t kv0 = (size_t)(h0 / kv_mul) * head_size;
+        const size_t kv_bytes = ((size_t)((h1 - 1) / kv_mul + 1) * head_size - kv0) * sizeof(float);
+        float *att = s->att + (size_t)r * p->n_heads * p->seq_len; /* (n_heads, seq_len) */
+        /* the first positions now, later ones ATTENTION_PREFETCH ahead */
+        for (int tp = 0; tp < ATTENTION_PREFETCH && tp <= pos; tp++) {
+            prefetch(s->key_cache + attended_offset(t, b, layer, r, tp) + kv0, kv_bytes);
+            prefetch(s->value_cache + attended_offset(t, b, layer, r, tp) + kv0, kv_bytes);
         }
-        softmax(att, pos + 1);
-        float *xb = s->xb + (size_t)r * p->dim + h * head_size;
-        memset(xb, 0, head_size * sizeof(float));
         for (int tp = 0; tp <= pos; tp++) {
-            int slot = (b->history && tp < pos) ? b->history[(size_t)r * p->seq_len + tp] : b->slot[r];
-            const float *v = s->value_cache + cache_offset(p, s, layer, slot, tp) + head_offset;
-            float a = att[tp];
-            for (int i = 0; i < head_size; i++) xb[i] += a * v[i];
+            if (tp + ATTENTION_PREFETCH <= pos)
+                prefetch(s->key_cache + attended_offset(t, b, layer, r, tp + ATTENTION_PREFETCH) + kv0, kv_bytes);
+            const float *keys = s->key_cache + attended_offset(t, b, layer, r, tp);
+            for (int h = h0; h < h1; h++) {
+                const float *q = s->q + (size_t)r * p->dim + h * head_size;
+                const float *k = keys + (size_t)(h / kv_mul) * head_size;
+                float score = 0.0f;
+                for (int i = 0; i < head_size; i++) score += q[i] * k[i];
+                score /= sqrtf(head_size);
+                att[(size_t)h * p->seq_len + tp] = score;
+            }
+        }
+        for (int h = h0; h < h1; h++) {
+            softmax(att + (size_t)h * p->seq_len, pos + 1);
+            memset(s->xb + (size_t)r * p->dim + h * head_size, 0, head_size * sizeof(float));
+        }
+        for (int tp = 0; tp <= pos; tp++) {
+            if (tp + ATTENTION_PREFETCH <= pos)
+                prefetch(s->value_cache + attended_offset(t, b, layer, r, tp + ATTENTION_PREFETCH) + kv0, kv_bytes);
+            const float *values = s->value_cache + attended_offset(t, b, layer, r, tp);
+            for (int h = h0; h < h1; h++) {
+                float *xb = s->xb + (size_t)r * p->dim + h * head_size;
+                const float *v = values + (size_t)(h / kv_mul) * head_size;
+                float a = att[(size_t)h * p->seq_len + tp];
+                for (int i = 0; i < head_size; i++) xb[i] += a * v[i];
+            }
         }
     }
 }
@@ -838,6 +869,9 @@ static float *forward(Transformer *t, const Batch *b) {
             rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim);
         matmul(s->hb, s->xb, &w->w1[l], n);
         matmul(s->hb2, s->xb, &w->w3[l], n);
+        /* split between threads for a prompt block: an exponential costs
+           about as much as 20 multiply-adds */
+        PARALLEL_FOR_IF(20.0 * n * hidden >= PARALLEL_MIN_WORK)
         for (size_t i = 0; i < (size_t)n * hidden; i++) {
             float val = s->hb[i];
             val *= (1.0f / (1.0f + expf(-val)));
