@@ -392,6 +392,12 @@ def suite_random():
         for mode, T, P, S, N, prompt in (('greedy', '0', '0.9', 1, 40, 'Once upon a time'),
                                           ('topp', '1.0', '0.9', 42, 40, UTF8_PROMPT)):
             def v2case(path=path, T=T, P=P, S=S, N=N, prompt=prompt):
+                # -Ofast may regroup the int8 products (ival*ws)*xs as
+                # ival*(ws*xs); quantising the activations amplifies that
+                # rounding until a top-p draw flips, so sampled int8 output is
+                # compared byte for byte only for the exact build, ./run
+                if T != '0' and os.path.basename(RUN) != 'run':
+                    raise Skip('sampled int8 output is compared only for the exact build ./run')
                 ref.Model.q8_activations = V2_Q8_ACTIVATIONS
                 try:
                     compare(path, own_tok, T, P, S, N, prompt)
