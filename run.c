@@ -144,6 +144,7 @@ typedef struct {
 typedef struct {
     int max_rows;
     int n_slots;
+    int context;    /* positions the cache holds: the -n steps, at most seq_len */
     float *x;       /* (max_rows, dim) residual stream */
     float *xb;      /* (max_rows, dim) normalised input / attention output */
     float *xb2;     /* (max_rows, dim) projection output */
@@ -152,10 +153,10 @@ typedef struct {
     float *q;       /* (max_rows, dim) queries */
     float *k;       /* (max_rows, kv_dim) keys of the rows, before caching */
     float *v;       /* (max_rows, kv_dim) values of the rows, before caching */
-    float *att;     /* (max_rows, n_heads, seq_len) attention weights */
+    float *att;     /* (max_rows, n_heads, context) attention weights */
     float *logits;  /* (max_rows, vocab_size) */
-    float *key_cache;   /* (n_layers, n_slots, seq_len, kv_dim) */
-    float *value_cache; /* (n_layers, n_slots, seq_len, kv_dim) */
+    float *key_cache;   /* (n_layers, n_slots, context, kv_dim) */
+    float *value_cache; /* (n_layers, n_slots, context, kv_dim) */
 } RunState;
 
 typedef struct {
@@ -349,17 +350,19 @@ static void load_checkpoint(Transformer *t, const char *path) {
 }
 
 /* Allocates activations for `max_rows` rows at once and a cache with
-   `n_slots` slots. */
-static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_slots) {
+   `n_slots` slots of `context` positions (no more than the run will use, so
+   that a long seq_len costs nothing when -n is small). */
+static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_slots, int context) {
     int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
     size_t rows = (size_t)max_rows;
     /* the cache has four factors: check its size in floating point first */
-    double cache_bytes = 2.0 * sizeof(float) * p->n_layers * (double)n_slots * p->seq_len * kv_dim;
+    double cache_bytes = 2.0 * sizeof(float) * p->n_layers * (double)n_slots * context * kv_dim;
     if (cache_bytes > (double)(SIZE_MAX / 4))
         die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", cache_bytes);
-    size_t cache = (size_t)p->n_layers * (size_t)n_slots * (size_t)p->seq_len * (size_t)kv_dim;
+    size_t cache = (size_t)p->n_layers * (size_t)n_slots * (size_t)context * (size_t)kv_dim;
     s->max_rows = max_rows;
     s->n_slots = n_slots;
+    s->context = context;
     s->x = xcalloc(rows * p->dim, sizeof(float));
     s->xb = xcalloc(rows * p->dim, sizeof(float));
     s->xb2 = xcalloc(rows * p->dim, sizeof(float));
@@ -368,7 +371,7 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_sl
     s->q = xcalloc(rows * p->dim, sizeof(float));
     s->k = xcalloc(rows * kv_dim, sizeof(float));
     s->v = xcalloc(rows * kv_dim, sizeof(float));
-    s->att = xcalloc(rows * (size_t)p->n_heads * (size_t)p->seq_len, sizeof(float));
+    s->att = xcalloc(rows * (size_t)p->n_heads * (size_t)context, sizeof(float));
     s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
     s->key_cache = xcalloc(cache, sizeof(float));
     s->value_cache = xcalloc(cache, sizeof(float));
@@ -746,7 +749,7 @@ static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size
 /* A batch of rows to push through the transformer together. Row r is token
    token[r] at position pos[r]; its key and value are written to cache slot
    slot[r]. Its attention reads positions 0..pos[r]: position pos[r] from its
-   own slot, and each earlier position t from slot history[r * seq_len + t],
+   own slot, and each earlier position t from slot history[r * context + t],
    or from its own slot when history is NULL (a single sequence). */
 typedef struct {
     int n_rows;
@@ -759,14 +762,14 @@ typedef struct {
 
 static size_t cache_offset(const Config *p, const RunState *s, int layer, int slot, int pos) {
     size_t kv_dim = (size_t)(p->dim / p->n_heads * p->n_kv_heads);
-    return (((size_t)layer * s->n_slots + slot) * p->seq_len + pos) * kv_dim;
+    return (((size_t)layer * s->n_slots + slot) * s->context + pos) * kv_dim;
 }
 
 /* Where in the caches row r of the batch reads position tp: its own slot, or
    the slot the history names (see Batch). */
 static size_t attended_offset(const Transformer *t, const Batch *b, int layer, int r, int tp) {
     const Config *p = &t->config;
-    int slot = (b->history && tp < b->pos[r]) ? b->history[(size_t)r * p->seq_len + tp] : b->slot[r];
+    int slot = (b->history && tp < b->pos[r]) ? b->history[(size_t)r * t->state.context + tp] : b->slot[r];
     return cache_offset(p, &t->state, layer, slot, tp);
 }
 
@@ -797,7 +800,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
         /* the part of a cached position that heads h0..h1-1 read */
         const size_t kv0 = (size_t)(h0 / kv_mul) * head_size;
         const size_t kv_bytes = ((size_t)((h1 - 1) / kv_mul + 1) * head_size - kv0) * sizeof(float);
-        float *att = s->att + (size_t)r * p->n_heads * p->seq_len; /* (n_heads, seq_len) */
+        float *att = s->att + (size_t)r * p->n_heads * s->context; /* (n_heads, context) */
         /* the first positions now, later ones ATTENTION_PREFETCH ahead */
         for (int tp = 0; tp < ATTENTION_PREFETCH && tp <= pos; tp++) {
             prefetch(s->key_cache + attended_offset(t, b, layer, r, tp) + kv0, kv_bytes);
@@ -813,11 +816,11 @@ static void attention(Transformer *t, const Batch *b, int layer) {
                 float score = 0.0f;
                 for (int i = 0; i < head_size; i++) score += q[i] * k[i];
                 score /= sqrtf(head_size);
-                att[(size_t)h * p->seq_len + tp] = score;
+                att[(size_t)h * s->context + tp] = score;
             }
         }
         for (int h = h0; h < h1; h++) {
-            softmax(att + (size_t)h * p->seq_len, pos + 1);
+            softmax(att + (size_t)h * s->context, pos + 1);
             memset(s->xb + (size_t)r * p->dim + h * head_size, 0, head_size * sizeof(float));
         }
         for (int tp = 0; tp <= pos; tp++) {
@@ -827,7 +830,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
             for (int h = h0; h < h1; h++) {
                 float *xb = s->xb + (size_t)r * p->dim + h * head_size;
                 const float *v = values + (size_t)(h / kv_mul) * head_size;
-                float a = att[(size_t)h * p->seq_len + tp];
+                float a = att[(size_t)h * s->context + tp];
                 for (int i = 0; i < head_size; i++) xb[i] += a * v[i];
             }
         }
@@ -1560,7 +1563,7 @@ static void sort_best_first(Hypothesis *hyps, int n) {
    values, computed once in slot 0, are shared by every beam. */
 static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, int n_feed, int start, int max_new,
                        Hypothesis *out, Stats *stats) {
-    const int B = bs->beams, vocab = t->config.vocab_size, seq_len = t->config.seq_len, K = 3 * B;
+    const int B = bs->beams, vocab = t->config.vocab_size, context = t->state.context, K = 3 * B;
     const int first_pos = start + n_feed; /* position of the first generated token */
     double t0 = now_seconds();
     float *logits = forward_sequence(t, feed, n_feed, start, 0);
@@ -1571,7 +1574,7 @@ static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, 
     float *beam_scores = xcalloc((size_t)B, sizeof(float));
     float *logprob_rows = xcalloc((size_t)B * vocab, sizeof(float)); /* (B, vocab) */
     float **logprobs = xcalloc((size_t)B, sizeof(float *));
-    int *history = xcalloc((size_t)B * seq_len, sizeof(int)), *next_history = xcalloc((size_t)B * seq_len, sizeof(int));
+    int *history = xcalloc((size_t)B * context, sizeof(int)), *next_history = xcalloc((size_t)B * context, sizeof(int));
     int *tokens = xcalloc((size_t)B * max_new, sizeof(int)), *next_tokens = xcalloc((size_t)B * max_new, sizeof(int));
     int *parent = xcalloc((size_t)B, sizeof(int)), *row_token = xcalloc((size_t)B, sizeof(int));
     int *row_pos = xcalloc((size_t)B, sizeof(int)), *row_slot = xcalloc((size_t)B, sizeof(int));
@@ -1592,7 +1595,7 @@ static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, 
             Candidate c = cand[rank];
             if (is_end_token(c.token)) {
                 if (rank >= B) continue;
-                const int *slots = history + (size_t)c.beam * seq_len + first_pos;
+                const int *slots = history + (size_t)c.beam * context + first_pos;
                 Hypothesis h = make_hypothesis(tokens + (size_t)c.beam * max_new, step, slots, step, end_reason(c.token));
                 pool_add(&pool, bs, h, c.score, step + 1);
             } else {
@@ -1606,7 +1609,7 @@ static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, 
         for (int j = 0; j < B; j++) {
             memcpy(next_tokens + (size_t)j * max_new, tokens + (size_t)parent[j] * max_new, (size_t)step * sizeof(int));
             next_tokens[(size_t)j * max_new + step] = row_token[j];
-            memcpy(next_history + (size_t)j * seq_len, history + (size_t)parent[j] * seq_len, (size_t)(first_pos + step) * sizeof(int));
+            memcpy(next_history + (size_t)j * context, history + (size_t)parent[j] * context, (size_t)(first_pos + step) * sizeof(int));
             beam_scores[j] = next_scores[j];
         }
         int *swap = tokens; tokens = next_tokens; next_tokens = swap;
@@ -1615,7 +1618,7 @@ static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, 
         if (done) break;
         if (generated == max_new) { /* the length limit: running beams join the pool */
             for (int j = 0; j < B; j++) {
-                const int *slots = history + (size_t)j * seq_len + first_pos;
+                const int *slots = history + (size_t)j * context + first_pos;
                 pool_add(&pool, bs, make_hypothesis(tokens + (size_t)j * max_new, generated, slots, step, "length"), beam_scores[j], generated);
             }
             break;
@@ -1628,7 +1631,7 @@ static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, 
         Batch batch = {B, row_token, row_pos, row_slot, history, B};
         logits = forward(t, &batch);
         for (int j = 0; j < B; j++) {
-            history[(size_t)j * seq_len + first_pos + step] = j;
+            history[(size_t)j * context + first_pos + step] = j;
             logprobs[j] = logprob_rows + (size_t)j * vocab;
             log_softmax(logprobs[j], logits + (size_t)j * vocab, vocab);
         }
@@ -1978,7 +1981,7 @@ int main(int argc, char **argv) {
     Tokenizer tok;
     load_tokenizer(&tok, o.tokenizer, p->vocab_size);
     int n_slots = o.beams > 1 ? o.beams : 1;
-    alloc_run_state(&t.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots);
+    alloc_run_state(&t.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots, steps);
     Sampler sampler;
     init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : (uint64_t)time(NULL));
     /* one beam is greedy search, as in the library: it stops at the first end

@@ -969,7 +969,7 @@ static void test_forward(void) {
            "config %d %d %d %d %d %d %d v%d", p->dim, p->hidden_dim, p->n_layers, p->n_heads, p->n_kv_heads, p->vocab_size, p->seq_len, t.version);
     end();
 
-    alloc_run_state(&t.state, p, 64, 1);
+    alloc_run_state(&t.state, p, 64, 1, p->seq_len);
     const int V = p->vocab_size;
 
     /* a prompt of 70 tokens: BOS + text, padded with repeats */
@@ -1095,7 +1095,7 @@ static void write_checkpoint(const char *path, int ak42, int32_t version, const 
 static void child_load_checkpoint(const void *arg) {
     Transformer t;
     load_checkpoint(&t, (const char *)arg);
-    alloc_run_state(&t.state, &t.config, 4, 1);
+    alloc_run_state(&t.state, &t.config, 4, 1, t.config.seq_len);
     int tokens[2] = {1, 0};
     float *l = forward_sequence(&t, tokens, t.config.seq_len < 2 ? 1 : 2, 0, 0);
     for (int i = 0; i < t.config.vocab_size; i++)

@@ -26,7 +26,7 @@ static int load_and_run(const char *path, size_t size) {
         /* every weight value is at least 1 byte of the file */
         CHECK((uint64_t)p->vocab_size * (uint64_t)p->dim <= (uint64_t)size, "the embedding cannot fit in %zu bytes", size);
         t.config.seq_len = 4; /* only the state's size depends on it now */
-        alloc_run_state(&t.state, &t.config, 2, 1);
+        alloc_run_state(&t.state, &t.config, 2, 1, t.config.seq_len);
         int tokens[2] = {0, t.config.vocab_size - 1};
         forward_sequence(&t, tokens, 2, 0, 0);
         forward_token(&t, t.config.vocab_size / 2, 2);

@@ -99,7 +99,7 @@ static int run_input(const uint8_t *data, size_t size) {
         int steps = (o.steps == 0 || o.steps > p->seq_len) ? p->seq_len : o.steps;
         if (o.beams <= MAX_BEAMS) {
             int n_slots = o.beams > 1 ? o.beams : 1;
-            alloc_run_state(&model.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots);
+            alloc_run_state(&model.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots, steps);
             init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : 1);
             EarlyStopping early = o.beams == 1 ? STOP_EARLY : o.early_stopping;
             Decoding d = {&sampler, {o.beams, o.length_penalty, early}, o.n_return, o.format};
