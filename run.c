@@ -1493,7 +1493,8 @@ typedef struct {
    samples up to max_new tokens, each fed back at the next position; stops
    after BOS, or EOS when `stop_at_eos` (the end token is not included). With
    `stream`, pieces are printed as they come. Returns the generated tokens;
-   score is the sum of their log-probs. */
+   without `stream` (JSON output, the only one that prints it), score is the
+   sum of their log-probs. */
 static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Sampler *sampler, const int *feed, int n_feed,
                                       int start, int max_new, int stop_at_eos, int stream, Stats *stats) {
     const int vocab = t->config.vocab_size;
@@ -1503,13 +1504,15 @@ static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Samp
     double t1 = now_seconds();
     stats->prompt_seconds += t1 - t0;
     stats->prompt_tokens += n_feed;
-    /* the sampler overwrites the logits; the score needs them as they were */
-    float *raw = xcalloc((size_t)vocab, sizeof(float));
+    /* the sampler overwrites the logits; the score needs them as they were.
+       Text output never prints the score, so it skips this pass over the
+       vocabulary per token. */
+    float *raw = stream ? NULL : xcalloc((size_t)vocab, sizeof(float));
     int token = feed[n_feed - 1], pos = start + n_feed;
     for (;;) {
-        memcpy(raw, logits, (size_t)vocab * sizeof(float));
+        if (raw) memcpy(raw, logits, (size_t)vocab * sizeof(float));
         int next = sample(sampler, logits);
-        h.score += log_prob(raw, vocab, next);
+        if (raw) h.score += log_prob(raw, vocab, next);
         if (next == TOKEN_BOS || (stop_at_eos && next == TOKEN_EOS)) { h.stop = end_reason(next); break; }
         h.tokens[h.n_tokens++] = next;
         if (stream) {
@@ -1673,24 +1676,26 @@ static int continue_sequence(Transformer *t, const Tokenizer *tok, const Decodin
     return beam_search(t, &d->beam, feed, n_feed, start, max_new, out, stats);
 }
 
-/* Prints the returned hypotheses: in text mode the best one after the prompt
-   (or, with several, each in a block with its rank and score); in JSON one
-   line each. The sampled text mode has already streamed its output. */
-static void print_results(const Tokenizer *tok, const Decoding *d, const Hypothesis *hyps, int n_hyps, int last_prompt_token,
+/* Prints the best n_show hypotheses: in text mode after the prompt (or, with
+   several, each in a block with its rank and score); in JSON one line each.
+   Sampled text has already been streamed (`streamed`): only its end of line
+   is left to print. */
+static void print_results(const Tokenizer *tok, OutputFormat format, const Hypothesis *hyps, int n_show, int last_prompt_token,
                           const char *prompt_text, int streamed) {
-    int n = n_hyps < d->n_return ? n_hyps : d->n_return;
-    if (d->format == FORMAT_JSON) {
-        for (int i = 0; i < n; i++) print_json_hypothesis(tok, i + 1, &hyps[i], last_prompt_token);
+    if (format == FORMAT_JSON) {
+        for (int i = 0; i < n_show; i++) print_json_hypothesis(tok, i + 1, &hyps[i], last_prompt_token);
         return;
     }
-    for (int i = 0; i < n; i++) {
-        char *text = decode_text(tok, last_prompt_token, hyps[i].tokens, hyps[i].n_tokens);
-        if (n > 1) printf("%s[rank %d] score %.6f, stop %s\n%s", i ? "\n" : "", i + 1, hyps[i].score, hyps[i].stop, prompt_text);
-        if (!streamed) fputs(text, stdout);
-        if (n > 1) printf("\n");
-        free(text);
+    for (int i = 0; i < n_show; i++) {
+        if (n_show > 1) printf("%s[rank %d] score %.6f, stop %s\n%s", i ? "\n" : "", i + 1, hyps[i].score, hyps[i].stop, prompt_text);
+        if (!streamed) {
+            char *text = decode_text(tok, last_prompt_token, hyps[i].tokens, hyps[i].n_tokens);
+            fputs(text, stdout);
+            free(text);
+        }
+        if (n_show > 1) printf("\n");
     }
-    if (n <= 1) printf("\n");
+    if (n_show <= 1) printf("\n");
 }
 
 /* Generates from a prompt, as llama2.c does: the prompt's tokens are forced
@@ -1720,7 +1725,7 @@ static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, co
         n_hyps = continue_sequence(t, tok, d, prompt_tokens, n_prompt, 0, steps - n_prompt + 1, 0, stream, hyps, &stats);
     else
         hyps[n_hyps++] = make_hypothesis(NULL, 0, NULL, 0, "length");
-    print_results(tok, d, hyps, n_hyps, prompt_tokens[n_prompt - 1], prompt_text, stream);
+    print_results(tok, d->format, hyps, n_hyps < d->n_return ? n_hyps : d->n_return, prompt_tokens[n_prompt - 1], prompt_text, stream);
     flush_output();
     print_stats(&stats);
     for (int i = 0; i < n_hyps; i++) free_hypothesis(&hyps[i]);
@@ -1803,16 +1808,7 @@ static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const 
         int n_hyps = continue_sequence(t, tok, d, feed, n_feed, pos, steps - first_pos + 1, 1, stream, hyps, &stats);
         Hypothesis *reply = &hyps[0];
         if (d->beam.beams > 0) adopt_hypothesis_cache(t, reply, first_pos);
-        if (text_mode) {
-            if (!stream) {
-                char *text = decode_text(tok, prompt[n_prompt - 1], reply->tokens, reply->n_tokens);
-                fputs(text, stdout);
-                free(text);
-            }
-            printf("\n");
-        } else {
-            print_json_hypothesis(tok, 1, reply, prompt[n_prompt - 1]);
-        }
+        print_results(tok, d->format, reply, 1, prompt[n_prompt - 1], "", stream);
         flush_output();
         int context_full = strcmp(reply->stop, "length") == 0;
         pending_end = context_full ? -1 : (strcmp(reply->stop, "bos") == 0 ? TOKEN_BOS : TOKEN_EOS);
