@@ -15,8 +15,8 @@ import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import beam_vet  # noqa: E402
 import ref_beam  # noqa: E402
-import ref_llama  # noqa: E402
 import test_beam  # noqa: E402
 
 MUTANTS = {
@@ -85,19 +85,7 @@ def main():
     mdir = sys.argv[1] if len(sys.argv) > 1 else test_beam.MODELS_DIR
     names = sys.argv[2:] or list(MUTANTS)
     src = open(os.path.join(HERE, 'ref_beam.py')).read()
-    import beam_synth
-    sdir = os.path.join(os.environ.get('TEST_TMP', '/tmp'), 'beam_synth')
-    smodel, stok = beam_synth.write_synth(sdir)
-    models = {}
-    for label, mp, tp in (('stories', os.path.join(mdir, 'stories260K.bin'),
-                           os.path.join(mdir, 'tok512.bin')), ('synth', smodel, stok)):
-        mm = ref_llama.Model.load(mp)
-        models[label] = (mm, ref_llama.Tokenizer.load(tp, mm.config.vocab_size))
-    cases = [('stories',) + c for c in test_beam.CASES] + [
-        ('stories', 'b1_json_is_greedy', 'Once upon a time', 100, 1, '1', '0', 1),
-        ('stories', 'b1_json_is_greedy_even_with_never', 'Lily', 0, 1, '2', 'never', 1),
-    ] + [('synth', 'synth_' + c[0]) + tuple(c[1:]) for c in test_beam.SYNTH_CASES] + [
-        ('synth', 'synth_b1_json_is_greedy_eos', 'a dog ran', 0, 1, '1', '0', 1)]
+    models, cases = beam_vet.models_and_cases(mdir)
     base = {}
     for (label, name, prompt, n, B, lp, e, r) in cases:
         m, tok = models[label]

@@ -25,9 +25,10 @@ import test_beam  # noqa: E402
 clock = time.process_time
 
 
-def main():
-    mdir = sys.argv[1] if len(sys.argv) > 1 else test_beam.MODELS_DIR
-    filt = sys.argv[2] if len(sys.argv) > 2 else ''
+def models_and_cases(mdir):
+    """The two models of tests/test_beam.py (stories260K from mdir and the
+    synthetic EOS model, written to $TEST_TMP or /tmp) and every case of the
+    suite as (model label, name, prompt, n, B, lp, e, r)."""
     import beam_synth
     sdir = os.path.join(os.environ.get('TEST_TMP', '/tmp'), 'beam_synth')
     smodel, stok = beam_synth.write_synth(sdir)
@@ -37,10 +38,17 @@ def main():
         mm = ref_llama.Model.load(mp)
         models[label] = (mm, ref_llama.Tokenizer.load(tp, mm.config.vocab_size))
     cases = [('stories',) + c for c in test_beam.CASES] + [
-        ('stories', 'b1_greedy', 'Once upon a time', 100, 1, '1', '0', 1),
-        ('stories', 'b1_greedy_never', 'Lily', 0, 1, '2', 'never', 1),
+        ('stories', 'b1_json_is_greedy', 'Once upon a time', 100, 1, '1', '0', 1),
+        ('stories', 'b1_json_is_greedy_even_with_never', 'Lily', 0, 1, '2', 'never', 1),
     ] + [('synth', 'synth_' + c[0]) + tuple(c[1:]) for c in test_beam.SYNTH_CASES] + [
-        ('synth', 'synth_b1_greedy_eos', 'a dog ran', 0, 1, '1', '0', 1)]
+        ('synth', 'synth_b1_json_is_greedy_eos', 'a dog ran', 0, 1, '1', '0', 1)]
+    return models, cases
+
+
+def main():
+    mdir = sys.argv[1] if len(sys.argv) > 1 else test_beam.MODELS_DIR
+    filt = sys.argv[2] if len(sys.argv) > 2 else ''
+    models, cases = models_and_cases(mdir)
     total = 0.0
     bad = 0
     for (label, name, prompt, n, B, lp, e, r) in cases:

@@ -38,7 +38,6 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -94,31 +93,7 @@ SYNTH_CASES = [
     ('b3_lpneg_never', 'a dog ran', 0, 3, '-0.5', 'never', 3),
 ]
 
-COUNTS = {'PASS': 0, 'FAIL': 0, 'SKIP': 0}
-
-
-def verdict(kind, name, reason=None):
-    COUNTS[kind] += 1
-    line = '%s %s' % (kind, name) if reason is None else '%s %s: %s' % (kind, name, reason)
-    print(line.replace('\n', '\\n'), flush=True)
-
-
-class Skip(Exception):
-    pass
-
-
-def case(name, fn):
-    try:
-        fn()
-        verdict('PASS', name)
-    except Skip as e:
-        verdict('SKIP', name, str(e))
-    except AssertionError as e:
-        verdict('FAIL', name, str(e))
-    except Exception as e:
-        tb = traceback.format_exc().strip().splitlines()
-        where = tb[-3].strip() if len(tb) >= 3 else ''
-        verdict('FAIL', name, 'exception %s: %s (%s)' % (type(e).__name__, e, where))
+from verdicts import Skip, case  # noqa: E402
 
 
 # ----------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import time
-import traceback
 
 try:
     import numpy as np
@@ -55,31 +54,7 @@ STOP_ON_EOS = False
 LONG_PROMPT = False
 V2_Q8_ACTIVATIONS = True
 
-COUNTS = {'PASS': 0, 'FAIL': 0, 'SKIP': 0}
-
-
-def verdict(kind, name, reason=None):
-    COUNTS[kind] += 1
-    line = '%s %s' % (kind, name) if reason is None else '%s %s: %s' % (kind, name, reason)
-    # keep verdicts single-line
-    print(line.replace('\n', '\\n'), flush=True)
-
-
-class Skip(Exception):
-    pass
-
-
-def case(name, fn):
-    try:
-        fn()
-        verdict('PASS', name)
-    except Skip as e:
-        verdict('SKIP', name, str(e))
-    except AssertionError as e:
-        verdict('FAIL', name, str(e))
-    except Exception as e:  # any crash becomes a FAIL with a verdict
-        tb = traceback.format_exc().strip().splitlines()
-        verdict('FAIL', name, 'exception %s: %s (%s)' % (type(e).__name__, e, tb[-3].strip() if len(tb) >= 3 else ''))
+from verdicts import COUNTS, Skip, case, verdict  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
