@@ -1,6 +1,15 @@
 # Builds ./run (and faster variants), runs the tests and the benchmark.
-CC ?= gcc
+# gcc unless CC is given (on the command line or in the environment): make's
+# built-in default, cc, does not count
+ifeq ($(origin CC),default)
+CC = gcc
+endif
 CFLAGS ?= -std=c11 -Wall -Wextra
+# added to every build's flags, e.g. EXTRA_CFLAGS=-march=armv8.2-a+dotprod
+EXTRA_CFLAGS ?=
+override CFLAGS += $(EXTRA_CFLAGS)
+# the Windows cross-compiler for `make run.exe`
+MINGW_CC ?= x86_64-w64-mingw32-gcc
 PYTHON ?= python3
 MODELS_DIR ?= ../shared/models
 TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
@@ -9,6 +18,25 @@ RUN ?= ./run
 BENCH_RUNS ?= 5
 
 .PHONY: all test bench clean
+
+# The first of $(PYTHON), python3 and /usr/bin/python3 that is a Python 3
+# and runs the statement $(1) (an import), or nothing.
+find_python = $(firstword $(foreach p,$(PYTHON) python3 /usr/bin/python3,$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 6); $(1)' >/dev/null 2>&1 && echo $(p))))
+
+# `make test` needs numpy (the reference implementations); `make
+# tokenizer.bin` only Python 3. Each stops at once when there is none.
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+TEST_PYTHON := $(call find_python,import numpy)
+ifeq ($(TEST_PYTHON),)
+$(error make test needs a Python 3 with numpy: apt-get install python3-numpy (or pip install numpy), or give one with PYTHON=/path/to/python3)
+endif
+endif
+ifneq ($(filter tokenizer.bin,$(MAKECMDGOALS)),)
+TOOL_PYTHON := $(call find_python,pass)
+ifeq ($(TOOL_PYTHON),)
+$(error make tokenizer.bin needs Python 3: apt-get install python3, or give one with PYTHON=/path/to/python3)
+endif
+endif
 
 all: run
 
@@ -21,6 +49,10 @@ run: run.c
 # `-t nan` or a model whose activations overflow
 FASTFLAGS = -Ofast -fno-finite-math-only
 
+# the fast builds ask for the vector kernels that need no -march (RUN_SIMD:
+# NEON on aarch64); `make run` never does
+FASTFLAGS += -DRUN_SIMD
+
 runfast: run.c
 	$(CC) $(CFLAGS) $(FASTFLAGS) -o $@ $< -lm
 
@@ -30,9 +62,23 @@ runfast: run.c
 runomp: run.c
 	$(CC) $(CFLAGS) $(FASTFLAGS) -march=native -mtune=generic -fopenmp -o $@ $< -lm
 
+# Windows (MinGW-w64), as `make run`: byte-identical output
+run.exe: run.c
+	$(MINGW_CC) $(CFLAGS) -O3 -o $@ $< -lm
+
 tests/.bin/unit: tests/unit.c run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -O2 -o $@ tests/unit.c -lm
+
+# the Llama 3 test driver: tokenizer, chat template and logits (tests/test_llama3.py)
+tests/.bin/llama3_dump: tests/llama3_dump.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/llama3_dump.c -lm
+
+# the same tests on the vector kernels and threads of ./runomp
+tests/.bin/unit_native: tests/unit.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(FASTFLAGS) -march=native -mtune=generic -fopenmp -o $@ tests/unit.c -lm
 
 # Sanitizer builds (tests/test_sanitize.sh): AddressSanitizer with its leak
 # checker, and UndefinedBehaviorSanitizer; every report is fatal
@@ -58,7 +104,7 @@ tests/.bin/run_g: run.c
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 5
 export FUZZ_SECONDS
-FUZZ_TARGETS = checkpoint tokenizer encode options generate
+FUZZ_TARGETS = checkpoint tokenizer encode options generate batch http
 FUZZ_BINS = $(FUZZ_TARGETS:%=tests/.bin/fuzz_%)
 FUZZ_FLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
 
@@ -82,8 +128,8 @@ clean: clean-fuzz
 clean-fuzz:
 	rm -rf tests/fuzz/.out
 
-test: $(RUN) tests/.bin/unit $(SANITIZE_BINS) fuzz-build
-	MODELS_DIR=$(MODELS_DIR) PYTHON=$(PYTHON) RUN=$(RUN) bash tests/run_tests.sh
+test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump $(SANITIZE_BINS) fuzz-build
+	MODELS_DIR=$(MODELS_DIR) PYTHON=$(TEST_PYTHON) RUN=$(RUN) bash tests/run_tests.sh
 
 # the streaming-read probe, then bench/bench.py with the fastest build; the
 # random checkpoints are written once into build/bench
@@ -91,11 +137,16 @@ build/bench/bandwidth: bench/bandwidth.c
 	@mkdir -p build/bench
 	$(CC) $(CFLAGS) -O3 -march=native -fopenmp -o $@ $<
 
-bench: runomp build/bench/bandwidth
+# the peak multiply-add rate and the matmul kernels' rate, built as ./runomp
+build/bench/peak: bench/peak.c run.c
+	@mkdir -p build/bench
+	$(CC) $(CFLAGS) $(FASTFLAGS) -march=native -mtune=generic -fopenmp -o $@ bench/peak.c -lm
+
+bench: runomp build/bench/bandwidth build/bench/peak
 	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/bench.py --runs $(BENCH_RUNS)
 
 tokenizer.bin: $(TOKENIZER_MODEL) export.py
-	$(PYTHON) export.py tokenizer $(TOKENIZER_MODEL) $@
+	$(TOOL_PYTHON) export.py tokenizer $(TOKENIZER_MODEL) $@
 
 clean:
-	rm -rf run runfast runomp tests/.bin tests/.tmp build
+	rm -rf run runfast runomp run.exe tests/.bin tests/.tmp build

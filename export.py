@@ -4,7 +4,11 @@
 Subcommands:
   tokenizer IN.model OUT.bin
       SentencePiece tokenizer.model -> llama2.c tokenizer.bin
-  model SRC OUT.bin [--version 0|1|2] [--group-size N] [--seq-len N]
+  tokenizer tokenizer.json OUT.bin
+      Hugging Face byte-level BPE (Llama 3) -> "tk42" tokenizer file; BOS, end
+      tokens and the chat template family from tokenizer_config.json (and
+      generation_config.json) beside it
+  model SRC OUT.bin [--version 0|1|2|3|4] [--encoding E] [--group-size N] [--seq-len N]
       SRC is a Hugging Face Llama directory (safetensors, sharded safetensors
       or pytorch_model*.bin), a llama2.c/nanoGPT-style .pt checkpoint, a Meta
       consolidated.*.pth directory with params.json, or an existing run.c
@@ -16,18 +20,35 @@ Subcommands:
 
 Output versions: 0 = legacy llama2.c float32 (the default, readable by every
 llama2.c-style runner), 1 = float32 "ak42" header, 2 = int8 "Q8_0" with
-per-group float32 scales. Only the standard library and numpy are needed;
-torch is imported only to read PyTorch pickles (.pt, .pth, pytorch_model.bin).
+per-group float32 scales, 3 = 4-bit values with per-group float32 scales.
+
+Version 3 layout: the version 2 header (group size at byte 37) and order
+(norms in float32, then each matrix's values followed by its scales, one
+float32 per group of group_size consecutive values of a row). Values q in
+-8..7, value = q * scale, are stored as q + 8 in 0..15, two per byte: byte k
+of a matrix holds value 2k in its low nibble and value 2k + 1 in its high
+nibble. The group size is even and divides dim and hidden_dim. Quantisation
+(as GGML's Q4_0): per group, m = the value of largest magnitude (its sign
+kept), scale = m / -8, q = round-half-to-even(x / scale) clamped to -8..7
+(so m itself becomes exactly -8 * scale); an all-zero group has scale 0, q 0.
+
+`tokenizer` and `info` need only Python's standard library; `model` and
+`random` also numpy; torch is imported only to read PyTorch pickles (.pt,
+.pth, pytorch_model.bin).
 """
 
 import argparse
 import json
+import math
 import os
 import struct
 import sys
 import tempfile
+import time
 
-import numpy as np
+# numpy, imported by need_numpy() for the commands that write checkpoints:
+# the tokenizer needs nothing but the standard library
+np = None
 
 MAGIC = 0x616B3432  # "ak42"
 HEADER_BYTES = 256
@@ -41,6 +62,18 @@ class ExportError(Exception):
 
 def fail(msg):
     raise ExportError(msg)
+
+
+def need_numpy(what):
+    """Import numpy for `what`, or fail with one line saying how to get it."""
+    global np
+    if np is None:
+        try:
+            import numpy
+        except ImportError:
+            fail("%s needs numpy (apt-get install python3-numpy / pip install numpy)" % what)
+        np = numpy
+    return np
 
 
 # ---------------------------------------------------------------------------
@@ -120,7 +153,196 @@ def read_sentencepiece(path):
     return pieces
 
 
+# ---------------------------------------------------------------------------
+# tokenizer: a Hugging Face tokenizer.json with a byte-level BPE model
+#
+# The "tk42" tokenizer file (all integers int32 little-endian):
+#   "tk42", format version 1
+#   vocab_size, n_merges, max_token_length, bos, end_of_turn, chat template
+#   (0 llama2, 1 llama3), pre-tokenizer (1: Llama 3 split), n_end, end[n_end]
+#   per token: flags (1 = special: never produced from plain text), length,
+#     the token's raw bytes (byte-level BPE's printable alphabet undone)
+#   per merge, by rank: left id, right id, merged id
+#   n_letter, (first, last) code point ranges of \p{L}; n_number, \p{N} ranges
+# llama2.c's tokenizer.bin starts with max_token_length, a small positive
+# int32; "tk42" read as an int32 is 842230644, far above any max_token_length
+# run.c accepts (2^20), so the two cannot be confused.
+
+TK42_MAGIC = b"tk42"
+TK42_VERSION = 1
+# the split pattern of Llama 3's pre-tokenizer, the only one run.c implements
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gpt2_byte_alphabet():
+    """GPT-2's map from the 256 bytes to printable characters, inverted:
+    character -> byte. Printable Latin-1 bytes stand for themselves; the
+    others take the characters from U+0100 on, in byte order."""
+    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(0x100 + extra)] = b
+            extra += 1
+    return chars
+
+
+def unicode_ranges(category_prefix):
+    """(first, last) ranges of the code points whose general category starts
+    with category_prefix ("L" letters, "N" numbers), from Python's tables."""
+    import unicodedata
+    ranges, start = [], None
+    for cp in range(0x110000 + 1):
+        inside = cp < 0x110000 and unicodedata.category(chr(cp)).startswith(category_prefix)
+        if inside and start is None:
+            start = cp
+        elif not inside and start is not None:
+            ranges.append((start, cp - 1))
+            start = None
+    return ranges
+
+
+def _read_json(path):
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        fail("%s: cannot read JSON: %s" % (path, e))
+
+
+def _split_pattern(pre):
+    """The Split regex of a pre_tokenizer (alone or in a Sequence), or None."""
+    items = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    for p in items:
+        if isinstance(p, dict) and p.get("type") == "Split":
+            pat = p.get("pattern") or {}
+            return pat.get("Regex") if isinstance(pat, dict) else None
+    return None
+
+
+def _token_text(value):
+    """A special token named in tokenizer_config.json: a string or an
+    AddedToken dict with "content"."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def cmd_tokenizer_json(args):
+    path = args.input
+    tj = _read_json(path)
+    model = tj.get("model") if isinstance(tj, dict) else None
+    if not isinstance(model, dict):
+        fail("%s: no \"model\" object (not a Hugging Face tokenizer.json)" % path)
+    mtype = model.get("type")
+    if mtype != "BPE":
+        fail("%s: model type %r is not supported (only byte-level BPE)" % (path, mtype))
+    pre = tj.get("pre_tokenizer") or {}
+    pattern = _split_pattern(pre) if isinstance(pre, dict) else None
+    if pattern != LLAMA3_SPLIT:
+        fail("%s: pre-tokenizer split %r is not supported (only Llama 3's pattern)" % (path, pattern))
+    if model.get("byte_fallback") or tj.get("normalizer"):
+        fail("%s: a normalizer or byte fallback is not supported (not a byte-level BPE like Llama 3)" % path)
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        fail("%s: model has no vocab object or merges list" % path)
+    alphabet = gpt2_byte_alphabet()
+    n = 0
+    pieces = {}
+    for text, i in vocab.items():
+        if not isinstance(i, int) or i < 0:
+            fail("%s: token %r has id %r" % (path, text, i))
+        try:
+            pieces[i] = (0, bytes(alphabet[c] for c in text))
+        except KeyError as e:
+            fail("%s: token %r has the character %r outside the byte-level alphabet" % (path, text, e.args[0]))
+    for added in tj.get("added_tokens") or []:
+        i, text = added.get("id"), added.get("content")
+        if not isinstance(i, int) or i < 0 or not isinstance(text, str):
+            fail("%s: bad added token %r" % (path, added))
+        pieces[i] = (1, text.encode("utf-8"))
+    n = max(pieces) + 1
+    missing = [i for i in range(n) if i not in pieces]
+    if missing:
+        fail("%s: token ids are not contiguous: no token %d" % (path, missing[0]))
+    ids = {}
+    for i in range(n):
+        if pieces[i][0] == 0:
+            ids[pieces[i][1]] = i
+    for b in range(256):
+        if bytes([b]) not in ids:
+            fail("%s: no token for the byte 0x%02X (not a byte-level BPE)" % (path, b))
+    merge_ids = []
+    for rank, m in enumerate(merges):
+        pair = m.split(" ") if isinstance(m, str) else m
+        if not isinstance(pair, list) or len(pair) != 2:
+            fail("%s: merge %d is %r, not a pair" % (path, rank, m))
+        try:
+            left, right = (bytes(alphabet[c] for c in p) for p in pair)
+        except (KeyError, TypeError):
+            fail("%s: merge %d (%r) names a character outside the byte-level alphabet" % (path, rank, m))
+        for part in (left, right, left + right):
+            if part not in ids:
+                fail("%s: merge %d (%r) names an unknown token" % (path, rank, m))
+        merge_ids.append((ids[left], ids[right], ids[left + right]))
+
+    # BOS, ends and the chat template from tokenizer_config.json beside it
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+    by_text = {pieces[i][1].decode("utf-8", "replace"): i for i in range(n) if pieces[i][0] == 1}
+
+    def special(name, text):
+        if text not in by_text:
+            fail("%s: %s %r is not a special token of %s" % (cfg_path, name, text, path))
+        return by_text[text]
+
+    bos_text, eos_text = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    if bos_text is None or eos_text is None:
+        fail("%s: needs bos_token and eos_token (from tokenizer_config.json beside %s)" % (cfg_path, path))
+    bos, eos = special("bos_token", bos_text), special("eos_token", eos_text)
+    template = cfg.get("chat_template") or ""
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
+    family = 1 if "<|start_header_id|>" in template else 0
+    ends, end_of_turn = [eos], eos
+    if family == 1:
+        end_of_turn = special("end-of-turn token", "<|eot_id|>")
+    # generation_config.json, when present, lists every token that ends a reply
+    gen_path = os.path.join(os.path.dirname(os.path.abspath(path)), "generation_config.json")
+    more = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
+    for i in ([end_of_turn] + (more if isinstance(more, list) else [more] if isinstance(more, int) else [])):
+        if not isinstance(i, int) or not 0 <= i < n:
+            fail("%s: end token %r is not a token id" % (gen_path, i))
+        if i not in ends:
+            ends.append(i)
+    if len(ends) > 8:
+        fail("%s: %d end tokens; run.c keeps at most 8" % (path, len(ends)))
+
+    letters, numbers = unicode_ranges("L"), unicode_ranges("N")
+    max_len = max(len(pieces[i][1]) for i in range(n))
+    out = [TK42_MAGIC, struct.pack("<8i", TK42_VERSION, n, len(merge_ids), max_len, bos, end_of_turn, family, 1)]
+    out.append(struct.pack("<%di" % (1 + len(ends)), len(ends), *ends))
+    for i in range(n):
+        flags, data = pieces[i]
+        out.append(struct.pack("<ii", flags, len(data)))
+        out.append(data)
+    out.append(b"".join(struct.pack("<3i", *m) for m in merge_ids))
+    for ranges in (letters, numbers):
+        out.append(struct.pack("<i", len(ranges)))
+        out.append(b"".join(struct.pack("<2i", a, b) for a, b in ranges))
+    with atomic_output(args.output) as f:
+        f.write(b"".join(out))
+    names = ", ".join(pieces[i][1].decode("utf-8", "replace") for i in ends)
+    print("wrote %s: byte-level BPE, %d tokens, %d merges, BOS %d, end tokens %s, %s chat template"
+          % (args.output, n, len(merge_ids), bos, names, ("llama2", "llama3")[family]))
+
+
 def cmd_tokenizer(args):
+    if args.input.endswith(".json"):
+        return cmd_tokenizer_json(args)
     pieces = read_sentencepiece(args.input)
     entries = []
     for i, (piece, score, _ptype) in enumerate(pieces):
@@ -230,8 +452,42 @@ def check_config(cfg):
         fail("n_heads %d is not a multiple of n_kv_heads %d" % (cfg["n_heads"], cfg["n_kv_heads"]))
 
 
+class Progress:
+    """Tensors done of the total, bytes written and the rate, on one stderr
+    line rewritten in place while a checkpoint is written; only when stderr
+    is a terminal (a log or a pipe gets nothing)."""
+
+    current = None  # the checkpoint being written, for fetch()
+
+    def __init__(self, f, total):
+        self.f, self.total, self.started = f, total, 0
+        self.start = time.monotonic()
+        self.shown = sys.stderr.isatty()
+
+    def show(self, done):
+        if not self.shown:
+            return
+        written = self.f.tell()
+        rate = written / max(time.monotonic() - self.start, 1e-6)
+        sys.stderr.write("\rexport.py: %d of %d tensors, %.1f MB written, %.1f MB/s "
+                         % (done, self.total, written / 1e6, rate / 1e6))
+        sys.stderr.flush()
+
+    def tensor_started(self):
+        self.show(self.started)  # those before it are written
+        self.started += 1
+
+    def finish(self, complete):
+        if complete:
+            self.show(self.started)
+        if self.shown and self.started:
+            sys.stderr.write("\n")
+
+
 def fetch(src, name, layer=None):
     """Get a tensor from a source, as contiguous float32 of the right shape."""
+    if Progress.current is not None:
+        Progress.current.tensor_started()
     w = src.get(name, layer)
     want = expected_shape(src.cfg, name)
     w = np.asarray(w)
@@ -277,15 +533,15 @@ def write_v0(src, f):
 def versioned_header(cfg, version, group_size=None):
     h = struct.pack("<Ii", MAGIC, version) + header_ints(cfg, cfg["vocab_size"])
     h += struct.pack("<B", 1 if cfg["shared"] else 0)
-    if version == 2:
+    if version in (2, 3):
         h += struct.pack("<i", group_size)
     return h + b"\0" * (HEADER_BYTES - len(h))
 
 
-def write_v1(src, f):
+def write_v1(src, f, header=None):
     cfg = src.cfg
     L = cfg["n_layers"]
-    f.write(versioned_header(cfg, 1))
+    f.write(header or versioned_header(cfg, 1))
     for name in ("rms_att", "rms_ffn"):
         for l in range(L):
             f.write(fetch(src, name, l).tobytes())
@@ -318,14 +574,34 @@ def quantize_q80(w, gs):
     return q.reshape(-1), scale.astype(np.float32), err
 
 
-def write_v2(src, f, group_size):
+def quantize_q4(w, gs):
+    """4-bit quantisation in groups of gs consecutive values (see the module
+    doc). Returns (packed uint8 bytes, float32 scales, max abs error)."""
+    g = w.reshape(-1, gs).astype(np.float32)
+    idx = np.abs(g).argmax(axis=1) if g.size else np.zeros(0, dtype=np.int64)
+    m = g[np.arange(g.shape[0]), idx]
+    scale = (m / np.float32(-8.0)).astype(np.float32)
+    safe = np.where(scale != 0, scale, np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.round(g / safe[:, None]), -8, 7).astype(np.int16)
+    q[scale == 0] = 0
+    err = float(np.abs(q.astype(np.float32) * scale[:, None] - g).max()) if g.size else 0.0
+    u = (q.reshape(-1) + 8).astype(np.uint8)
+    packed = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    return packed, scale, err
+
+
+def write_v2(src, f, group_size, version=2, header=None):
+    """Version 2 (int8) or, with version=3, 4-bit matrices; `header`, when
+    given, writes the header for the chosen group size (version 4)."""
     cfg = src.cfg
     L = cfg["n_layers"]
     gs = choose_group_size(cfg, group_size)
+    if version == 3 and gs % 2:
+        fail("group size %d is odd: 4-bit values are stored in pairs" % gs)
     if gs != group_size:
         print("group size %d does not divide dim %d and hidden_dim %d; using %d"
               % (group_size, cfg["dim"], cfg["hidden_dim"], gs), file=sys.stderr)
-    f.write(versioned_header(cfg, 2, gs))
+    f.write(header(gs) if header else versioned_header(cfg, version, gs))
     for name in ("rms_att", "rms_ffn"):
         for l in range(L):
             f.write(fetch(src, name, l).tobytes())
@@ -337,25 +613,81 @@ def write_v2(src, f, group_size):
     if not cfg["shared"]:
         todo.append(("cls", None))
     for name, l in todo:
-        q, s, err = quantize_q80(fetch(src, name, l), gs)
+        quantize = quantize_q4 if version == 3 else quantize_q80
+        q, s, err = quantize(fetch(src, name, l), gs)
         f.write(q.tobytes())
         f.write(s.tobytes())
         if err >= worst[0]:
             worst = (err, name if l is None else "%s[%d]" % (name, l))
-    print("group size %d; largest quantisation error %.6g (in %s)" % (gs, worst[0], worst[1]))
+    return "group size %d; largest quantisation error %.6g (in %s)" % (gs, worst[0], worst[1])
 
 
-def write_checkpoint(src, out, version, group_size):
+# Version 4: the "ak42" header of versions 1 and 2 plus, after the shared
+# classifier byte at 36: int32 weight encoding at 40 (0 float32, 1 int8 Q8_0,
+# 2 4-bit: reserved), int32 group size at 44 (0 for float32), float32
+# norm_eps at 48, float32 rope_theta at 52, int32 rope scaling at 56 (0 none,
+# 1 llama3), float32 factor, low_freq_factor, high_freq_factor at 60, 64, 68,
+# int32 original_max_position_embeddings at 72. Arrays as in version 1 or 2.
+ENCODINGS = {"float32": 0, "int8": 1, "q4": 2}
+
+
+def header_v4(cfg, encoding, group_size):
+    h = struct.pack("<Ii", MAGIC, 4) + header_ints(cfg, cfg["vocab_size"])
+    h += struct.pack("<B", 1 if cfg["shared"] else 0) + b"\0\0\0"
+    sc = cfg.get("rope_scaling")
+    h += struct.pack("<iiffi", encoding, group_size, cfg.get("norm_eps", NORM_EPS),
+                     cfg.get("rope_theta", ROPE_THETA), 1 if sc else 0)
+    h += struct.pack("<fffi", *((sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"],
+                                 sc["original_max_position_embeddings"]) if sc else (0, 0, 0, 0)))
+    return h + b"\0" * (HEADER_BYTES - len(h))
+
+
+def needs_v4(cfg):
+    """Why cfg cannot be written as version 0 to 2, or None."""
+    if cfg.get("rope_theta", ROPE_THETA) != ROPE_THETA:
+        return "rope_theta %r" % cfg["rope_theta"]
+    if cfg.get("rope_scaling"):
+        return "llama3 rope_scaling"
+    if not _eps_ok(cfg.get("norm_eps", NORM_EPS)):
+        return "rms_norm_eps %r" % cfg["norm_eps"]
+    return None
+
+
+def write_checkpoint(src, out, version, group_size, encoding="float32"):
     check_config(src.cfg)
+    why = needs_v4(src.cfg)
+    if why and version != 4:
+        fail("%s needs checkpoint version 4 (versions 0 to 3 have RoPE base 10000 and eps 1e-5): add --version 4"
+             % why)
+    if version == 4 and encoding == "q4":
+        fail("--encoding q4: 4-bit weights with version 4 headers are not written by this export.py (use --version 3)")
+    # every layout fetches tok_emb, rms_final, 9 tensors per layer and the classifier
+    tensors = 9 * src.cfg["n_layers"] + 2 + (0 if src.cfg["shared"] else 1)
     with atomic_output(out) as f:
-        if version == 0:
-            write_v0(src, f)
-        elif version == 1:
-            write_v1(src, f)
-        elif version == 2:
-            write_v2(src, f, group_size)
-        else:
-            fail("unknown output version %r (want 0, 1 or 2)" % version)
+        Progress.current = Progress(f, tensors)
+        complete, summary = False, None
+        try:
+            if version == 0:
+                write_v0(src, f)
+            elif version == 1:
+                write_v1(src, f)
+            elif version == 2:
+                summary = write_v2(src, f, 64 if group_size is None else group_size)
+            elif version == 3:
+                summary = write_v2(src, f, 32 if group_size is None else group_size, version=3)
+            elif version == 4 and encoding == "float32":
+                write_v1(src, f, header_v4(src.cfg, 0, 0))
+            elif version == 4:
+                summary = write_v2(src, f, 64 if group_size is None else group_size,
+                                   header=lambda gs: header_v4(src.cfg, 1, gs))
+            else:
+                fail("unknown output version %r (want 0, 1, 2, 3 or 4)" % version)
+            complete = True
+        finally:
+            Progress.current.finish(complete)
+            Progress.current = None
+    if summary:
+        print(summary)
     c = src.cfg
     print("wrote %s: version %d, dim %d, hidden_dim %d, n_layers %d, n_heads %d, n_kv_heads %d, "
           "vocab_size %d, seq_len %d, %s classifier"
@@ -383,10 +715,21 @@ def read_runc_header(path):
         version = struct.unpack("<i", head[4:8])[0]
         vals = struct.unpack("<7i", head[8:36])
         shared = head[36]
-        gs = struct.unpack("<i", head[37:41])[0] if version == 2 else None
-        if version not in (1, 2):
+        gs = struct.unpack("<i", head[37:41])[0] if version in (2, 3) else None
+        if version not in (1, 2, 3, 4):
             fail("%s: unsupported checkpoint version %d" % (path, version))
         offset = HEADER_BYTES
+        extra = {}
+        layout = version
+        if version == 4:  # see header_v4
+            encoding, gs, eps, theta, scaling = struct.unpack("<iiffi", head[40:60])
+            factor, low, high, ctx = struct.unpack("<fffi", head[60:76])
+            if encoding not in (0, 1):
+                fail("%s: weight encoding %d is not readable here (0 float32, 1 int8)" % (path, encoding))
+            layout, gs = (2, gs) if encoding == 1 else (1, None)
+            extra = {"norm_eps": eps, "rope_theta": theta, "rope_scaling": None if not scaling else {
+                "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                "original_max_position_embeddings": ctx}}
     else:
         version = 0
         vals = struct.unpack("<7i", head[:28])
@@ -394,17 +737,21 @@ def read_runc_header(path):
         vals = vals[:5] + (abs(vals[5]),) + vals[6:]
         gs = None
         offset = 28
+        extra = {}
+        layout = 0
     keys = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
     cfg = dict(zip(keys, vals))
     cfg["shared"] = bool(shared)
+    cfg.update(extra)
     for k in keys:
         if cfg[k] <= 0:
             fail("%s: not a run.c checkpoint (%s = %d)" % (path, k, cfg[k]))
     check_config(cfg)
-    info = {"version": version, "group_size": gs, "offset": offset, "size": size}
-    if version == 2 and (gs is None or gs <= 0 or cfg["dim"] % gs or cfg["hidden_dim"] % gs):
+    info = {"version": version, "layout": layout, "group_size": gs, "offset": offset, "size": size}
+    if layout in (2, 3) and (gs is None or gs <= 0 or cfg["dim"] % gs or cfg["hidden_dim"] % gs
+                             or (layout == 3 and gs % 2)):
         fail("%s: bad group size %r" % (path, gs))
-    info["expected_size"] = offset + payload_bytes(cfg, version, gs)
+    info["expected_size"] = offset + payload_bytes(cfg, layout, gs)
     return cfg, info
 
 
@@ -424,8 +771,13 @@ def payload_bytes(cfg, version, gs):
     n = 0
     norms = (2 * L + 1) * cfg["dim"] * 4
     for name, _l in _tensor_list(cfg, version):
-        cnt = int(np.prod(expected_shape(cfg, name)))
-        n += cnt * 4 if version != 2 else cnt + cnt // gs * 4
+        cnt = math.prod(expected_shape(cfg, name))
+        if version == 2:
+            n += cnt + cnt // gs * 4
+        elif version == 3:
+            n += cnt // 2 + cnt // gs * 4
+        else:
+            n += cnt * 4
     n += norms
     if version == 0:
         n += 2 * cfg["seq_len"] * (cfg["dim"] // cfg["n_heads"] // 2) * 4
@@ -445,10 +797,10 @@ class RuncSource:
         L = cfg["n_layers"]
         dim = cfg["dim"]
         off = info["offset"]
-        version = info["version"]
+        version = info["layout"]  # 0, 1 (float32) or 2 (int8)
 
         def count(name):
-            return int(np.prod(expected_shape(cfg, name)))
+            return math.prod(expected_shape(cfg, name))
 
         if version == 0:
             order = [("tok_emb", None)]
@@ -474,9 +826,12 @@ class RuncSource:
                 if version == 1:
                     self.index[key] = ("f32", off)
                     off += n * 4
-                else:
+                elif version == 2:
                     self.index[key] = ("q8", off)
                     off += n + n // gs * 4
+                else:
+                    self.index[key] = ("q4", off)
+                    off += n // 2 + n // gs * 4
 
     def get(self, name, layer):
         if name == "cls" and self.cfg["shared"]:
@@ -487,6 +842,13 @@ class RuncSource:
         if kind == "f32":
             return self.mm[off:off + n * 4].view(np.float32).reshape(shape)
         gs = self.info["group_size"]
+        if kind == "q4":
+            packed = self.mm[off:off + n // 2]
+            q = np.empty(n, dtype=np.float32)
+            q[0::2] = (packed & 15).astype(np.float32) - 8
+            q[1::2] = (packed >> 4).astype(np.float32) - 8
+            s = self.mm[off + n // 2:off + n // 2 + n // gs * 4].view(np.float32)
+            return (q.reshape(-1, gs) * s[:, None]).reshape(shape)
         q = self.mm[off:off + n].view(np.int8).astype(np.float32)
         s = self.mm[off + n:off + n + n // gs * 4].view(np.float32)
         return (q.reshape(-1, gs) * s[:, None]).reshape(shape)
@@ -495,7 +857,8 @@ class RuncSource:
 # ---------------------------------------------------------------------------
 # safetensors (read directly, no package)
 
-ST_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2), "F64": (np.float64, 8)}
+# safetensors dtype -> (numpy dtype name, bytes per value)
+ST_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("uint16", 2), "F64": ("float64", 8)}
 
 
 class SafetensorsFile:
@@ -533,7 +896,7 @@ class SafetensorsFile:
                 fail("%s: truncated safetensors file: tensor %s needs bytes %d..%d of data but only %d present"
                      % (path, name, start, end, data_size))
             if dtype in ST_DTYPES:
-                nbytes = int(np.prod(shape, dtype=np.int64)) * ST_DTYPES[dtype][1]
+                nbytes = math.prod(shape) * ST_DTYPES[dtype][1]
                 if end - start != nbytes:
                     fail("%s: tensor %s: %d bytes for shape %s %s" % (path, name, end - start, shape, dtype))
             self.tensors[name] = (dtype, tuple(shape), start, end)
@@ -546,7 +909,7 @@ class SafetensorsFile:
         if self.mm is None:
             self.mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self.mm[self.base + start:self.base + end]
-        npdt = ST_DTYPES[dtype][0]
+        npdt = np.dtype(ST_DTYPES[dtype][0])
         a = np.frombuffer(raw, dtype=np.dtype(npdt).newbyteorder("<"))
         if dtype == "BF16":
             a = (a.astype(np.uint32) << 16).view(np.float32)
@@ -684,8 +1047,8 @@ class HFSource:
         n_heads = hf.get("num_attention_heads")
         n_kv = hf.get("num_key_value_heads") or n_heads
         if hf.get("head_dim") not in (None, (dim // n_heads) if dim and n_heads else None):
-            fail("%s: head_dim %r != hidden_size / num_attention_heads; not supported"
-                 % (cfg_path, hf.get("head_dim")))
+            fail("%s: head_dim %r != hidden_size / num_attention_heads; run.c supports only head_dim = "
+                 "hidden_size / num_attention_heads" % (cfg_path, hf.get("head_dim")))
         self.cfg = {
             "dim": dim,
             "hidden_dim": hf.get("intermediate_size"),
@@ -694,6 +1057,9 @@ class HFSource:
             "n_kv_heads": n_kv,
             "vocab_size": hf.get("vocab_size"),
             "seq_len": hf.get("max_position_embeddings"),
+            "rope_theta": float(hf.get("rope_theta", ROPE_THETA)),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "rope_scaling": hf.get("rope_scaling"),
         }
         check_config(self.cfg)
         self.dir = d
@@ -726,16 +1092,24 @@ class HFSource:
         if mt != "llama":
             fail("%s: unsupported model_type %r (only \"llama\" is supported)" % (where, mt))
         theta = hf.get("rope_theta", ROPE_THETA)
-        if theta is None or float(theta) != ROPE_THETA:
-            fail("%s: rope_theta %r is not supported (run.c uses 10000)" % (where, theta))
-        if hf.get("rope_scaling") is not None:
-            fail("%s: rope_scaling %r is not supported" % (where, hf.get("rope_scaling")))
+        if not isinstance(theta, (int, float)) or not 0 < theta < 3.4e38:
+            fail("%s: rope_theta %r must be a positive number" % (where, theta))
+        sc = hf.get("rope_scaling")
+        if sc is not None:
+            kind = sc.get("rope_type", sc.get("type")) if isinstance(sc, dict) else None
+            if kind != "llama3":
+                fail("%s: rope_scaling of type %r is not supported (only \"llama3\")" % (where, kind))
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            if any(not isinstance(sc.get(k), (int, float)) or sc.get(k) <= 0 for k in keys):
+                fail("%s: llama3 rope_scaling needs positive %s, got %r" % (where, ", ".join(keys), sc))
+            if sc["high_freq_factor"] <= sc["low_freq_factor"]:
+                fail("%s: llama3 rope_scaling needs high_freq_factor > low_freq_factor, got %r" % (where, sc))
         for k in ("attention_bias", "mlp_bias"):
             if hf.get(k):
                 fail("%s: %s is true; biases are not supported by run.c" % (where, k))
         eps = hf.get("rms_norm_eps", 1e-6)  # LlamaConfig's default when absent
-        if not _eps_ok(eps):
-            fail("%s: rms_norm_eps %r is not supported (run.c uses 1e-5)" % (where, eps))
+        if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            fail("%s: rms_norm_eps %r must be in [0, 1)" % (where, eps))
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             fail("%s: hidden_act %r is not supported (run.c uses SiLU)" % (where, act))
@@ -948,6 +1322,7 @@ SHAPES = {
     "stories42M": (512, 1376, 8, 8, 8, 32000, 1024, True),
     "stories110M": (768, 2048, 12, 12, 12, 32000, 1024, True),
     "tinyllama1b": (2048, 5632, 22, 32, 4, 32000, 2048, False),
+    "llama32_1b": (2048, 8192, 16, 32, 8, 128256, 2048, True),
 }
 
 RANDOM_IDS = {n: i for i, n in enumerate(("tok_emb", "cls", "rms_final") + LAYER_TENSORS)}
@@ -1010,16 +1385,18 @@ def open_source(src, opts):
 
 
 def cmd_model(args):
+    need_numpy("export.py model")
     src = open_source(args.src, args)
     if args.seq_len and isinstance(src, (HFSource, RuncSource)):
         src.cfg["seq_len"] = args.seq_len
-    write_checkpoint(src, args.output, args.version, args.group_size)
+    write_checkpoint(src, args.output, args.version, args.group_size, args.encoding)
 
 
 def cmd_random(args):
+    need_numpy("export.py random")
     tied = True if args.tied else (False if args.untied else None)
     src = RandomSource(args.shape, args.seed, tied)
-    write_checkpoint(src, args.output, args.version, args.group_size)
+    write_checkpoint(src, args.output, args.version, args.group_size, args.encoding)
 
 
 def tokenizer_entries(data):
@@ -1053,17 +1430,27 @@ def cmd_info(args):
         cfg, err = None, str(e)
     if cfg is not None and (info["size"] == info["expected_size"] or info["version"] > 0):
         v = info["version"]
-        names = {0: "legacy llama2.c (float32)", 1: "ak42 version 1 (float32)", 2: "ak42 version 2 (int8 Q8_0)"}
+        names = {0: "legacy llama2.c (float32)", 1: "ak42 version 1 (float32)", 2: "ak42 version 2 (int8 Q8_0)",
+                 3: "ak42 version 3 (4-bit)",
+                 4: "ak42 version 4 (%s)" % ("int8 Q8_0" if info["layout"] == 2 else "float32")}
         print("%s: run.c checkpoint, %s" % (path, names[v]))
         for k in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
             print("  %-18s %d" % (k, cfg[k]))
         print("  %-18s %d" % ("head_size", cfg["dim"] // cfg["n_heads"]))
         print("  %-18s %s" % ("classifier", "shared with embedding" if cfg["shared"] else "separate"))
-        if v == 2:
+        if info["layout"] in (2, 3):
             print("  %-18s %d" % ("group_size", info["group_size"]))
+        if v == 4:
+            print("  %-18s %g" % ("norm_eps", cfg["norm_eps"]))
+            print("  %-18s %g" % ("rope_theta", cfg["rope_theta"]))
+            sc = cfg["rope_scaling"]
+            print("  %-18s %s" % ("rope_scaling", "none" if not sc else
+                                  "llama3, factor %g, low_freq_factor %g, high_freq_factor %g, original context %d"
+                                  % (sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"],
+                                     sc["original_max_position_embeddings"])))
         nparams = (2 * cfg["n_layers"] + 1) * cfg["dim"]
-        for name, _l in _tensor_list(cfg, v):
-            nparams += int(np.prod(expected_shape(cfg, name)))
+        for name, _l in _tensor_list(cfg, info["layout"]):
+            nparams += math.prod(expected_shape(cfg, name))
         print("  %-18s %d" % ("parameters", nparams))
         print("  %-18s %d" % ("file bytes", info["size"]))
         if info["size"] != info["expected_size"]:
@@ -1072,6 +1459,13 @@ def cmd_info(args):
         return
     with open(path, "rb") as f:
         data = f.read()
+    if data[:4] == TK42_MAGIC and len(data) >= 36:
+        version, n, n_merges, max_len, bos, eot, family, _pre = struct.unpack("<8i", data[4:36])
+        print("%s: byte-level BPE tokenizer (tk42 version %d)" % (path, version))
+        for k, v in (("vocab_size", n), ("merges", n_merges), ("max_token_length", max_len), ("bos", bos),
+                     ("end_of_turn", eot), ("chat template", ("llama2", "llama3")[family] if family in (0, 1) else family)):
+            print("  %-18s %s" % (k, v))
+        return
     tok = tokenizer_entries(data)
     if tok is not None:
         max_len, n, seen = tok
@@ -1107,16 +1501,20 @@ def build_parser():
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
 
-    t = sub.add_parser("tokenizer", help="SentencePiece tokenizer.model -> tokenizer.bin")
-    t.add_argument("input", metavar="IN.model")
+    t = sub.add_parser("tokenizer", help="tokenizer.model or tokenizer.json -> run.c tokenizer file")
+    t.add_argument("input", metavar="IN.model|tokenizer.json")
     t.add_argument("output", metavar="OUT.bin")
     t.set_defaults(func=cmd_tokenizer)
 
     def out_opts(sp):
-        sp.add_argument("--version", type=int, choices=(0, 1, 2), default=0,
-                        help="output format: 0 legacy float32 (default), 1 ak42 float32, 2 ak42 int8")
-        sp.add_argument("--group-size", type=int, default=64,
-                        help="int8 group size for version 2 (default 64; halved until it divides dim and hidden_dim)")
+        sp.add_argument("--version", type=int, choices=(0, 1, 2, 3, 4), default=0,
+                        help="output format: 0 legacy float32 (default), 1 ak42 float32, 2 ak42 int8, 3 ak42 4-bit, "
+                             "4 ak42 with RoPE theta/scaling and norm eps (weights as --encoding)")
+        sp.add_argument("--encoding", choices=tuple(ENCODINGS), default="float32",
+                        help="version 4 weights: float32 (default), int8 (Q8_0, --group-size), q4 (reserved)")
+        sp.add_argument("--group-size", type=int, default=None,
+                        help="group size for versions 2, 3 and 4 int8 (default 64 for int8, 32 for version 3; "
+                             "halved until it divides dim and hidden_dim)")
 
     m = sub.add_parser("model", help="convert a model to a run.c checkpoint")
     m.add_argument("src", metavar="SRC", help="HF dir, Meta dir, llama2.c .pt, or run.c checkpoint")

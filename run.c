@@ -4,21 +4,38 @@
      ./run checkpoint.bin [options]           (./run --help lists the options)
      ./run stories260K.bin -z tok512.bin -i "Once upon a time"
      ./run model.bin -m chat -y "You are a helpful assistant."
+     ./run model.bin -i "Lily" --top-k 40 --repetition-penalty 1.2 --stop "."
 
    WHAT IS IN HERE, IN READING ORDER
+        errors, and the platform layer (POSIX or Windows): mapping a file,
+        reading a line, the clock, sockets
      1. data structures: Config, Matrix, Weights, RunState, Transformer
-     2. checkpoint loading: mmap, header validation, weight mapping
+     2. checkpoint loading: mmap, header validation, weight mapping, files
+        of the wrong kind named as what they are
      3. kernels: rmsnorm, softmax, matmul, rope, attention (the math in comments)
-     4. the forward pass over a batch of rows (prompt blocks or beams)
-     5. the BPE tokenizer (llama2.c's tokenizer.bin)
-     6. samplers: greedy, temperature, top-p, and beam search
-     7. generation loops: generate and chat
-     8. the command line
+     4. the paged key/value cache (float32, f16 or q8_0 rows: --kv-type;
+        past the context with --keep: a ring of slots)
+        and the forward pass over a batch of rows
+     5. the tokenizers: 5.1 llama2.c's tokenizer.bin (SentencePiece BPE),
+        5.2 byte-level BPE "tk42" files (Llama 3)
+     6. samplers: greedy, temperature, top-p; the generation controls
+        (logits processors, top-k, min-p, stop strings); beam search
+     7. the engine: requests served together (continuous batching);
+        speculative decoding (drafts verified in one pass)
+     8. drivers: generate, tokenize, chat; perplexity of a text
+     9. the command line
+    10. batch requests: JSON Lines in, JSON lines out
+    11. serving: an HTTP server with the OpenAI API (-m serve)
+    12. main
 
    BUILD OPTIONS
      -fopenmp        threads over matrix rows (set the count with -T)
      -march=native   AVX2 or AVX-512 matmul kernels where the machine has them
                      (otherwise plain C, summed in llama2.c's order)
+     -DRUN_SIMD      NEON matmul kernels on aarch64 (with sdot under
+                     -march=armv8.2-a+dotprod); `make runfast` and `make runomp`
+                     set it. `./run --version` names the kernels built in.
+     Linux, macOS (POSIX) and Windows (MinGW-w64: `make run.exe`) build it.
      -DTESTING       leaves out main(), so tests can #include "run.c"
 
    Output is byte-identical to karpathy's llama2.c run.c for the same checkpoint,
@@ -27,22 +44,40 @@
    with a non-zero exit status (1: bad file or runtime failure, 2: bad usage). */
 
 #define _POSIX_C_SOURCE 200809L
-#define _DEFAULT_SOURCE /* madvise */
+#ifdef __linux__
+#define _DEFAULT_SOURCE /* madvise (glibc) */
+#endif
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
+#ifdef _WIN32
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>
+#include <io.h>
+#include <shellapi.h>
+#ifdef _MSC_VER
+#pragma comment(lib, "shell32.lib")
+#endif
+#else
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 /* the loop that follows split in equal ranges between threads, or run on one
@@ -51,7 +86,9 @@
 #define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
 static int max_threads(void) { return omp_get_max_threads(); }
 #else
-#define PARALLEL_FOR_IF(cond)
+/* no threads: the loop runs as written (the condition is only evaluated, so
+   that the variables it reads count as used) */
+#define PARALLEL_FOR_IF(cond) if ((void)(cond), 1)
 static int max_threads(void) { return 1; }
 #endif
 
@@ -61,22 +98,20 @@ static int max_threads(void) { return 1; }
 
 enum { EXIT_BAD_FILE = 1, EXIT_USAGE = 2 };
 
-#ifdef TESTING
 #include <setjmp.h>
-/* Unit tests and fuzz targets set error_trap to catch errors instead of
-   exiting; error_status then holds the exit status that would have been. */
+/* Unit tests, fuzz targets and the server (a bad request) set error_trap to
+   catch errors instead of exiting; error_status then holds the exit status
+   that would have been, and error_text the message. */
 static jmp_buf *error_trap;
 static int error_status;
-#endif
+static char error_text[1024];
 
 /* Ends the program with `status`, or returns to the test's trap. */
 static void leave(int status) {
-#ifdef TESTING
     if (error_trap) {
         error_status = status;
         longjmp(*error_trap, 1);
     }
-#endif
     exit(status);
 }
 
@@ -84,10 +119,9 @@ static void leave(int status) {
 static void die(int status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fputs("run: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(error_text, sizeof(error_text), fmt, ap);
     va_end(ap);
+    fprintf(stderr, "run: %s\n", error_text);
     leave(status);
 }
 
@@ -96,6 +130,283 @@ static void *xcalloc(size_t count, size_t size) {
     if (!p) die(EXIT_BAD_FILE, "out of memory (%zu x %zu bytes)", count, size);
     return p;
 }
+
+/* ------------------------------------------------------------------------ */
+/* Platform: POSIX (Linux, macOS) or Windows (MinGW-w64)                    */
+/* ------------------------------------------------------------------------ */
+
+/* What the C library does not give portably: mapping a file, reading a line
+   of any length, a monotonic clock, and the process's standard streams. Each
+   has a POSIX and a Windows version that behave alike, so the rest of the
+   file has no platform #ifdef. */
+
+#ifndef _WIN32
+/* Maps the regular file at `path` read-only and sets *size to its length;
+   dies naming `kind` when it cannot be opened, is not a regular file, is
+   empty or cannot be mapped. */
+static void *map_readonly(const char *path, size_t *size, const char *kind) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK); /* a FIFO must not block here: it is rejected below */
+    if (fd < 0) die(EXIT_BAD_FILE, "%s: cannot open %s: %s", path, kind, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        die(EXIT_BAD_FILE, "%s: %s is not a regular file", path, kind);
+    }
+    *size = (size_t)st.st_size;
+    if (*size == 0) {
+        close(fd);
+        die(EXIT_BAD_FILE, "%s: %s is empty", path, kind);
+    }
+    void *data = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (data == MAP_FAILED) die(EXIT_BAD_FILE, "%s: cannot map %s: %s", path, kind, strerror(errno));
+    return data;
+}
+
+static void unmap(void *data, size_t size) { munmap(data, size); }
+
+/* One line of any length from f, with its newline: its length, or -1 at
+   the end of input (getline's contract). */
+static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void platform_setup(int *argc, char ***argv) {
+    (void)argc, (void)argv;
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout becomes a write error, reported by flush_output */
+}
+
+/* Calls `handler` on SIGINT (Ctrl-C); `restart`: the system calls it
+   interrupts go on (writes to stdout), else they fail with EINTR (the read
+   of a chat message, which then ends). */
+static void on_sigint(void (*handler)(int), int restart) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = handler;
+    sa.sa_flags = restart ? SA_RESTART : 0;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+/* Calls `handler` on SIGTERM (a service manager's stop). */
+static void on_sigterm(void (*handler)(int)) { signal(SIGTERM, handler); }
+
+/* Sockets for the server (section 11): TCP, non-blocking, waited on with
+   poll(). A socket is an int; NO_SOCKET is none. */
+typedef int Socket;
+#define NO_SOCKET (-1)
+
+/* What a socket is waited for (want_*) and what poll found (can_*). */
+typedef struct {
+    Socket s;
+    int want_read, want_write;
+    int can_read, can_write;
+} NetWait;
+
+static void net_nonblocking(Socket s) { fcntl(s, F_SETFL, fcntl(s, F_GETFL, 0) | O_NONBLOCK); }
+
+/* A listening socket on host:port (port 0: a free one); *bound gets the
+   port. Dies naming what failed. */
+static Socket net_listen(const char *host, int port, int *bound) {
+    char service[16];
+    snprintf(service, sizeof(service), "%d", port);
+    struct addrinfo hints, *list = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    int rc = getaddrinfo(host, service, &hints, &list);
+    if (rc != 0) die(EXIT_USAGE, "--host %s: %s", host, gai_strerror(rc));
+    Socket s = NO_SOCKET;
+    int error = 0;
+    for (struct addrinfo *a = list; a && s == NO_SOCKET; a = a->ai_next) {
+        s = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (s < 0) { error = errno; s = NO_SOCKET; continue; }
+        int one = 1;
+        setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(s, a->ai_addr, a->ai_addrlen) != 0 || listen(s, 128) != 0) {
+            error = errno;
+            close(s);
+            s = NO_SOCKET;
+        }
+    }
+    freeaddrinfo(list);
+    if (s == NO_SOCKET) die(EXIT_BAD_FILE, "cannot listen on %s:%d: %s", host, port, strerror(error));
+    struct sockaddr_storage addr;
+    socklen_t len = sizeof(addr);
+    getsockname(s, (struct sockaddr *)&addr, &len);
+    *bound = ntohs(addr.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&addr)->sin6_port : ((struct sockaddr_in *)&addr)->sin_port);
+    net_nonblocking(s);
+    return s;
+}
+
+/* A waiting connection (non-blocking), or NO_SOCKET. */
+static Socket net_accept(Socket listener) {
+    Socket s = accept(listener, NULL, NULL);
+    if (s < 0) return NO_SOCKET;
+    net_nonblocking(s);
+    return s;
+}
+
+/* Bytes moved (> 0), 0 when the peer has closed (recv), -1 on an error,
+   -2 when nothing can move now. */
+static ptrdiff_t net_recv(Socket s, char *buf, size_t n) {
+    ptrdiff_t k = recv(s, buf, n, 0);
+    return k >= 0 ? k : (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? -2 : -1;
+}
+
+static ptrdiff_t net_send(Socket s, const char *buf, size_t n) {
+    ptrdiff_t k = send(s, buf, n, 0);
+    return k >= 0 ? k : (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? -2 : -1;
+}
+
+static void net_close(Socket s) { close(s); }
+
+/* Waits up to timeout_ms for any of the n sockets; sets their can_* flags
+   (a closed or failed socket counts as readable). */
+static void net_wait(NetWait *w, int n, int timeout_ms) {
+    struct pollfd *p = xcalloc((size_t)n, sizeof(struct pollfd));
+    for (int i = 0; i < n; i++) {
+        p[i].fd = w[i].s;
+        p[i].events = (short)((w[i].want_read ? POLLIN : 0) | (w[i].want_write ? POLLOUT : 0));
+    }
+    int ready = poll(p, (nfds_t)n, timeout_ms);
+    for (int i = 0; i < n; i++) {
+        w[i].can_read = ready > 0 && (p[i].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL));
+        w[i].can_write = ready > 0 && (p[i].revents & (POLLOUT | POLLERR | POLLHUP));
+    }
+    free(p);
+}
+#else
+/* Text is UTF-8 inside the program, as on POSIX; Windows' own calls take
+   UTF-16. Returns the UTF-16 copy of `s`, to be freed. */
+static wchar_t *utf8_to_wide(const char *s) {
+    int n = MultiByteToWideChar(CP_UTF8, 0, s, -1, NULL, 0);
+    wchar_t *w = xcalloc(n > 0 ? (size_t)n : 1, sizeof(wchar_t));
+    if (n > 0) MultiByteToWideChar(CP_UTF8, 0, s, -1, w, n);
+    return w;
+}
+
+/* The same through the C runtime's file descriptors (so that errno, and the
+   message for a missing file, are those of the POSIX version) and a file
+   mapping object; the view stays valid after both handles are closed. */
+static void *map_readonly(const char *path, size_t *size, const char *kind) {
+    wchar_t *wide_path = utf8_to_wide(path);
+    int fd = _wopen(wide_path, _O_RDONLY | _O_BINARY);
+    free(wide_path);
+    if (fd < 0) die(EXIT_BAD_FILE, "%s: cannot open %s: %s", path, kind, strerror(errno));
+    struct _stat64 st;
+    if (_fstat64(fd, &st) != 0 || (st.st_mode & _S_IFMT) != _S_IFREG) {
+        _close(fd);
+        die(EXIT_BAD_FILE, "%s: %s is not a regular file", path, kind);
+    }
+    *size = (size_t)st.st_size;
+    if (*size == 0) {
+        _close(fd);
+        die(EXIT_BAD_FILE, "%s: %s is empty", path, kind);
+    }
+    HANDLE mapping = CreateFileMappingA((HANDLE)_get_osfhandle(fd), NULL, PAGE_READONLY, 0, 0, NULL);
+    void *data = mapping ? MapViewOfFile(mapping, FILE_MAP_READ, 0, 0, 0) : NULL;
+    unsigned long error = data ? 0 : (unsigned long)GetLastError();
+    if (mapping) CloseHandle(mapping);
+    _close(fd);
+    if (!data) die(EXIT_BAD_FILE, "%s: cannot map %s: Windows error %lu", path, kind, error);
+    return data;
+}
+
+static void unmap(void *data, size_t size) {
+    (void)size;
+    UnmapViewOfFile(data);
+}
+
+/* getline's contract, one character at a time (there is no getline). */
+static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) {
+    size_t len = 0;
+    for (int c; (c = getc(f)) != EOF;) {
+        if (len + 2 > *cap) {
+            size_t grown = *cap ? 2 * *cap : 128;
+            char *p = realloc(*line, grown);
+            if (!p) die(EXIT_BAD_FILE, "out of memory reading a line of %zu bytes", len);
+            *line = p;
+            *cap = grown;
+        }
+        (*line)[len++] = (char)c;
+        if (c == '\n') break;
+    }
+    if (len == 0) return -1;
+    (*line)[len] = '\0';
+    return (ptrdiff_t)len;
+}
+
+static double now_seconds(void) {
+    LARGE_INTEGER count, frequency;
+    QueryPerformanceCounter(&count);
+    QueryPerformanceFrequency(&frequency);
+    return (double)count.QuadPart / (double)frequency.QuadPart;
+}
+
+/* The arguments in UTF-8 (the C runtime's argv has the ANSI code page's
+   bytes, and '?' for what that lacks); stdout and stderr in binary mode, so
+   that "\n" is written as one byte and the output is the same bytes as on
+   Linux (text mode writes "\r\n"); stdin stays in text mode, so a typed
+   line's "\r\n" ends it as "\n" would. There is no SIGPIPE: a closed pipe
+   is a write error already. */
+static void platform_setup(int *argc, char ***argv) {
+    int n;
+    wchar_t **wide = CommandLineToArgvW(GetCommandLineW(), &n);
+    if (wide) {
+        char **utf8 = xcalloc((size_t)n + 1, sizeof(char *)); /* kept until the program ends, as argv */
+        for (int i = 0; i < n; i++) {
+            int bytes = WideCharToMultiByte(CP_UTF8, 0, wide[i], -1, NULL, 0, NULL, NULL);
+            utf8[i] = xcalloc(bytes > 0 ? (size_t)bytes : 1, 1);
+            if (bytes > 0) WideCharToMultiByte(CP_UTF8, 0, wide[i], -1, utf8[i], bytes, NULL, NULL);
+        }
+        LocalFree(wide);
+        *argc = n;
+        *argv = utf8;
+    }
+    _setmode(_fileno(stdout), _O_BINARY);
+    _setmode(_fileno(stderr), _O_BINARY);
+}
+
+/* The C runtime's signal(): SIGINT comes on Ctrl-C; system calls are not
+   interrupted, so `restart` changes nothing. */
+static void on_sigint(void (*handler)(int), int restart) {
+    (void)restart;
+    signal(SIGINT, handler);
+}
+
+static void on_sigterm(void (*handler)(int)) { signal(SIGTERM, handler); }
+
+/* The server is not built for Windows: listening says so (the rest is never
+   reached), and the Windows build needs no socket library. */
+typedef int Socket;
+#define NO_SOCKET (-1)
+
+typedef struct {
+    Socket s;
+    int want_read, want_write;
+    int can_read, can_write;
+} NetWait;
+
+static Socket net_listen(const char *host, int port, int *bound) {
+    (void)host, (void)port, (void)bound;
+    die(EXIT_USAGE, "-m serve is not supported on Windows (run it on Linux or macOS)");
+    return NO_SOCKET;
+}
+static Socket net_accept(Socket listener) { (void)listener; return NO_SOCKET; }
+static ptrdiff_t net_recv(Socket s, char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
+static ptrdiff_t net_send(Socket s, const char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
+static void net_close(Socket s) { (void)s; }
+static void net_wait(NetWait *w, int n, int timeout_ms) {
+    (void)w, (void)n;
+    Sleep((DWORD)timeout_ms);
+}
+#endif
 
 /* ------------------------------------------------------------------------ */
 /* 1. Data structures                                                       */
@@ -109,17 +420,26 @@ typedef struct {
     int n_kv_heads; /* key/value heads: n_heads (MHA), fewer (GQA) or 1 (MQA) */
     int vocab_size;
     int seq_len;    /* maximum context length */
+    /* version 4 headers; older ones: 1e-5 and RoPE base 10000, unscaled */
+    float norm_eps;      /* rmsnorm's epsilon */
+    float rope_theta;    /* RoPE base */
+    int rope_scaling;    /* ROPE_SCALING_NONE or ROPE_SCALING_LLAMA3 */
+    float rope_factor, rope_low_freq_factor, rope_high_freq_factor; /* llama3 scaling */
+    int rope_original_context; /* llama3 scaling: the context the model was trained with */
 } Config;
 
+enum { ROPE_SCALING_NONE, ROPE_SCALING_LLAMA3 };
+
 /* A weight matrix W of shape (rows, cols), row-major, applied as W @ x:
-   float32 values, or int8 values in groups of group_size consecutive values
-   of a row, value = q * scale of its group ("Q8_0"). */
+   float32 values, or int8 or 4-bit values in groups of group_size consecutive
+   values of a row, value = q * scale of its group ("Q8_0", version 3's Q4). */
 typedef struct {
-    const float *w;     /* float32: (rows, cols); NULL for int8 */
-    const int8_t *q;    /* int8: (rows, cols) */
-    const char *scales; /* int8: (rows * cols / group_size) float32, maybe unaligned */
+    const float *w;     /* float32: (rows, cols); NULL for int8 and 4-bit */
+    const int8_t *q;    /* int8: (rows, cols); NULL for 4-bit */
+    const char *scales; /* int8, 4-bit: (rows * cols / group_size) float32, maybe unaligned */
     int rows, cols;
     int group_size;     /* 0 for float32 */
+    const uint8_t *q4;  /* 4-bit: (rows, cols / 2) bytes, two values each (see section 2) */
 } Matrix;
 
 typedef struct {
@@ -137,32 +457,69 @@ typedef struct {
     Matrix wcls; /* (vocab_size, dim): the embedding itself when shared */
 } Weights;
 
-/* Activations for up to max_rows rows processed together (the tokens of a
-   prompt block, or the beams of a beam search), and the key/value cache.
-   The cache has one "slot" per beam: slot s holds, for every layer and
-   position, the key and value computed by the sequence running in slot s. */
+/* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
+   holds a block table (section 4). A block has, for every layer, the key and
+   the value of each of its positions. */
+#define KV_BLOCK 16
+
+/* The element type of the cache (--kv-type): float32; IEEE half precision;
+   or q8_0, a row's values in groups of 32 as int8 q with one float32 scale
+   per group, value = q * scale (the row: kv_dim int8, then kv_dim / 32
+   scales). */
+enum { KV_F32, KV_F16, KV_Q8_0 };
+#define KV_GROUP 32
+
+typedef struct {
+    int n_blocks, n_layers, kv_dim;
+    int type;            /* KV_F32, KV_F16 or KV_Q8_0 */
+    size_t row_bytes;    /* one position's key (or value) of one layer */
+    unsigned char *key;    /* (n_layers, n_blocks, KV_BLOCK) rows of row_bytes */
+    unsigned char *value;  /* (n_layers, n_blocks, KV_BLOCK) rows of row_bytes */
+    int held, peak_held;   /* blocks held by some table now, and at most */
+    int *ref;      /* (n_blocks) block tables holding the block */
+    /* free blocks (ref 0) in two lists, oldest first, linked through
+       prev/next: list 0 holds blocks with nothing worth keeping, list 1
+       indexed blocks whose contents a later prompt may still reuse */
+    int *prev, *next;       /* (n_blocks) */
+    int head[2], tail[2];   /* -1 when empty */
+    /* the prefix index (section 4): an indexed block is found by its tokens
+       and the block before it in its sequence */
+    int *state;             /* (n_blocks) BLOCK_PLAIN, BLOCK_PENDING or BLOCK_READY */
+    int *tokens;            /* (n_blocks, KV_BLOCK) the tokens of an indexed block */
+    int *parent;            /* (n_blocks) the indexed block before it, -1 at position 0 */
+    unsigned *generation;   /* (n_blocks) counts reuses, so that a link to a reused parent is stale */
+    unsigned *parent_generation; /* (n_blocks) the parent's generation when linked */
+    int *bucket;            /* (n_buckets) first indexed block of each hash bucket, -1 none */
+    int *chain;             /* (n_blocks) next indexed block in the same bucket */
+    int n_buckets;          /* a power of two */
+    long long promised;     /* blocks promised to running requests (their worst case) */
+} KVCache;
+
+/* Activations for up to max_rows rows processed together (the rows of one
+   engine step: decoding sequences, beams, prompt chunks) and the cache. */
 typedef struct {
     int max_rows;
-    int n_slots;
-    int context;    /* positions the cache holds: the -n steps, at most seq_len */
+    int context;    /* the most positions a sequence may reach */
     float *x;       /* (max_rows, dim) residual stream */
     float *xb;      /* (max_rows, dim) normalised input / attention output */
     float *xb2;     /* (max_rows, dim) projection output */
     float *hb;      /* (max_rows, hidden_dim) FFN gate */
     float *hb2;     /* (max_rows, hidden_dim) FFN up */
     float *q;       /* (max_rows, dim) queries */
+    float *q_turned; /* (max_rows, 2, dim) --keep: each query rotated for the ring's two stretches (kv_query_turn) */
     float *k;       /* (max_rows, kv_dim) keys of the rows, before caching */
     float *v;       /* (max_rows, kv_dim) values of the rows, before caching */
-    float *att;     /* (max_rows, n_heads, context) attention weights */
+    float *att;     /* (threads, attention_floats) attention scores, queries and outputs, per thread */
+    int *tiles;     /* (max_rows + 1) the first row of each tile of attention, then the row count */
     float *logits;  /* (max_rows, vocab_size) */
-    float *key_cache;   /* (n_layers, n_slots, context, kv_dim) */
-    float *value_cache; /* (n_layers, n_slots, context, kv_dim) */
+    KVCache cache;
 } RunState;
 
 typedef struct {
     Config config;
-    int version;      /* 0 legacy, 1 float32 "ak42", 2 int8 "ak42" */
-    int group_size;   /* version 2: int8 values per float32 scale */
+    int version;      /* 0 legacy, 1 float32 "ak42", 2 int8 "ak42", 3 4-bit "ak42", 4 "ak42" with RoPE and norm settings */
+    int group_size;   /* versions 2, 3 (and 4 with int8 weights): quantised values per float32 scale */
+    float *rope_freq; /* version 4: (head_size / 2) RoPE inverse frequencies; NULL: 10000^(-d/head_size) */
     Weights weights;
     RunState state;
     void *mapping;    /* the whole checkpoint file, mmap'ed read-only */
@@ -176,6 +533,10 @@ typedef struct {
 #define AK42_MAGIC 0x616b3432u
 #define AK42_HEADER_BYTES 256
 #define LEGACY_HEADER_BYTES 28
+
+/* Version 4 headers name their weights' encoding (4-bit is reserved here;
+   its reader is another part of the program). */
+enum { WEIGHTS_F32 = 0, WEIGHTS_Q8_0 = 1, WEIGHTS_Q4 = 2 };
 
 /* A cursor over the mapped file that refuses to run past its end. */
 typedef struct {
@@ -201,14 +562,21 @@ static const float *take_floats(FileCursor *c, uint64_t count, const char *what)
     return (const float *)take_bytes(c, count * sizeof(float), what);
 }
 
-/* The next matrix: float32 values, or (group_size > 0) int8 values followed
-   by their float32 scales, one per group of group_size values. */
-static Matrix take_matrix(FileCursor *c, int rows, int cols, int group_size, const char *what) {
+/* The next matrix: float32 values, or (group_size > 0) quantised values
+   followed by their float32 scales, one per group of group_size values:
+   `bits` 8, one int8 per value (version 2), or 4, two values per byte
+   (version 3: byte k holds value 2k in its low nibble and value 2k + 1 in its
+   high nibble, each stored as q + 8 in 0..15, for q in -8..7; the group size
+   is even, so every row and every group starts on a byte). */
+static Matrix take_matrix(FileCursor *c, int rows, int cols, int group_size, int bits, const char *what) {
     uint64_t count = (uint64_t)rows * (uint64_t)cols;
-    if (group_size == 0) return (Matrix){take_floats(c, count, what), NULL, NULL, rows, cols, 0};
-    const int8_t *q = (const int8_t *)take_bytes(c, count, what);
-    const char *scales = take_bytes(c, count / (uint64_t)group_size * sizeof(float), what);
-    return (Matrix){NULL, q, scales, rows, cols, group_size};
+    if (group_size == 0) return (Matrix){take_floats(c, count, what), NULL, NULL, rows, cols, 0, NULL};
+    const char *values = take_bytes(c, bits == 4 ? count / 2 : count, what);
+    char scales_what[64];
+    snprintf(scales_what, sizeof(scales_what), "the scales of %s", what);
+    const char *scales = take_bytes(c, count / (uint64_t)group_size * sizeof(float), scales_what);
+    if (bits == 4) return (Matrix){NULL, NULL, scales, rows, cols, group_size, (const uint8_t *)values};
+    return (Matrix){NULL, (const int8_t *)values, scales, rows, cols, group_size, NULL};
 }
 
 static int32_t read_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -232,44 +600,184 @@ static void validate_config(const Config *p, const char *path) {
         die(EXIT_BAD_FILE, "%s: bad header: vocab_size %d has no room for BOS (1) and EOS (2)", path, p->vocab_size);
 }
 
-static Matrix *map_layer_matrices(FileCursor *c, int n_layers, int rows, int cols, int group_size, const char *what) {
+static Matrix *map_layer_matrices(FileCursor *c, int n_layers, int rows, int cols, int group_size, int bits, const char *what) {
     Matrix *m = xcalloc((size_t)n_layers, sizeof(Matrix));
-    for (int l = 0; l < n_layers; l++) m[l] = take_matrix(c, rows, cols, group_size, what);
+    for (int l = 0; l < n_layers; l++) m[l] = take_matrix(c, rows, cols, group_size, bits, what);
     return m;
 }
 
 /* Maps the arrays in the order of the legacy (version 0) or the "ak42"
-   layout (version 1 float32, version 2 int8 matrices with float32 norms). */
+   layout (version 1 float32, version 2 int8 and version 3 4-bit matrices,
+   each matrix's values then its scales, with float32 norms; version 4 as 1
+   or 2, by its weight encoding). */
 static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
     const Config *p = &t->config;
     Weights *w = &t->weights;
     int head_size = p->dim / p->n_heads;
     int kv_dim = head_size * p->n_kv_heads;
     uint64_t L = (uint64_t)p->n_layers, dim = (uint64_t)p->dim;
-    int gs = t->group_size;
+    int gs = t->group_size, bits = t->version == 3 ? 4 : 8;
     if (t->version >= 1) {
         w->rms_att = take_floats(c, L * dim, "rms_att");
         w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
         w->rms_final = take_floats(c, dim, "rms_final");
-        w->token_embedding = take_matrix(c, p->vocab_size, p->dim, gs, "token_embedding");
+        w->token_embedding = take_matrix(c, p->vocab_size, p->dim, gs, bits, "token_embedding");
     } else {
-        w->token_embedding = take_matrix(c, p->vocab_size, p->dim, gs, "token_embedding");
+        w->token_embedding = take_matrix(c, p->vocab_size, p->dim, gs, bits, "token_embedding");
         w->rms_att = take_floats(c, L * dim, "rms_att");
     }
-    w->wq = map_layer_matrices(c, p->n_layers, p->dim, p->dim, gs, "wq");
-    w->wk = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, gs, "wk");
-    w->wv = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, gs, "wv");
-    w->wo = map_layer_matrices(c, p->n_layers, p->dim, p->dim, gs, "wo");
+    w->wq = map_layer_matrices(c, p->n_layers, p->dim, p->dim, gs, bits, "wq");
+    w->wk = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, gs, bits, "wk");
+    w->wv = map_layer_matrices(c, p->n_layers, kv_dim, p->dim, gs, bits, "wv");
+    w->wo = map_layer_matrices(c, p->n_layers, p->dim, p->dim, gs, bits, "wo");
     if (t->version == 0) w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
-    w->w1 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, gs, "w1");
-    w->w2 = map_layer_matrices(c, p->n_layers, p->dim, p->hidden_dim, gs, "w2");
-    w->w3 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, gs, "w3");
+    w->w1 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, gs, bits, "w1");
+    w->w2 = map_layer_matrices(c, p->n_layers, p->dim, p->hidden_dim, gs, bits, "w2");
+    w->w3 = map_layer_matrices(c, p->n_layers, p->hidden_dim, p->dim, gs, bits, "w3");
     if (t->version == 0) {
         w->rms_final = take_floats(c, dim, "rms_final");
         /* two RoPE tables (seq_len, head_size / 2) that run.c recomputes */
         take_floats(c, (uint64_t)p->seq_len * (uint64_t)head_size, "rope tables");
     }
-    w->wcls = shared_classifier ? w->token_embedding : take_matrix(c, p->vocab_size, p->dim, gs, "classifier");
+    w->wcls = shared_classifier ? w->token_embedding : take_matrix(c, p->vocab_size, p->dim, gs, bits, "classifier");
+}
+
+/* ---- Files of the wrong kind ----------------------------------------------
+   A first try often gives run the wrong file: the tokenizer as the model, a
+   model downloaded for another program, a directory. These functions name
+   what the file is from its content (magic bytes, header sanity), so that
+   the error can say what to do instead. */
+
+#define CONVERT_HINT "convert the original model with `python3 export.py model DIR out.bin` (DIR: its Hugging Face directory)"
+
+/* What a file in another program's format is, or NULL: GGUF (llama.cpp),
+   safetensors (an 8-byte header length, then a JSON object), a PyTorch zip
+   (torch.save) or a bare pickle (protocol 2 to 5, then an opcode that starts
+   a torch.save stream; a legacy header whose dim ends in 0x0?80 has a zero
+   byte there). */
+static const char *foreign_format(const unsigned char *d, size_t size) {
+    if (size >= 4 && memcmp(d, "GGUF", 4) == 0) return "a GGUF file (llama.cpp's format)";
+    if (size >= 4 && memcmp(d, "PK\x03\x04", 4) == 0) return "a zip archive (a PyTorch .pt/.pth/.bin checkpoint)";
+    if (size >= 3 && d[0] == 0x80 && d[1] >= 2 && d[1] <= 5 && strchr("\x8a\x95}]c(", d[2]) && d[2] != 0)
+        return "a Python pickle (a PyTorch checkpoint)";
+    if (size >= 10) {
+        uint64_t n;
+        memcpy(&n, d, 8);
+        if (n >= 2 && n <= size - 8 && d[8] == '{') return "a safetensors file";
+    }
+    return NULL;
+}
+
+/* Whether the file parses as a whole llama2.c tokenizer.bin: a plausible
+   max_token_length, then (score, length <= max, bytes) entries that end
+   exactly at the end of the file. A checkpoint fails within a few entries. */
+static int looks_like_tokenizer(const unsigned char *d, size_t size) {
+    if (size < 4) return 0;
+    int32_t max_len = read_i32((const char *)d);
+    if (max_len <= 0 || max_len > (1 << 20)) return 0;
+    size_t at = 4;
+    int entries = 0;
+    while (size - at >= 8) {
+        int32_t len = read_i32((const char *)d + at + 4);
+        if (len < 0 || len > max_len || size - at - 8 < (size_t)len) return 0;
+        at += 8 + (size_t)len;
+        entries++;
+    }
+    return at == size && entries >= 3;
+}
+
+/* Whether the file is a run.c checkpoint: the "ak42" magic, or a legacy
+   header whose shapes account for exactly the file's size (with or without
+   a separate classifier). */
+static int looks_like_checkpoint(const unsigned char *d, size_t size) {
+    if (size >= 8 && read_i32((const char *)d) == (int32_t)AK42_MAGIC) return 1;
+    if (size < LEGACY_HEADER_BYTES) return 0;
+    double h[7];
+    for (int i = 0; i < 7; i++) h[i] = fabs((double)read_i32((const char *)d + 4 * i));
+    double dim = h[0], hidden = h[1], L = h[2], heads = h[3], kv = h[4], vocab = h[5], seq = h[6];
+    if (dim == 0 || heads == 0 || kv == 0 || fmod(dim, heads) != 0) return 0;
+    double head = dim / heads, kv_dim = head * kv;
+    double floats = vocab * dim + 2 * L * dim + L * dim * (2 * dim + 2 * kv_dim) + 3 * L * hidden * dim + dim + seq * head;
+    double bytes = LEGACY_HEADER_BYTES + 4 * floats;
+    return bytes == (double)size || bytes + 4 * vocab * dim == (double)size;
+}
+
+/* Dies with a line naming the file's kind when it is not a checkpoint. */
+static void refuse_non_checkpoint(const FileCursor *c) {
+    const unsigned char *d = (const unsigned char *)c->base;
+    const char *kind = foreign_format(d, c->size);
+    if (kind) die(EXIT_BAD_FILE, "%s: is %s, not a run.c checkpoint: %s", c->path, kind, CONVERT_HINT);
+    if (looks_like_tokenizer(d, c->size))
+        die(EXIT_BAD_FILE, "%s: is a tokenizer, not a checkpoint (the checkpoint comes first; the tokenizer goes after -z)", c->path);
+}
+
+static float read_f32(const char *p) { float v; memcpy(&v, p, 4); return v; }
+
+/* RoPE's inverse frequencies for a version 4 header, (head_size / 2):
+   theta^(-2i / head_size), and with llama3 scaling (Llama 3.1 and later),
+   for the wavelength w = 2 pi / f of each and the original context C:
+     w < C / high_freq_factor (fast rotations): f unchanged;
+     w > C / low_freq_factor (slow ones): f / factor;
+     between: (1 - s) f / factor + s f, s = (C / w - low) / (high - low).
+   Computed in double, rounded once to float. */
+static float *rope_frequencies(const Config *p) {
+    int head_size = p->dim / p->n_heads;
+    float *freq = xcalloc((size_t)head_size / 2, sizeof(float));
+    for (int i = 0; i < head_size / 2; i++) {
+        double f = pow((double)p->rope_theta, -2.0 * i / head_size);
+        if (p->rope_scaling == ROPE_SCALING_LLAMA3) {
+            double context = p->rope_original_context, wavelen = 2.0 * M_PI / f;
+            double low = p->rope_low_freq_factor, high = p->rope_high_freq_factor, factor = p->rope_factor;
+            if (wavelen > context / low) f /= factor;
+            else if (wavelen >= context / high) {
+                double smooth = (context / wavelen - low) / (high - low);
+                f = (1.0 - smooth) * f / factor + smooth * f;
+            }
+        }
+        freq[i] = (float)f;
+    }
+    return freq;
+}
+
+/* The fields that follow the shape in a version 4 header (after the shared
+   classifier byte at 36):
+     40 int32 weight encoding: WEIGHTS_F32, WEIGHTS_Q8_0 or WEIGHTS_Q4
+     44 int32 group size (values per scale; 0 for float32)
+     48 float32 norm_eps        52 float32 rope_theta
+     56 int32 rope scaling: 0 none, 1 llama3
+     60 float32 factor, 64 low_freq_factor, 68 high_freq_factor
+     72 int32 original_max_position_embeddings
+   The arrays follow at 256 in the order of versions 1 and 2. */
+static void read_header_v4(Transformer *t, const FileCursor *c) {
+    Config *p = &t->config;
+    const char *b = c->base;
+    int32_t encoding = read_i32(b + 40);
+    if (encoding == WEIGHTS_Q4)
+        die(EXIT_BAD_FILE, "%s: 4-bit weights (encoding 2) are not readable by this build", c->path);
+    if (encoding != WEIGHTS_F32 && encoding != WEIGHTS_Q8_0)
+        die(EXIT_BAD_FILE, "%s: bad header: unknown weight encoding %d", c->path, encoding);
+    t->group_size = encoding == WEIGHTS_Q8_0 ? read_i32(b + 44) : 0;
+    if (encoding == WEIGHTS_Q8_0 && t->group_size <= 0)
+        die(EXIT_BAD_FILE, "%s: bad header: int8 group size %d", c->path, t->group_size);
+    p->norm_eps = read_f32(b + 48);
+    p->rope_theta = read_f32(b + 52);
+    p->rope_scaling = read_i32(b + 56);
+    p->rope_factor = read_f32(b + 60);
+    p->rope_low_freq_factor = read_f32(b + 64);
+    p->rope_high_freq_factor = read_f32(b + 68);
+    p->rope_original_context = read_i32(b + 72);
+    if (!(p->norm_eps >= 0.0f && p->norm_eps < 1.0f))
+        die(EXIT_BAD_FILE, "%s: bad header: norm_eps %g is not in [0, 1)", c->path, p->norm_eps);
+    if (!(p->rope_theta > 0.0f && isfinite(p->rope_theta)))
+        die(EXIT_BAD_FILE, "%s: bad header: rope_theta %g must be positive", c->path, p->rope_theta);
+    if (p->rope_scaling != ROPE_SCALING_NONE && p->rope_scaling != ROPE_SCALING_LLAMA3)
+        die(EXIT_BAD_FILE, "%s: bad header: unknown rope scaling type %d (0 none, 1 llama3)", c->path, p->rope_scaling);
+    if (p->rope_scaling == ROPE_SCALING_LLAMA3 &&
+        !(p->rope_factor > 0.0f && isfinite(p->rope_factor) && p->rope_low_freq_factor > 0.0f &&
+          p->rope_high_freq_factor > p->rope_low_freq_factor && isfinite(p->rope_high_freq_factor) && p->rope_original_context > 0))
+        die(EXIT_BAD_FILE, "%s: bad header: llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+            "and original context > 0 (got %g, %g, %g, %d)", c->path, p->rope_factor, p->rope_low_freq_factor,
+            p->rope_high_freq_factor, p->rope_original_context);
 }
 
 /* Reads the header at the start of the mapping into t->config and returns
@@ -277,6 +785,7 @@ static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
    at the first weight. */
 static int read_header(Transformer *t, FileCursor *c) {
     uint32_t magic;
+    refuse_non_checkpoint(c);
     if (c->size < LEGACY_HEADER_BYTES)
         die(EXIT_BAD_FILE, "%s: truncated checkpoint: %zu bytes is shorter than any header", c->path, c->size);
     memcpy(&magic, c->base, 4);
@@ -286,12 +795,12 @@ static int read_header(Transformer *t, FileCursor *c) {
         if (c->size < AK42_HEADER_BYTES)
             die(EXIT_BAD_FILE, "%s: truncated checkpoint: header needs %d bytes, file has %zu", c->path, AK42_HEADER_BYTES, c->size);
         int32_t version = read_i32(c->base + 4);
-        if (version != 1 && version != 2)
-            die(EXIT_BAD_FILE, "%s: unknown checkpoint version %d (this program reads 1 and 2)", c->path, version);
+        if (version < 1 || version > 4)
+            die(EXIT_BAD_FILE, "%s: unknown checkpoint version %d (this program reads 0, 1, 2, 3 and 4)", c->path, version);
         for (int i = 0; i < 7; i++) h[i] = read_i32(c->base + 8 + 4 * i);
         shared = (unsigned char)c->base[36] != 0;
         t->version = version;
-        if (version == 2) t->group_size = read_i32(c->base + 37);
+        if (version >= 2) t->group_size = read_i32(c->base + 37);
         c->offset = AK42_HEADER_BYTES;
     } else {
         for (int i = 0; i < 7; i++) h[i] = read_i32(c->base + 4 * i);
@@ -301,34 +810,42 @@ static int read_header(Transformer *t, FileCursor *c) {
         t->version = 0;
         c->offset = LEGACY_HEADER_BYTES;
     }
-    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6]};
+    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6], 1e-5f, 10000.0f, ROPE_SCALING_NONE, 0, 0, 0, 0};
     validate_config(&t->config, c->path);
+    if (t->version == 4) read_header_v4(t, c);
     /* whole groups in every row; an int32 group sum of products of int8
-       values (|q| <= 127) stays below 2^31 */
+       values (|q| <= 127) stays below 2^31; 4-bit groups are whole bytes */
     int gs = t->group_size;
-    if (t->version == 2 && (gs <= 0 || t->config.dim % gs != 0 || t->config.hidden_dim % gs != 0))
+    if ((t->version == 2 || t->version == 3 || gs != 0) && (gs <= 0 || t->config.dim % gs != 0 || t->config.hidden_dim % gs != 0))
         die(EXIT_BAD_FILE, "%s: bad header: group size %d does not divide dim %d and hidden_dim %d",
             c->path, gs, t->config.dim, t->config.hidden_dim);
+    if (t->version == 3 && gs % 2 != 0)
+        die(EXIT_BAD_FILE, "%s: bad header: group size %d is odd (4-bit values come in pairs)", c->path, gs);
     if (gs > 65536) die(EXIT_BAD_FILE, "%s: bad header: group size %d is above 65536", c->path, gs);
     return shared;
 }
 
+/* Dies for a directory given as a file: a Hugging Face model directory
+   (it holds config.json) is named as one, with the command that converts it. */
+static void refuse_directory(const char *path, const char *kind) {
+    size_t len = strlen(path) + sizeof("/config.json");
+    char *config = xcalloc(len, 1);
+    snprintf(config, len, "%s/config.json", path);
+    FILE *probe = fopen(config, "rb");
+    int hf = probe != NULL;
+    if (probe) fclose(probe);
+    free(config);
+    if (hf) die(EXIT_BAD_FILE, "%s: is a Hugging Face model directory, not a %s file: convert it with `python3 export.py model %s out.bin`",
+                path, kind, path);
+    die(EXIT_BAD_FILE, "%s: is a directory, not a %s file", path, kind);
+}
+
+/* Maps the file read-only (section "Platform"), with advice to the kernel
+   where it takes it. */
 static void *map_file(const char *path, size_t *size, const char *kind) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK); /* a FIFO must not block here: it is rejected below */
-    if (fd < 0) die(EXIT_BAD_FILE, "%s: cannot open %s: %s", path, kind, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        die(EXIT_BAD_FILE, "%s: %s is not a regular file", path, kind);
-    }
-    *size = (size_t)st.st_size;
-    if (*size == 0) {
-        close(fd);
-        die(EXIT_BAD_FILE, "%s: %s is empty", path, kind);
-    }
-    void *data = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (data == MAP_FAILED) die(EXIT_BAD_FILE, "%s: cannot map %s: %s", path, kind, strerror(errno));
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) refuse_directory(path, kind);
+    void *data = map_readonly(path, size, kind);
     /* advice only: 2 MB pages where the file system has them (streaming the
        weights then misses the TLB 512 times less often), and every page read
        and mapped now rather than faulted in during the first tokens */
@@ -347,49 +864,16 @@ static void load_checkpoint(Transformer *t, const char *path) {
     FileCursor c = {t->mapping, t->file_size, 0, path};
     int shared = read_header(t, &c);
     map_weights(t, &c, shared);
-}
-
-/* Allocates activations for `max_rows` rows at once and a cache with
-   `n_slots` slots of `context` positions (no more than the run will use, so
-   that a long seq_len costs nothing when -n is small). */
-static void alloc_run_state(RunState *s, const Config *p, int max_rows, int n_slots, int context) {
-    int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
-    size_t rows = (size_t)max_rows;
-    /* the cache has four factors: check its size in floating point first */
-    double cache_bytes = 2.0 * sizeof(float) * p->n_layers * (double)n_slots * context * kv_dim;
-    if (cache_bytes > (double)(SIZE_MAX / 4))
-        die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", cache_bytes);
-    size_t cache = (size_t)p->n_layers * (size_t)n_slots * (size_t)context * (size_t)kv_dim;
-    s->max_rows = max_rows;
-    s->n_slots = n_slots;
-    s->context = context;
-    s->x = xcalloc(rows * p->dim, sizeof(float));
-    s->xb = xcalloc(rows * p->dim, sizeof(float));
-    s->xb2 = xcalloc(rows * p->dim, sizeof(float));
-    s->hb = xcalloc(rows * p->hidden_dim, sizeof(float));
-    s->hb2 = xcalloc(rows * p->hidden_dim, sizeof(float));
-    s->q = xcalloc(rows * p->dim, sizeof(float));
-    s->k = xcalloc(rows * kv_dim, sizeof(float));
-    s->v = xcalloc(rows * kv_dim, sizeof(float));
-    s->att = xcalloc(rows * (size_t)p->n_heads * (size_t)context, sizeof(float));
-    s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
-    s->key_cache = xcalloc(cache, sizeof(float));
-    s->value_cache = xcalloc(cache, sizeof(float));
-}
-
-static void free_run_state(RunState *s) {
-    free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
-    free(s->q); free(s->k); free(s->v); free(s->att); free(s->logits);
-    free(s->key_cache); free(s->value_cache);
-    memset(s, 0, sizeof(*s));
+    /* only now: a header's head size is bounded by the file once its weights fit */
+    if (t->version == 4) t->rope_freq = rope_frequencies(&t->config);
 }
 
 static void free_transformer(Transformer *t) {
     Weights *w = &t->weights;
+    free(t->rope_freq);
     free(w->wq); free(w->wk); free(w->wv); free(w->wo);
     free(w->w1); free(w->w2); free(w->w3);
-    free_run_state(&t->state);
-    if (t->mapping) munmap(t->mapping, t->file_size);
+    if (t->mapping) unmap(t->mapping, t->file_size);
     memset(t, 0, sizeof(*t));
 }
 
@@ -397,12 +881,13 @@ static void free_transformer(Transformer *t) {
 /* 3. Kernels                                                               */
 /* ------------------------------------------------------------------------ */
 
-/* o = w * x / sqrt(mean(x^2) + 1e-5), for one row of `size` values. */
-static void rmsnorm(float *o, const float *x, const float *w, int size) {
+/* o = w * x / sqrt(mean(x^2) + eps), for one row of `size` values (eps is
+   1e-5 but in version 4 checkpoints). */
+static void rmsnorm(float *o, const float *x, const float *w, int size, float eps) {
     float ss = 0.0f;
     for (int j = 0; j < size; j++) ss += x[j] * x[j];
     ss /= size;
-    ss += 1e-5f;
+    ss += eps;
     ss = 1.0f / sqrtf(ss);
     for (int j = 0; j < size; j++) o[j] = w[j] * (ss * x[j]);
 }
@@ -428,7 +913,7 @@ static void softmax(float *x, int size) {
 
    float32 weights: the plain C kernel sums each output left to right, as
    llama2.c does, so the default build prints exactly what llama2.c prints.
-   The vector kernels (AVX2, AVX-512) keep one vector accumulator per output,
+   The vector kernels (AVX2, AVX-512, NEON) keep one vector accumulator per output,
    add the products of the next SIMD_WIDTH columns to it lane by lane, and add
    up its lanes at the end: the same order for every n, so a prompt read in
    blocks gives the same logits as one read token by token.
@@ -436,7 +921,10 @@ static void softmax(float *x, int size) {
    int8 weights ("Q8_0", as llama2.c's runq.c): each input row is quantised in
    groups of group_size values, x ~ xq * xs with xs = max|x| / 127 and
    xq = round(x / xs) in -127..127; then, with exact integer sums per group g,
-     out[b][i] = sum_g (sum_{j in g} wq[i][j] * xq[b][j]) * ws[i][g] * xs[b][g] */
+     out[b][i] = sum_g (sum_{j in g} wq[i][j] * xq[b][j]) * ws[i][g] * xs[b][g]
+   4-bit weights (version 3): the same, with wq in -8..7 unpacked from nibbles.
+   The VNNI kernels add each output's group terms one after the other (as
+   the plain kernel does, with a fused multiply-add), whatever n is. */
 
 /* Starts loading the `bytes` bytes at p into the cache ahead of their use,
    where the compiler offers it (GCC, Clang; inlined by force, as GCC drops
@@ -462,11 +950,21 @@ static float group_scale(const Matrix *W, size_t g) {
     return s;
 }
 
-/* out = row `row` of W in float32: int8 values times their group's scale. */
+/* The 4-bit value q in -8..7 at index `at` of a 4-bit matrix (row-major). */
+static int q4_value(const Matrix *W, size_t at) {
+    uint8_t pair = W->q4[at / 2];
+    return (at % 2 ? pair >> 4 : pair & 15) - 8;
+}
+
+/* out = row `row` of W in float32: quantised values times their group's scale. */
 static void matrix_row(float *out, const Matrix *W, int row) {
     size_t at = (size_t)row * W->cols;
     if (W->group_size == 0) {
         memcpy(out, W->w + at, (size_t)W->cols * sizeof(float));
+        return;
+    }
+    if (W->q4) {
+        for (int j = 0; j < W->cols; j++) out[j] = q4_value(W, at + j) * group_scale(W, (at + j) / W->group_size);
         return;
     }
     for (int j = 0; j < W->cols; j++) out[j] = W->q[at + j] * group_scale(W, (at + j) / W->group_size);
@@ -526,107 +1024,626 @@ static void matmul_q8_plain(float *out, const int16_t *xq, const float *xs, cons
     }
 }
 
-/* Vector types and operations, when the compiler targets AVX-512 or AVX2:
-   vfloat holds SIMD_WIDTH floats; vint SIMD_WIDTH int32 or twice as many
-   int16. Each kernel block computes MM_ROWS weight rows times MM_INPUTS
-   (float32) or QMM_INPUTS (int8) input rows, as many accumulators as the
-   registers hold (32 vector registers with AVX-512, 16 with AVX2). */
+/* Plain C, 4-bit: as matmul_q8_plain, with each byte's two values. */
+static void matmul_q4_plain(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
+    const int rows = W->rows, cols = W->cols, gs = W->group_size, groups = cols / gs;
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    for (int i = 0; i < rows; i++) {
+        const uint8_t *w = W->q4 + (size_t)i * cols / 2;
+        for (int b = 0; b < n; b++) {
+            const int16_t *q = xq + (size_t)b * cols;
+            float val = 0.0f;
+            for (int g = 0; g < groups; g++) {
+                int32_t ival = 0;
+                for (int j = g * gs; j < (g + 1) * gs; j += 2)
+                    ival += ((w[j / 2] & 15) - 8) * q[j] + ((w[j / 2] >> 4) - 8) * q[j + 1];
+                val += (float)ival * group_scale(W, (size_t)i * groups + g) * xs[(size_t)b * groups + g];
+            }
+            out[(size_t)b * rows + i] = val;
+        }
+    }
+}
+
+/* Vector types and operations, when the compiler targets AVX-512, AVX2 or
+   (asked for with RUN_SIMD) NEON: vfloat holds SIMD_WIDTH floats; vint
+   SIMD_WIDTH int32, or twice as many int16, or four times as many bytes. The kernels below use only these
+   operations, so that another instruction set needs only its own version of
+   this list. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#ifdef __AVX512VNNI__
+#define KERNEL_NAME "AVX-512 VNNI"
+#else
+#define KERNEL_NAME "AVX-512"
+#endif
 #define SIMD_WIDTH 16
-#define MM_INPUTS 4
-#define QMM_INPUTS 2
 typedef __m512 vfloat;
 typedef __m512i vint;
 static inline vfloat vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vfloat vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vfloat v) { _mm512_storeu_ps(p, v); }
 static inline vfloat vf_set(float v) { return _mm512_set1_ps(v); }
 static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vf_sum(vfloat v) { return _mm512_reduce_add_ps(v); }
+/* The sum of the lanes, as a tree: v[k] + v[k+8], then + the lanes 4 on,
+   then 2 on, then 1 on. */
+static inline float vf_sum(vfloat v) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+/* Lane q = vf_sum(v[q]) for 16 vectors, with the same additions of the same
+   pairs (a + b = b + a exactly), but 15 vector additions for all of them. */
+static inline vfloat vf_sums(const vfloat *v) {
+    vfloat s8[8], s4[4], s2[2];
+    for (int q = 0; q < 8; q++) /* lanes 0..7: v[2q][k] + v[2q][k+8]; 8..15: v[2q+1] */
+        s8[q] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * q], v[2 * q + 1], 0x44), _mm512_shuffle_f32x4(v[2 * q], v[2 * q + 1], 0xEE));
+    for (int q = 0; q < 4; q++) /* 128-bit block m: vector 4q + m, its sums 4 apart */
+        s4[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * q], s8[2 * q + 1], 0x88), _mm512_shuffle_f32x4(s8[2 * q], s8[2 * q + 1], 0xDD));
+    for (int q = 0; q < 2; q++) /* block m: sums 2 apart of vectors 8q + m, 8q + 4 + m */
+        s2[q] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * q], s4[2 * q + 1], 0x44), _mm512_shuffle_ps(s4[2 * q], s4[2 * q + 1], 0xEE));
+    /* block m: the sums of vectors m, 4 + m, 8 + m, 12 + m; put back in order */
+    vfloat s1 = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s1);
+}
+static inline vfloat vi_to_float(vint v) { return _mm512_cvtepi32_ps(v); }
+/* SIMD_WIDTH half-precision values, or int8 values times a scale, as floats
+   (the key/value cache's f16 and q8_0 types) */
+#define VF_CACHE_LOADS 1
+static inline vfloat vf_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vfloat vf_load_i8_scaled(const int8_t *p, float scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), _mm512_set1_ps(scale));
+}
+#ifndef __AVX512VNNI__
 static inline vint vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vint vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vint vi_load_i16(const int16_t *p) { return _mm512_loadu_si512(p); }
-static inline vfloat vi_to_float(vint v) { return _mm512_cvtepi32_ps(v); }
 /* int32 lane k += a[2k] * b[2k] + a[2k+1] * b[2k+1] (int16 a, b) */
-static inline vint vi_dot(vint acc, vint a, vint b) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, a, b);
+static inline vint vi_dot(vint acc, vint a, vint b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
+#define VNNI 1
+/* 4 * SIMD_WIDTH bytes: the first `count` from p, zeros after them (bytes
+   past them are not read) */
+static inline vint vi_load_bytes(const void *p, int count) {
+    return _mm512_maskz_loadu_epi8(count >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << count) - 1, p);
 }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define KERNEL_NAME "AVX2"
 #define SIMD_WIDTH 8
-#define MM_INPUTS 2
-#define QMM_INPUTS 1
 typedef __m256 vfloat;
 typedef __m256i vint;
 static inline vfloat vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vfloat vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vfloat v) { _mm256_storeu_ps(p, v); }
 static inline vfloat vf_set(float v) { return _mm256_set1_ps(v); }
 static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+/* as a tree: v[k] + v[k+4], then + the lanes 2 on, then 1 on */
 static inline float vf_sum(vfloat v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* lane q = vf_sum(v[q]) for 8 vectors, the same additions */
+static inline vfloat vf_sums(const vfloat *v) {
+    vfloat s4[4], s2[2];
+    for (int q = 0; q < 4; q++) /* lanes 0..3: v[2q][k] + v[2q][k+4]; 4..7: v[2q+1] */
+        s4[q] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * q], v[2 * q + 1], 0x20), _mm256_permute2f128_ps(v[2 * q], v[2 * q + 1], 0x31));
+    for (int q = 0; q < 2; q++) /* 128-bit half m: vectors 4q + m, 4q + 2 + m, sums 2 apart */
+        s2[q] = _mm256_add_ps(_mm256_shuffle_ps(s4[2 * q], s4[2 * q + 1], 0x44), _mm256_shuffle_ps(s4[2 * q], s4[2 * q + 1], 0xEE));
+    /* half m: the sums of vectors m, 2 + m, 4 + m, 6 + m; put back in order */
+    vfloat s1 = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
+    return _mm256_permutevar8x32_ps(s1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 static inline vint vi_zero(void) { return _mm256_setzero_si256(); }
 static inline vint vi_load_i8(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 static inline vint vi_load_i16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vfloat vi_to_float(vint v) { return _mm256_cvtepi32_ps(v); }
 static inline vint vi_dot(vint acc, vint a, vint b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#ifdef __F16C__
+#define VF_CACHE_LOADS 1
+static inline vfloat vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vfloat vf_load_i8_scaled(const int8_t *p, float scale) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))), _mm256_set1_ps(scale));
+}
+#endif
+#elif defined(RUN_SIMD) && defined(__aarch64__) && defined(__ARM_NEON)
+/* NEON, on every aarch64 CPU, so a build takes it only when asked (RUN_SIMD,
+   as `make runfast` and `make runomp` do): `make run` stays plain C. 32
+   vector registers of 4 floats. int8 dot products either with the sdot
+   instruction (ARMv8.2 dotprod: 4 products per int32 lane) or by int16
+   multiplies whose pairs are added into int32 lanes. */
+#include <arm_neon.h>
+#define SIMD_WIDTH 4
+typedef float32x4_t vfloat;
+typedef int32x4_t vint; /* also 16 int8 or 8 int16, reinterpreted */
+static inline vfloat vf_zero(void) { return vdupq_n_f32(0.0f); }
+static inline vfloat vf_load(const float *p) { return vld1q_f32(p); }
+static inline void vf_store(float *p, vfloat v) { vst1q_f32(p, v); }
+static inline vfloat vf_set(float v) { return vdupq_n_f32(v); }
+static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return vfmaq_f32(c, a, b); }
+static inline float vf_sum(vfloat v) { return vaddvq_f32(v); }
+/* lane q = vf_sum(v[q]) for 4 vectors: the same instruction for each */
+static inline vfloat vf_sums(const vfloat *v) {
+    float s[4] = {vf_sum(v[0]), vf_sum(v[1]), vf_sum(v[2]), vf_sum(v[3])};
+    return vld1q_f32(s);
+}
+static inline vint vi_zero(void) { return vdupq_n_s32(0); }
+static inline vfloat vi_to_float(vint v) { return vcvtq_f32_s32(v); }
+#ifdef __ARM_FEATURE_DOTPROD
+#define KERNEL_NAME "NEON dotprod"
+/* 16 columns per vi_dot: the quantised inputs (in -127..127) narrowed to
+   int8, exactly */
+#define VI_COLS 16
+static inline vint vi_load_i8(const int8_t *p) { return vreinterpretq_s32_s8(vld1q_s8(p)); }
+static inline vint vi_load_i16(const int16_t *p) {
+    return vreinterpretq_s32_s8(vcombine_s8(vmovn_s16(vld1q_s16(p)), vmovn_s16(vld1q_s16(p + 8))));
+}
+/* int32 lane k += a[4k] * b[4k] + ... + a[4k+3] * b[4k+3] (int8 a, b) */
+static inline vint vi_dot(vint acc, vint a, vint b) {
+    return vdotq_s32(acc, vreinterpretq_s8_s32(a), vreinterpretq_s8_s32(b));
+}
+#else
+#define KERNEL_NAME "NEON"
+static inline vint vi_load_i8(const int8_t *p) { return vreinterpretq_s32_s16(vmovl_s8(vld1_s8(p))); }
+static inline vint vi_load_i16(const int16_t *p) { return vreinterpretq_s32_s16(vld1q_s16(p)); }
+/* int32 lane k += a[2k] * b[2k] + a[2k+1] * b[2k+1] (int16 a, b): each
+   product of an int8 weight and an input in -127..127 fits in int16 */
+static inline vint vi_dot(vint acc, vint a, vint b) {
+    return vpadalq_s16(acc, vmulq_s16(vreinterpretq_s16_s32(a), vreinterpretq_s16_s32(b)));
+}
+#endif
+#else
+#define KERNEL_NAME "plain C"
 #endif
 
 #ifdef SIMD_WIDTH
+/* The int8 columns one vi_dot consumes (without VNNI): vi_load_i8 and
+   vi_load_i16 load VI_COLS values, and vi_dot adds to int32 lane k the
+   products of columns k * c .. k * c + c - 1 (c = VI_COLS / SIMD_WIDTH),
+   exactly. */
+#ifndef VI_COLS
+#define VI_COLS (2 * SIMD_WIDTH)
+#endif
+/* Register blocks: the n = 1 kernels compute MM_ROWS weight rows at a time
+   (few accumulators, as decoding is bound by reading the weights); with
+   more input rows, a block is MB_ROWS weight rows times MB_INPUTS input
+   rows, as many accumulators as the registers hold next to the inputs (32
+   vector registers with AVX-512, 16 with AVX2), so that each loaded vector
+   feeds several multiply-adds and the arithmetic units, not the loads, are
+   the limit. */
 #define MM_ROWS 4
-/* Always inlined, so that NB is a constant in every copy: the loops over
-   rows and inputs unroll and the accumulators live in registers. */
+#if SIMD_WIDTH == 16
+#define MB_ROWS 6
+#define MB_INPUTS 4
+#define QB_ROWS 4 /* without VNNI (with it: QV_ROWS, QV_VECTORS) */
+#define QB_INPUTS 2
+#elif SIMD_WIDTH == 4 /* NEON: 32 registers of 4 floats */
+#define MB_ROWS 4
+#define MB_INPUTS 4
+#define QB_ROWS 4
+#define QB_INPUTS 2
+#else
+#define MB_ROWS 4
+#define MB_INPUTS 2
+#define QB_ROWS 4
+#define QB_INPUTS 1
+#endif
+/* the largest block: the size of the kernels' accumulator arrays */
+#define MB_MAX 6
+#define MB_MAX_INPUTS 4
+/* Always inlined, so that NR and NB are constants in every copy: the loops
+   over rows and inputs unroll and the accumulators live in registers. */
 #define KERNEL static inline __attribute__((always_inline))
 
-/* out[b * stride + r] = W_r . x_b for the MM_ROWS rows of W from w (the last
-   one repeated when only n_rows remain) and the NB input rows from x (the
-   last repeated past n_in); cols is a multiple of SIMD_WIDTH.
-   A block reads MM_ROWS short streams (a row of int8 is about a kilobyte),
-   too short for the hardware prefetchers to follow: the kernels prefetch
-   `next`, the next block of rows (the last block: its own rows), as many
-   bytes at a time as they read. */
-KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *next, const float *x, int n_in, int cols,
-                      const int NB) {
-    const float *wr[MM_ROWS], *xr[MM_INPUTS];
-    vfloat acc[MM_ROWS][MM_INPUTS];
-    for (int r = 0; r < MM_ROWS; r++) wr[r] = w + (size_t)(r < n_rows ? r : n_rows - 1) * cols;
-    for (int b = 0; b < NB; b++) xr[b] = x + (size_t)(b < n_in ? b : n_in - 1) * cols;
-    for (int r = 0; r < MM_ROWS; r++)
-        for (int b = 0; b < NB; b++) acc[r][b] = vf_zero();
+/* out[b * stride + r] = the lanes of acc[r * NB + b] added up (vf_sum),
+   for the n_rows x n_in results a block keeps; SIMD_WIDTH of them at a time
+   with vf_sums, which adds the same pairs. */
+KERNEL void store_sums(float *out, size_t stride, const vfloat *acc, int n_rows, int n_in, const int NR, const int NB) {
+    if (NR * NB < SIMD_WIDTH) {
+        for (int r = 0; r < n_rows; r++)
+            for (int b = 0; b < NB && b < n_in; b++) out[b * stride + r] = vf_sum(acc[r * NB + b]);
+        return;
+    }
+    for (int first = 0; first < NR * NB; first += SIMD_WIDTH) {
+        vfloat v[SIMD_WIDTH];
+        float sums[SIMD_WIDTH];
+        for (int q = 0; q < SIMD_WIDTH; q++) v[q] = first + q < NR * NB ? acc[first + q] : vf_zero();
+        vf_store(sums, vf_sums(v));
+        for (int q = 0; q < SIMD_WIDTH && first + q < NR * NB; q++) {
+            int r = (first + q) / NB, b = (first + q) % NB;
+            if (r < n_rows && b < n_in) out[b * stride + r] = sums[q];
+        }
+    }
+}
+
+/* out[b * stride + r] = W_r . x_b for NR rows of W from w (the last one
+   repeated when only n_rows remain) and NB input rows packed in xp: the
+   SIMD_WIDTH values of columns j.. of input b at xp[j * NB + b * SIMD_WIDTH]
+   (one input row as it is, for NB = 1); cols is a multiple of SIMD_WIDTH.
+   A block reads NR short streams of weights (a row of int8 is about a
+   kilobyte), too short for the hardware prefetchers to follow: the kernels
+   prefetch `next`, the next block of rows (NULL: none), as many bytes at a
+   time as they read. */
+KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *next, const float *xp, int n_in, int cols,
+                      const int NR, const int NB) {
+    const float *wr[MB_MAX];
+    vfloat acc[MB_MAX * MB_MAX_INPUTS]; /* acc[r * NB + b] */
+    for (int r = 0; r < NR; r++) wr[r] = w + (size_t)(r < n_rows ? r : n_rows - 1) * cols;
+    for (int r = 0; r < NR; r++)
+        for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_zero();
     for (int j = 0; j < cols; j += SIMD_WIDTH) {
-        vfloat xv[MM_INPUTS];
-        for (int b = 0; b < NB; b++) xv[b] = vf_load(xr[b] + j);
-        prefetch(next + (size_t)MM_ROWS * j, MM_ROWS * SIMD_WIDTH * sizeof(float));
-        for (int r = 0; r < MM_ROWS; r++) {
+        vfloat xv[MB_MAX_INPUTS];
+        for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)j * NB + b * SIMD_WIDTH);
+        if (next) prefetch(next + (size_t)NR * j, NR * SIMD_WIDTH * sizeof(float));
+        for (int r = 0; r < NR; r++) {
             vfloat wv = vf_load(wr[r] + j);
-            for (int b = 0; b < NB; b++) acc[r][b] = vf_fma(wv, xv[b], acc[r][b]);
+            for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_fma(wv, xv[b], acc[r * NB + b]);
+        }
+    }
+    store_sums(out, stride, acc, n_rows, n_in, NR, NB);
+}
+
+#ifndef VNNI
+#define Q8_BLOCK_ROWS QB_ROWS
+#define Q8_ONE_ROWS MM_ROWS
+/* The same for int8 rows i.. of W and quantised inputs (xq, xs: NB rows,
+   one after the other): per group, exact int32 sums of products
+   (VI_COLS / SIMD_WIDTH columns per lane), then acc += float(sum) * (ws * xs)
+   lane by lane; group_size is a multiple of VI_COLS. */
+KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const int8_t *next, const int16_t *xq,
+                     const float *xs, int n_in, const int NR, const int NB) {
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
+    const int8_t *wr[MB_MAX];
+    const int16_t *xr[MB_MAX_INPUTS];
+    const float *sr[MB_MAX_INPUTS];
+    size_t wg[MB_MAX];
+    vfloat acc[MB_MAX * MB_MAX_INPUTS]; /* acc[r * NB + b] */
+    for (int r = 0; r < NR; r++) {
+        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
+        wr[r] = W->q + row * cols;
+        wg[r] = row * groups;
+    }
+    for (int b = 0; b < NB; b++) {
+        int in = b < n_in ? b : n_in - 1;
+        xr[b] = xq + (size_t)in * cols;
+        sr[b] = xs + (size_t)in * groups;
+    }
+    for (int r = 0; r < NR; r++)
+        for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_zero();
+    for (int g = 0; g < groups; g++) {
+        vint isum[MB_MAX][MB_MAX_INPUTS];
+        for (int r = 0; r < NR; r++)
+            for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
+        for (int j = g * gs; j < (g + 1) * gs; j += VI_COLS) {
+            if (next) prefetch(next + (size_t)NR * j, NR * VI_COLS);
+            for (int r = 0; r < NR; r++) {
+                vint wv = vi_load_i8(wr[r] + j);
+                for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, vi_load_i16(xr[b] + j));
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            float ws = group_scale(W, wg[r] + g);
+            for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_fma(vi_to_float(isum[r][b]), vf_set(ws * sr[b][g]), acc[r * NB + b]);
+        }
+    }
+    store_sums(out, stride, acc, n_rows, n_in, NR, NB);
+}
+#else
+/* int8 with VNNI's byte dot products: vpdpbusd adds to each int32 lane the
+   four products of unsigned bytes by signed bytes. The weights are made
+   unsigned (wq + 128: the sign bit flipped) and the inputs stay signed (xq
+   in -127..127), so that a group's sum of (wq + 128) * xq is its isum plus
+   128 * sum xq: it starts at -128 * sum xq ("the start", prepared with the
+   inputs). Each output is summed group by group, in order,
+     acc = fma(float(isum_g), ws_g * xs_g, acc),  isum_g exact in int32,
+   the same steps whichever kernel below computes it, so a row's result does
+   not depend on the other rows of its batch. group_size is a multiple of 4.
+   4-bit weights (bits = 4) go the same way: their stored nibbles are q + 8,
+   unsigned already, and the group sums start at -8 * sum xq. */
+#define QV_ROWS 3    /* the weight rows of block_q8 */
+#define QV_VECTORS 4 /* its vectors of SIMD_WIDTH input rows at most */
+/* matmul_simd's blocks: QV_TILES tiles of QV_ROWS rows */
+#define QV_TILES 4
+#define Q8_BLOCK_ROWS (QV_ROWS * QV_TILES)
+#define Q8_ONE_ROWS QD_ROWS /* and for one input row */
+
+/* The 4-bit values of columns j..j+3 of a row, from its 2 bytes at p (the
+   low nibble first), as 4 bytes q + 8. */
+static inline int32_t q4_word(const uint8_t *p) {
+#ifdef __BMI2__ /* one instruction: the 16 bits spread to the low nibbles of 4 bytes */
+    uint16_t two;
+    memcpy(&two, p, sizeof(two));
+    return (int32_t)_pdep_u32(two, 0x0F0F0F0Fu);
+#else
+    uint32_t lo = p[0], hi = p[1];
+    return (int32_t)((lo & 15) | (lo >> 4) << 8 | (hi & 15) << 16 | (hi >> 4) << 24);
+#endif
+}
+
+/* The weights of `count` (at most 64) columns at p as 64 unsigned bytes
+   (past count: bytes that the caller multiplies by zero inputs): int8 with
+   the sign bit flipped (wq + 128), 4-bit as q + 8,
+   each byte widened to 16 bits, then (b | b << 4) & 0x0F0F puts its low
+   nibble in the low byte and its high nibble in the high one. */
+KERNEL __m512i weight_bytes(const uint8_t *p, int count, const int bits) {
+    if (bits == 8) {
+        __m512i w = count >= 64 ? _mm512_loadu_si512(p) : vi_load_bytes(p, count);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    __m256i b = count >= 64 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi8(((__mmask32)1 << (count / 2)) - 1, p);
+    __m512i e = _mm512_cvtepu8_epi16(b);
+    return _mm512_ternarylogic_epi32(e, _mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
+}
+
+/* out[b * stride + r] for NR rows i.. of W and the 16 * NV input rows packed
+   in xv, one input row per lane: for each 4 columns, a row's 4 weights
+   are copied to every lane and multiplied by those columns of 16 inputs.
+   xv (NV, cols / 4, 16 inputs, 4 bytes); cv, sv (NV, groups, 16): the start
+   and the scale of each input's group sums. */
+KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *xv,
+                     const int32_t *cv, const float *sv, int n_in, const int NR, const int NV, const int bits) {
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
+    const uint8_t *wr[QV_ROWS];
+    size_t wg[QV_ROWS];
+    vfloat acc[QV_ROWS * QV_VECTORS]; /* acc[r * NV + v] */
+    for (int r = 0; r < NR; r++) {
+        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
+        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * cols : W->q4 + row * cols / 2;
+        wg[r] = row * groups;
+    }
+    for (int k = 0; k < NR * NV; k++) acc[k] = vf_zero();
+    for (int g = 0; g < groups; g++) {
+        __m512i isum[QV_ROWS * QV_VECTORS];
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < NV; v++) isum[r * NV + v] = _mm512_loadu_si512(cv + ((size_t)v * groups + g) * 16);
+        if (next) prefetch(next + (size_t)NR * g * gs * bits / 8, (size_t)NR * gs * bits / 8);
+        for (int j = g * gs; j < (g + 1) * gs; j += 4) {
+            __m512i x[QV_VECTORS];
+            for (int v = 0; v < NV; v++) x[v] = _mm512_loadu_si512(xv + ((size_t)v * (cols / 4) + j / 4) * 64);
+            for (int r = 0; r < NR; r++) {
+                int32_t w4;
+                if (bits == 8) {
+                    memcpy(&w4, wr[r] + j, sizeof(w4));
+                    w4 ^= (int32_t)0x80808080u;
+                } else {
+                    w4 = q4_word(wr[r] + j / 2);
+                }
+                __m512i w = _mm512_set1_epi32(w4);
+                for (int v = 0; v < NV; v++) isum[r * NV + v] = _mm512_dpbusd_epi32(isum[r * NV + v], w, x[v]);
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            vfloat ws = vf_set(group_scale(W, wg[r] + g));
+            for (int v = 0; v < NV; v++)
+                acc[r * NV + v] = vf_fma(vi_to_float(isum[r * NV + v]), _mm512_mul_ps(ws, vf_load(sv + ((size_t)v * groups + g) * 16)),
+                                         acc[r * NV + v]);
         }
     }
     for (int r = 0; r < n_rows; r++)
-        for (int b = 0; b < NB && b < n_in; b++) out[b * stride + r] = vf_sum(acc[r][b]);
+        for (int v = 0; v < NV; v++) {
+            float lanes[16];
+            vf_store(lanes, acc[r * NV + v]);
+            for (int b = 0; b < 16 && v * 16 + b < n_in; b++) out[(size_t)(v * 16 + b) * stride + r] = lanes[b];
+        }
 }
 
-/* The same for int8 rows i.. of W and quantised inputs: per group, exact
-   int32 sums of products (two columns per lane), then
-   acc += float(sum) * ws * xs lane by lane; group_size is a multiple of
-   2 * SIMD_WIDTH. */
-KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const int8_t *next, const int16_t *xq,
+/* Lane q = the sum of the int32 lanes of v[q], for 16 vectors (exact, so
+   in any order), and lane q of *hi the sum of lanes 8..15 of v[q] (two
+   groups of 32 columns in one vector: then the result is that of lanes
+   0..7). Within each 128 bits first (pairs, then pairs of pairs: block m
+   of t4[q], lane e = the sum of block m of v[4q + e]), then the blocks,
+   on float registers (the shuffles move bits only). */
+static inline __m512i vi_sums(const __m512i *v, __m512i *hi) {
+#define ADD_I32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+    __m512 t8[8], t4[4], s[2];
+    for (int q = 0; q < 8; q++) {
+        __m512 a = _mm512_castsi512_ps(v[2 * q]), b = _mm512_castsi512_ps(v[2 * q + 1]);
+        t8[q] = ADD_I32(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+    }
+    for (int q = 0; q < 4; q++)
+        t4[q] = ADD_I32(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0x88), _mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0xDD));
+    for (int q = 0; q < 2; q++) /* blocks: t4[2q] lanes 0..7, its lanes 8..15, t4[2q + 1] the same */
+        s[q] = ADD_I32(_mm512_shuffle_f32x4(t4[2 * q], t4[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t4[2 * q], t4[2 * q + 1], 0xDD));
+    __m512i lo = _mm512_castps_si512(_mm512_shuffle_f32x4(s[0], s[1], 0x88));
+    __m512i up = _mm512_castps_si512(_mm512_shuffle_f32x4(s[0], s[1], 0xDD));
+#undef ADD_I32
+    if (hi) {
+        *hi = up;
+        return lo;
+    }
+    return _mm512_add_epi32(lo, up);
+}
+
+/* m[k] = column k of the 16 x 16 matrix whose rows are m[0..15]: within
+   each 128 bits, 4 x 4 blocks by unpacking pairs of values, then of pairs;
+   then the 128-bit blocks moved across, 4 x 4 of them. */
+static inline void transpose16(__m512 *m) {
+    __m512 t[16], u[16];
+    for (int k = 0; k < 8; k++) { /* pairs of rows: elements 0, 1 | 2, 3 of each 128 bits */
+        t[2 * k] = _mm512_unpacklo_ps(m[2 * k], m[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_ps(m[2 * k], m[2 * k + 1]);
+    }
+    for (int q = 0; q < 4; q++) { /* u[4q + e]: rows 4q..4q+3, element e of each 128 bits */
+        __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
+        u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int e = 0; e < 4; e++) { /* column 4L + e: block L of u[e], u[4 + e], u[8 + e], u[12 + e] */
+        __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xEE);
+        __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xEE);
+        m[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        m[4 + e] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        m[8 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        m[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+    }
+}
+
+/* The same outputs for n_rows (at most QD_ROWS) rows i.. of W and one input
+   row x (cols signed bytes; c, s (groups): its starts and scales), one row
+   per lane: for each group, each row's products in lanes of 4 columns,
+   those lanes added up exactly (vi_sums), then the float steps; groups of
+   32 columns two at a time, in the two halves of a vector. The rows'
+   scales of 16 groups at a time are read as rows and transposed. */
+#define QD_ROWS 16
+KERNEL void rows_q8(float *out, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x, const int32_t *c,
+                    const float *s, const int bits) {
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
+    const uint8_t *wr[QD_ROWS];
+    size_t wg[QD_ROWS];
+    for (int r = 0; r < QD_ROWS; r++) {
+        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
+        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * cols : W->q4 + row * cols / 2;
+        wg[r] = row * groups;
+    }
+    if (next) { /* the next block's scales too: read at its start, they would wait for memory */
+        int after = W->rows - i - QD_ROWS < QD_ROWS ? W->rows - i - QD_ROWS : QD_ROWS;
+        prefetch(W->scales + (size_t)(i + QD_ROWS) * groups * sizeof(float), (size_t)after * groups * sizeof(float));
+    }
+    vfloat acc = vf_zero(), ws[16]; /* ws[k]: the rows' scales of group g - g % 16 + k */
+    for (int g = 0; g < groups; g += gs == 32 ? 2 : 1) {
+        if (g % 16 == 0) {
+            for (int r = 0; r < QD_ROWS; r++)
+                ws[r] = _mm512_castsi512_ps(
+                    vi_load_bytes(W->scales + (wg[r] + g) * sizeof(float), (groups - g < 16 ? groups - g : 16) * (int)sizeof(float)));
+            transpose16(ws);
+        }
+        __m512i isum[QD_ROWS];
+        for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_setzero_si512();
+        for (int j = g * gs; j < (g + 1) * gs || (gs == 32 && j < cols && j < (g + 2) * gs); j += 64) {
+            int count = (gs == 32 ? cols : (g + 1) * gs) - j;
+            if (next) prefetch(next + (size_t)QD_ROWS * j * bits / 8, (size_t)QD_ROWS * (count < 64 ? count : 64) * bits / 8);
+            __m512i xv = vi_load_bytes(x + j, count);
+            for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_dpbusd_epi32(isum[r], weight_bytes(wr[r] + j * bits / 8, count, bits), xv);
+        }
+        __m512i second = _mm512_setzero_si512(), total = _mm512_add_epi32(vi_sums(isum, gs == 32 ? &second : NULL), _mm512_set1_epi32(c[g]));
+        acc = vf_fma(vi_to_float(total), _mm512_mul_ps(ws[g % 16], vf_set(s[g])), acc);
+        if (gs == 32 && g + 1 < groups) {
+            total = _mm512_add_epi32(second, _mm512_set1_epi32(c[g + 1]));
+            acc = vf_fma(vi_to_float(total), _mm512_mul_ps(ws[(g + 1) % 16], vf_set(s[g + 1])), acc);
+        }
+    }
+    float lanes[QD_ROWS];
+    vf_store(lanes, acc);
+    memcpy(out, lanes, (size_t)n_rows * sizeof(float));
+}
+
+/* A few input rows (2 to QQ_INPUTS - 1, group_size a multiple of 16): four
+   at a time, one per 128 bits, 16 columns per lane group: each weight row's
+   16 bytes copied to the four 128-bit blocks, x4 (cols / 16, 4 inputs, 16
+   bytes) the four inputs' same columns. Lane e of block m then holds input
+   m's products of columns 4e.. of every 16; per group, the 4 lanes of a
+   block are added up exactly (within 128 bits, as vi_sums starts), which
+   gives t4[q]: block m = input m, lane e = row 4q + e. c4, s4 (groups, 4
+   inputs, 4 copies): the starts and scales. Then the same float steps. */
+#define QQ_INPUTS 16
+KERNEL void quad_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x4,
+                    const int32_t *c4, const float *s4, int n_in, const int bits) {
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
+    const uint8_t *wr[QD_ROWS];
+    size_t wg[QD_ROWS];
+    for (int r = 0; r < QD_ROWS; r++) {
+        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
+        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * cols : W->q4 + row * cols / 2;
+        wg[r] = row * groups;
+    }
+    vfloat acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, ws[16];
+    for (int g = 0; g < groups; g++) {
+        if (g % 16 == 0) {
+            for (int r = 0; r < QD_ROWS; r++)
+                ws[r] = _mm512_castsi512_ps(
+                    vi_load_bytes(W->scales + (wg[r] + g) * sizeof(float), (groups - g < 16 ? groups - g : 16) * (int)sizeof(float)));
+            transpose16(ws);
+        }
+        __m512i isum[QD_ROWS];
+        for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_setzero_si512();
+        for (int j = g * gs; j < (g + 1) * gs; j += 16) {
+            if (next && j % 64 == 0) prefetch(next + (size_t)QD_ROWS * j * bits / 8, (size_t)QD_ROWS * 64 * bits / 8);
+            __m512i xv = _mm512_loadu_si512(x4 + (size_t)j * 4);
+            for (int r = 0; r < QD_ROWS; r++) {
+                __m128i w;
+                if (bits == 8) {
+                    w = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(wr[r] + j)), _mm_set1_epi8((char)0x80));
+                } else {
+                    __m128i e = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(wr[r] + j / 2)));
+                    w = _mm_ternarylogic_epi32(e, _mm_slli_epi16(e, 4), _mm_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
+                }
+                isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_broadcast_i32x4(w), xv);
+            }
+        }
+        __m512 t8[8], t4[4];
+        for (int q = 0; q < 8; q++) {
+            __m512 a = _mm512_castsi512_ps(isum[2 * q]), b = _mm512_castsi512_ps(isum[2 * q + 1]);
+            t8[q] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x44)),
+                                                         _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xEE))));
+        }
+        for (int q = 0; q < 4; q++)
+            t4[q] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0x88)),
+                                                         _mm512_castps_si512(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0xDD))));
+        const vfloat xs = vf_load(s4 + (size_t)g * 16);
+        const __m512i start = _mm512_loadu_si512(c4 + (size_t)g * 16);
+        for (int q = 0; q < 4; q++) {
+            vfloat wq; /* rows 4q..4q+3 in every block */
+            switch (q) {
+            case 0: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0x00); break;
+            case 1: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0x55); break;
+            case 2: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0xAA); break;
+            default: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0xFF);
+            }
+            __m512i total = _mm512_add_epi32(_mm512_castps_si512(t4[q]), start);
+            acc[q] = vf_fma(vi_to_float(total), _mm512_mul_ps(wq, xs), acc[q]);
+        }
+    }
+    for (int q = 0; q < 4; q++) {
+        float lanes[16];
+        vf_store(lanes, acc[q]);
+        for (int m = 0; m < 4 && m < n_in; m++)
+            for (int e = 0; e < 4 && 4 * q + e < n_rows; e++) out[(size_t)m * stride + 4 * q + e] = lanes[4 * m + e];
+    }
+}
+#endif
+/* ---- 4-bit weights (version 3), without VNNI ----
+   The vector kernel takes Q4_INPUTS input rows a block; x86 only (NEON
+   builds multiply 4-bit weights with the plain C kernel).
+   vi_load_q4(p): the SIMD_WIDTH bytes at p, that is 2 * SIMD_WIDTH 4-bit
+   values in order, as int16 values q in -8..7. Each byte is widened to an
+   int32 lane; (b | b << 12) & 0x000F000F puts its low nibble in the lane's
+   low int16 and its high nibble in the high one, the order of the values. */
+#define Q4_INPUTS 2
+#if !defined(VNNI) && (defined(__AVX2__) || defined(__AVX512F__))
+#define HAVE_Q4_SIMD 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline vint vi_load_q4(const uint8_t *p) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i pairs = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
+    return _mm512_sub_epi16(pairs, _mm512_set1_epi16(8));
+}
+#else
+static inline vint vi_load_q4(const uint8_t *p) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i pairs = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)), _mm256_set1_epi32(0x000F000F));
+    return _mm256_sub_epi16(pairs, _mm256_set1_epi16(8));
+}
+#endif
+
+/* block_q8 for 4-bit rows: the same sums in the same order (the group sums
+   are exact, so they equal matmul_q4_plain's; only the float additions of
+   the groups' terms are ordered differently, lane by lane). */
+KERNEL void block_q4(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int16_t *xq,
                      const float *xs, int n_in, const int NB) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs;
-    const int8_t *wr[MM_ROWS];
-    const int16_t *xr[QMM_INPUTS];
-    const float *sr[QMM_INPUTS];
+    const uint8_t *wr[MM_ROWS];
+    const int16_t *xr[Q4_INPUTS];
+    const float *sr[Q4_INPUTS];
     size_t wg[MM_ROWS];
-    vfloat acc[MM_ROWS][QMM_INPUTS];
+    vfloat acc[MM_ROWS][Q4_INPUTS];
     for (int r = 0; r < MM_ROWS; r++) {
         size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
-        wr[r] = W->q + row * cols;
+        wr[r] = W->q4 + row * cols / 2;
         wg[r] = row * groups;
     }
     for (int b = 0; b < NB; b++) {
@@ -637,13 +1654,13 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
     for (int r = 0; r < MM_ROWS; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = vf_zero();
     for (int g = 0; g < groups; g++) {
-        vint isum[MM_ROWS][QMM_INPUTS];
+        vint isum[MM_ROWS][Q4_INPUTS];
         for (int r = 0; r < MM_ROWS; r++)
             for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
         for (int j = g * gs; j < (g + 1) * gs; j += 2 * SIMD_WIDTH) {
-            prefetch(next + (size_t)MM_ROWS * j, MM_ROWS * 2 * SIMD_WIDTH);
+            prefetch(next + (size_t)MM_ROWS * j / 2, MM_ROWS * SIMD_WIDTH);
             for (int r = 0; r < MM_ROWS; r++) {
-                vint wv = vi_load_i8(wr[r] + j);
+                vint wv = vi_load_q4(wr[r] + j / 2);
                 for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, vi_load_i16(xr[b] + j));
             }
         }
@@ -656,78 +1673,351 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         for (int b = 0; b < NB && b < n_in; b++) out[b * stride + r] = vf_sum(acc[r][b]);
 }
 
-/* Blocks of MM_ROWS rows of W, split between threads; in each, all input
-   rows, while the block's weights stay in the L1 cache. */
-static void matmul_f32_simd(float *out, const float *x, const Matrix *W, int n) {
-    const int rows = W->rows, cols = W->cols, n_blocks = (rows + MM_ROWS - 1) / MM_ROWS;
-    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
-    for (int blk = 0; blk < n_blocks; blk++) {
-        int i = blk * MM_ROWS, n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
-        const float *w = W->w + (size_t)i * cols, *next = blk + 1 < n_blocks ? w + (size_t)MM_ROWS * cols : w;
-        if (n == 1) {
-            block_f32(out + i, (size_t)rows, w, n_rows, next, x, 1, cols, 1);
-            continue;
-        }
-        for (int b = 0; b < n; b += MM_INPUTS)
-            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, n_rows, next, x + (size_t)b * cols, n - b, cols, MM_INPUTS);
-    }
-}
-
-/* The same with int8 weights and quantised inputs. */
-static void matmul_q8_simd(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
-    const int rows = W->rows, cols = W->cols, groups = cols / W->group_size;
-    const int n_blocks = (rows + MM_ROWS - 1) / MM_ROWS;
-    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
-    for (int blk = 0; blk < n_blocks; blk++) {
-        int i = blk * MM_ROWS, n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
-        const int8_t *next = W->q + (size_t)(blk + 1 < n_blocks ? i + MM_ROWS : i) * cols;
-        if (n == 1) {
-            block_q8(out + i, (size_t)rows, W, i, n_rows, next, xq, xs, 1, 1);
-            continue;
-        }
-        for (int b = 0; b < n; b += QMM_INPUTS)
-            block_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, next, xq + (size_t)b * cols,
-                     xs + (size_t)b * groups, n - b, QMM_INPUTS);
-    }
-}
 #endif
 
-/* out (n, W.rows) = x (n, W.cols) @ W^T with the fastest kernel that fits:
-   the vector kernels need the columns (float32) or the groups (int8) to be
-   whole vectors. */
-static void matmul(float *out, const float *x, const Matrix *W, int n) {
-    if (W->group_size == 0) {
+#endif
+
+/* ---- Preparing the inputs once, and the dispatcher -------------------------
+   The inputs of a matmul are quantised (int8 weights) or packed for the
+   vector kernels once per call, then read by every matrix of the call:
+   matmul_shared() takes several matrices that read the same input rows
+   (wq, wk, wv; w1, w3) and runs all their blocks of rows in one parallel
+   region. The buffers are scratch memory of the calling thread, grown as
+   needed and kept for the next call. */
+#define MATMUL_SHARED_MAX 4
+static _Thread_local struct {
+    void *raw;    /* as malloc returned it */
+    void *base;   /* raw rounded up to 64 bytes */
+    size_t bytes; /* usable from base */
+} matmul_scratch;
+
+/* `bytes` of scratch memory, 64-byte aligned (a cache line): malloc'ed with
+   room to round up, as aligned_alloc is not everywhere (MinGW). */
+static void *scratch_get(size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes > matmul_scratch.bytes) {
+        free(matmul_scratch.raw);
+        matmul_scratch.raw = malloc(bytes + 64);
+        if (!matmul_scratch.raw) die(EXIT_BAD_FILE, "out of memory (%zu bytes of scratch)", bytes);
+        matmul_scratch.base = (void *)(((uintptr_t)matmul_scratch.raw + 63) & ~(uintptr_t)63);
+        matmul_scratch.bytes = bytes;
+    }
+    return matmul_scratch.base;
+}
+
+/* How a matrix is multiplied, from its format and shape. */
+typedef enum {
+    KERNEL_F32_PLAIN, /* plain C, llama2.c's order */
+    KERNEL_Q8_PLAIN,
+    KERNEL_Q4_PLAIN,
+    KERNEL_F32_SIMD,  /* cols a multiple of SIMD_WIDTH */
+    KERNEL_Q8_SIMD,   /* VNNI: group_size a multiple of 4; else a multiple of VI_COLS */
+    KERNEL_Q4_SIMD,   /* VNNI: group_size a multiple of 4; else (x86) of 2 * SIMD_WIDTH */
+} KernelKind;
+
+static KernelKind kernel_of(const Matrix *W) {
 #ifdef SIMD_WIDTH
-        if (W->cols % SIMD_WIDTH == 0) {
-            matmul_f32_simd(out, x, W, n);
-            return;
-        }
+    if (W->group_size == 0 && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
+#ifdef VNNI
+    if (W->group_size > 0 && W->group_size % 4 == 0) return W->q4 ? KERNEL_Q4_SIMD : KERNEL_Q8_SIMD;
+#else
+    if (!W->q4 && W->group_size > 0 && W->group_size % VI_COLS == 0) return KERNEL_Q8_SIMD;
 #endif
-        matmul_f32_plain(out, x, W, n);
+#ifdef HAVE_Q4_SIMD
+    if (W->q4 && W->group_size % (2 * SIMD_WIDTH) == 0) return KERNEL_Q4_SIMD;
+#endif
+#endif
+    return W->group_size == 0 ? KERNEL_F32_PLAIN : W->q4 ? KERNEL_Q4_PLAIN : KERNEL_Q8_PLAIN;
+}
+
+/* The input rows x (n, cols) as the kernel `kind` reads them. */
+typedef struct {
+    KernelKind kind;
+    int n, cols, group_size;
+    const float *x; /* (n, cols) */
+    int16_t *xq;    /* int8, 4-bit (not VNNI): (n, cols) quantised values */
+    float *xs;      /* int8, 4-bit (not VNNI): (n, cols / group_size) their scales */
+    float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH) */
+    int8_t *x8;     /* VNNI: n = 1: (cols) xq; n < QQ_INPUTS: as pack_q8_quads says; else (n / 16 rounded up, cols / 4, 16, 4) */
+    int32_t *c8;    /* VNNI: n = 1: (groups) the starts of the group sums; else (n / 16 rounded up, groups, 16) or quads */
+    float *s8;      /* VNNI: the scales xs, laid out as c8 */
+} Inputs;
+
+#if defined(SIMD_WIDTH) && defined(VNNI)
+/* Lays out quantised rows xq, xs (n, cols) as the VNNI kernels read them,
+   with the start -128 * sum xq (4-bit weights: -8 * sum xq) of each group
+   sum; for n > 1, the rows past n (up to a multiple of 16) are zero, and so
+   are their starts and scales. */
+static int q8_quads(int n, int group_size) { return n > 1 && n < QQ_INPUTS && group_size % 16 == 0; }
+static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs);
+
+static void pack_q8(Inputs *in, const int16_t *xq, const float *xs) {
+    const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
+    const int lanes = n == 1 ? 1 : 16, padded = (n + lanes - 1) / lanes * lanes;
+    if (q8_quads(n, gs)) {
+        pack_q8_quads(in, xq, xs);
         return;
     }
-    size_t count = (size_t)n * W->cols;
-    int16_t *xq = xcalloc(count, sizeof(int16_t));
-    float *xs = xcalloc(count / W->group_size, sizeof(float));
-    quantize_groups(xq, xs, x, count, W->group_size);
-#ifdef SIMD_WIDTH
-    if (W->group_size % (2 * SIMD_WIDTH) == 0) matmul_q8_simd(out, xq, xs, W, n);
-    else matmul_q8_plain(out, xq, xs, W, n);
-#else
-    matmul_q8_plain(out, xq, xs, W, n);
+    for (int b = 0; b < padded; b++) {
+        const int16_t *q = xq + (size_t)b * cols;
+        size_t v = (size_t)(b / lanes), lane = (size_t)(b % lanes);
+        for (int g = 0; g < groups; g++) {
+            int32_t sum = 0;
+            for (int j = g * gs; b < n && j < (g + 1) * gs; j++) sum += q[j];
+            in->c8[(v * groups + g) * lanes + lane] = (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
+            in->s8[(v * groups + g) * lanes + lane] = b < n ? xs[(size_t)b * groups + g] : 0.0f;
+        }
+        for (int j = 0; j < cols; j++) /* column j of row b: step j / 4, byte j % 4 */
+            in->x8[((v * (cols / 4) + (size_t)j / 4) * lanes + lane) * 4 + (size_t)j % 4] = (int8_t)(b < n ? q[j] : 0);
+    }
+}
+
+/* The inputs for quad_q8 (fewer than QQ_INPUTS rows): x8 (n / 4 rounded up,
+   cols / 16, 4 inputs, 16 bytes); c8, s8 (n / 4 rounded up, groups, 4
+   inputs, 4 copies); the rows past n zero. */
+static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs) {
+    const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
+    for (int b = 0; b < (n + 3) / 4 * 4; b++) {
+        const int16_t *q = xq + (size_t)b * cols;
+        size_t p = (size_t)(b / 4), m = (size_t)(b % 4);
+        for (int g = 0; g < groups; g++) {
+            int32_t sum = 0;
+            for (int j = g * gs; b < n && j < (g + 1) * gs; j++) sum += q[j];
+            for (int e = 0; e < 4; e++) {
+                in->c8[((p * groups + g) * 4 + m) * 4 + e] = (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
+                in->s8[((p * groups + g) * 4 + m) * 4 + e] = b < n ? xs[(size_t)b * groups + g] : 0.0f;
+            }
+        }
+        for (int j = 0; j < cols; j++)
+            in->x8[((p * (cols / 16) + (size_t)j / 16) * 4 + m) * 16 + (size_t)j % 16] = (int8_t)(b < n ? q[j] : 0);
+    }
+}
 #endif
-    free(xq);
-    free(xs);
+
+/* Quantises or packs x (n, W.cols) for the kernel of W. */
+static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
+    Inputs in = {kernel_of(W), n, W->cols, W->group_size, x, NULL, NULL, NULL, NULL, NULL, NULL};
+    size_t count = (size_t)n * W->cols;
+    if (in.kind == KERNEL_F32_PLAIN) return in;
+#ifdef SIMD_WIDTH
+    if (in.kind == KERNEL_F32_SIMD) {
+        if (n == 1) return in;
+        size_t padded = (size_t)(n + MB_INPUTS - 1) / MB_INPUTS * MB_INPUTS;
+        in.xf = scratch_get(padded * W->cols * sizeof(float));
+        for (size_t b0 = 0; b0 < padded; b0 += MB_INPUTS)
+            for (int j = 0; j < W->cols; j += SIMD_WIDTH)
+                for (int b = 0; b < MB_INPUTS; b++) {
+                    float *dst = in.xf + b0 * W->cols + (size_t)j * MB_INPUTS + b * SIMD_WIDTH;
+                    if (b0 + b < (size_t)n) memcpy(dst, x + (b0 + b) * W->cols + j, SIMD_WIDTH * sizeof(float));
+                    else memset(dst, 0, SIMD_WIDTH * sizeof(float));
+                }
+        return in;
+    }
+#endif
+    size_t groups = count / W->group_size;
+#if defined(SIMD_WIDTH) && defined(VNNI)
+    if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD) {
+        /* rows of x8, and of c8 and s8 (quad_q8: 4 copies of each) */
+        size_t padded = n == 1 ? 1 : (size_t)(n + 15) / 16 * 16;
+        size_t pgroups = (q8_quads(n, W->group_size) ? (size_t)(n + 3) / 4 * 16 : padded) * (W->cols / W->group_size);
+        size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, sbytes = (groups * sizeof(float) + 63) / 64 * 64;
+        size_t pbytes = (padded * W->cols + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
+        char *base = scratch_get(qbytes + sbytes + pbytes + 2 * gbytes);
+        int16_t *xq = (int16_t *)base;
+        float *xs = (float *)(base + qbytes);
+        in.x8 = (int8_t *)(base + qbytes + sbytes);
+        in.c8 = (int32_t *)(base + qbytes + sbytes + pbytes);
+        in.s8 = (float *)(base + qbytes + sbytes + pbytes + gbytes);
+        quantize_groups(xq, xs, x, count, W->group_size);
+        pack_q8(&in, xq, xs);
+        return in;
+    }
+#endif
+    size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64;
+    char *base = scratch_get(qbytes + groups * sizeof(float));
+    in.xq = (int16_t *)base;
+    in.xs = (float *)(base + qbytes);
+    quantize_groups(in.xq, in.xs, x, count, W->group_size);
+    return in;
+}
+
+#ifdef SIMD_WIDTH
+#ifdef VNNI
+/* Rows i.. (a block of Q8_BLOCK_ROWS) of an int8 (bits = 8) or 4-bit matrix
+   W times n > 1 input rows, in tiles of QV_ROWS rows by QV_VECTORS vectors
+   of inputs. The tiles write their outputs to `stage`, then whole rows of
+   it go to out: written straight to out, 64 stores rows * 4 bytes apart
+   would keep evicting each other from the cache (rows = 2048: one cache set). */
+KERNEL void matmul_block_q8(float *out, const Matrix *W, int i, const uint8_t *next, const Inputs *in, const int bits) {
+    const int rows = W->rows, cols = W->cols, n = in->n, groups = cols / W->group_size;
+    const int n_block = rows - i < Q8_BLOCK_ROWS ? rows - i : Q8_BLOCK_ROWS;
+    float stage[16 * QV_VECTORS * Q8_BLOCK_ROWS]; /* (inputs, rows of the block) */
+    for (int v = 0; v * 16 < n; v += QV_VECTORS) {
+        const int n_in = n - v * 16 < 16 * QV_VECTORS ? n - v * 16 : 16 * QV_VECTORS;
+        const int8_t *xv = in->x8 + (size_t)v * 16 * cols;
+        const int32_t *cv = in->c8 + (size_t)v * 16 * groups;
+        const float *sv = in->s8 + (size_t)v * 16 * groups;
+        for (int t = 0; t < n_block; t += QV_ROWS) {
+            const int n_rows = n_block - t < QV_ROWS ? n_block - t : QV_ROWS;
+            const uint8_t *pre = v == 0 && next ? next + (size_t)t * cols * bits / 8 : NULL;
+            float *o = stage + t;
+            switch ((n_in + 15) / 16) { /* the vectors left */
+            case 1: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, 1, bits); break;
+            case 2: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, 2, bits); break;
+            case 3: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, 3, bits); break;
+            default: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, QV_VECTORS, bits);
+            }
+        }
+        for (int b = 0; b < n_in; b++)
+            memcpy(out + (size_t)(v * 16 + b) * rows + i, stage + (size_t)b * Q8_BLOCK_ROWS, (size_t)n_block * sizeof(float));
+    }
+}
+#endif
+
+/* Rows i.. (a block) of W times all the input rows; `next`: the weights of
+   the next block (NULL: none). */
+static void matmul_block(float *out, const Matrix *W, int i, const void *next, const Inputs *in) {
+    const int rows = W->rows, cols = W->cols, n = in->n;
+    if (in->kind == KERNEL_F32_SIMD) {
+        const float *w = W->w + (size_t)i * cols;
+        if (n == 1) {
+            block_f32(out + i, (size_t)rows, w, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, in->x, 1, cols, MM_ROWS, 1);
+            return;
+        }
+        for (int b = 0; b < n; b += MB_INPUTS)
+            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, rows - i < MB_ROWS ? rows - i : MB_ROWS, b == 0 ? next : NULL,
+                      in->xf + (size_t)b * cols, n - b, cols, MB_ROWS, MB_INPUTS);
+        return;
+    }
+#ifdef VNNI
+    const int n_rows = rows - i < QD_ROWS ? rows - i : QD_ROWS;
+    if (q8_quads(n, W->group_size)) {
+        const int groups = cols / W->group_size;
+        for (int p = 0; p * 4 < n; p++) {
+            const uint8_t *pre = p == 0 ? next : NULL;
+            const int8_t *x4 = in->x8 + (size_t)p * 4 * cols;
+            const int32_t *c4 = in->c8 + (size_t)p * groups * 16;
+            const float *s4 = in->s8 + (size_t)p * groups * 16;
+            float *o = out + (size_t)p * 4 * rows + i;
+            if (in->kind == KERNEL_Q4_SIMD) quad_q8(o, (size_t)rows, W, i, n_rows, pre, x4, c4, s4, n - 4 * p, 4);
+            else quad_q8(o, (size_t)rows, W, i, n_rows, pre, x4, c4, s4, n - 4 * p, 8);
+        }
+        return;
+    }
+    if (in->kind == KERNEL_Q4_SIMD) {
+        if (n == 1) rows_q8(out + i, W, i, n_rows, next, in->x8, in->c8, in->s8, 4);
+        else matmul_block_q8(out, W, i, next, in, 4);
+    } else {
+        if (n == 1) rows_q8(out + i, W, i, n_rows, next, in->x8, in->c8, in->s8, 8);
+        else matmul_block_q8(out, W, i, next, in, 8);
+    }
+#else
+    const int groups = cols / W->group_size;
+#ifdef HAVE_Q4_SIMD
+    if (in->kind == KERNEL_Q4_SIMD) {
+        const uint8_t *pre = next ? next : W->q4 + (size_t)i * cols / 2;
+        const int n_rows = rows - i < MM_ROWS ? rows - i : MM_ROWS;
+        if (n == 1) {
+            block_q4(out + i, (size_t)rows, W, i, n_rows, pre, in->xq, in->xs, 1, 1);
+            return;
+        }
+        for (int b = 0; b < n; b += Q4_INPUTS)
+            block_q4(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, pre, in->xq + (size_t)b * cols, in->xs + (size_t)b * groups,
+                     n - b, Q4_INPUTS);
+        return;
+    }
+#endif
+    if (n == 1) {
+        block_q8(out + i, (size_t)rows, W, i, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, in->xq, in->xs, 1, MM_ROWS, 1);
+        return;
+    }
+    for (int b = 0; b < n; b += QB_INPUTS)
+        block_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, rows - i < QB_ROWS ? rows - i : QB_ROWS, b == 0 ? next : NULL,
+                 in->xq + (size_t)b * cols, in->xs + (size_t)b * groups, n - b, QB_ROWS, QB_INPUTS);
+#endif
+}
+
+/* The rows of a block of matmul_simd, for the kernel and the input rows. */
+static int block_rows(const Inputs *in) {
+    if (in->kind == KERNEL_F32_SIMD) return in->n == 1 ? MM_ROWS : MB_ROWS;
+#ifdef VNNI
+    if (q8_quads(in->n, in->group_size)) return QD_ROWS;
+#else
+    if (in->kind == KERNEL_Q4_SIMD) return MM_ROWS;
+#endif
+    return in->n == 1 ? Q8_ONE_ROWS : Q8_BLOCK_ROWS;
+}
+
+/* The weights of row i of W, as stored. */
+static const void *matrix_weights(const Matrix *W, int i) {
+    if (W->w) return W->w + (size_t)i * W->cols;
+    if (W->q) return W->q + (size_t)i * W->cols;
+    return W->q4 + (size_t)i * W->cols / 2;
+}
+
+/* The blocks of rows of `count` matrices of one kind, all in one parallel
+   region split between threads; in each block, all input rows, while the
+   block's weights stay in the L1 cache. */
+static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, const Inputs *in) {
+    const int per_block = block_rows(in);
+    int first[MATMUL_SHARED_MAX + 1] = {0};
+    double work = 0;
+    for (int m = 0; m < count; m++) {
+        first[m + 1] = first[m] + (Ws[m]->rows + per_block - 1) / per_block;
+        work += (double)Ws[m]->rows * Ws[m]->cols * in->n;
+    }
+    (void)work; /* read only by OpenMP */
+    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
+    for (int t = 0; t < first[count]; t++) {
+        int m = 0;
+        while (t >= first[m + 1]) m++;
+        const Matrix *W = Ws[m];
+        const int i = (t - first[m]) * per_block;
+        matmul_block(outs[m], W, i, i + per_block < W->rows ? matrix_weights(W, i + per_block) : NULL, in);
+    }
+}
+#endif
+
+/* outs[m] (n, Ws[m].rows) = x (n, cols) @ Ws[m]^T for `count` matrices of
+   the same columns, that read the same inputs: x is quantised or packed once
+   for all of them (for up to MATMUL_SHARED_MAX at a time). */
+static void matmul_shared(const Matrix *const *Ws, float *const *outs, int count, const float *x, int n) {
+    if (count > MATMUL_SHARED_MAX) {
+        matmul_shared(Ws, outs, MATMUL_SHARED_MAX, x, n);
+        matmul_shared(Ws + MATMUL_SHARED_MAX, outs + MATMUL_SHARED_MAX, count - MATMUL_SHARED_MAX, x, n);
+        return;
+    }
+    for (int m = 1; m < count; m++)
+        if (kernel_of(Ws[m]) != kernel_of(Ws[0]) || Ws[m]->cols != Ws[0]->cols || Ws[m]->group_size != Ws[0]->group_size) {
+            for (int k = 0; k < count; k++) matmul_shared(&Ws[k], &outs[k], 1, x, n);
+            return;
+        }
+    Inputs in = prepare_inputs(x, n, Ws[0]);
+    for (int m = 0; m < count; m++) {
+        if (in.kind == KERNEL_F32_PLAIN) matmul_f32_plain(outs[m], x, Ws[m], n);
+        if (in.kind == KERNEL_Q8_PLAIN) matmul_q8_plain(outs[m], in.xq, in.xs, Ws[m], n);
+        if (in.kind == KERNEL_Q4_PLAIN) matmul_q4_plain(outs[m], in.xq, in.xs, Ws[m], n);
+    }
+#ifdef SIMD_WIDTH
+    if (in.kind >= KERNEL_F32_SIMD) matmul_simd(Ws, outs, count, &in);
+#endif
+}
+
+/* out (n, W.rows) = x (n, W.cols) @ W^T with the fastest kernel that fits. */
+static void matmul(float *out, const float *x, const Matrix *W, int n) {
+    matmul_shared(&W, &out, 1, x, n);
 }
 
 /* Rotary position embedding on adjacent pairs: for the pair (v[2i], v[2i+1])
    at offset d = 2i mod head_size inside its head, rotate by the angle
-   pos / 10000^(d / head_size). q (dim values) is rotated in all heads and k
-   (kv_dim values) in the key heads; each angle's cosine and sine are
-   computed once for all the heads. */
-static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size) {
+   pos * freq[d / 2], where freq[d / 2] = 10000^(-d / head_size) (versions
+   0 to 2: `freq` is NULL, computed here exactly as llama2.c does) or comes
+   from rope_frequencies() (version 4). q (dim values) is rotated in all
+   heads and k (kv_dim values) in the key heads (k may be NULL when kv_dim
+   is 0); each angle's cosine and sine are computed once for all the heads. */
+static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size, const float *freqs) {
     for (int head_dim = 0; head_dim < head_size; head_dim += 2) {
-        float freq = 1.0f / powf(10000.0f, head_dim / (float)head_size);
+        float freq = freqs ? freqs[head_dim / 2] : 1.0f / powf(10000.0f, head_dim / (float)head_size);
         float val = pos * freq;
         float fcr = cosf(val), fci = sinf(val);
         for (int i = head_dim; i < dim; i += head_size) {
@@ -742,52 +2032,747 @@ static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size
     }
 }
 
+/* h = silu(h) * g for n rows of `size` values, silu(v) = v * sigmoid(v),
+   split between threads for a prompt chunk (an exponential costs about as
+   much as 20 multiply-adds). The plain build uses expf, as llama2.c. The
+   vector builds use exp_poly on blocks of SWIGLU_BLOCK values, the end of a
+   row padded into a full block, so that the compiler vectorises one loop
+   and every value is computed by the same instructions: a row's result does
+   not depend on its place in the batch. */
+#ifdef SIMD_WIDTH
+#define SWIGLU_BLOCK 16
+/* e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a
+   part exact in float and a small correction), e^r by its Taylor series to
+   r^7 (the next term is below 2^-27), times 2^n put into the exponent bits.
+   x is clamped to [-87, 88], where 2^n is a normal float (NaN goes to -87:
+   the callers multiply by x itself, so NaN still comes out). */
+static inline float exp_poly(float x) {
+    if (!(x > -87.0f)) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = fmaf(n, -0.693359375f, x); /* fmaf: kept apart under -Ofast */
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+static void swiglu_block(float *h, const float *g) {
+    for (int i = 0; i < SWIGLU_BLOCK; i++) h[i] = h[i] / (1.0f + exp_poly(-h[i])) * g[i];
+}
+
+static void swiglu(float *h, const float *g, int n, int size) {
+    const int blocks = (size + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
+    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
+    for (int item = 0; item < n * blocks; item++) {
+        size_t at = (size_t)(item / blocks) * size + (size_t)(item % blocks) * SWIGLU_BLOCK;
+        int count = size - item % blocks * SWIGLU_BLOCK;
+        if (count >= SWIGLU_BLOCK) {
+            swiglu_block(h + at, g + at);
+            continue;
+        }
+        float hp[SWIGLU_BLOCK] = {0}, gp[SWIGLU_BLOCK] = {0};
+        memcpy(hp, h + at, (size_t)count * sizeof(float));
+        memcpy(gp, g + at, (size_t)count * sizeof(float));
+        swiglu_block(hp, gp);
+        memcpy(h + at, hp, (size_t)count * sizeof(float));
+    }
+}
+#else
+static void swiglu(float *h, const float *g, int n, int size) {
+    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
+    for (size_t i = 0; i < (size_t)n * size; i++) {
+        float val = h[i];
+        val *= (1.0f / (1.0f + expf(-val)));
+        val *= g[i];
+        h[i] = val;
+    }
+}
+#endif
+
 /* ------------------------------------------------------------------------ */
-/* 4. The forward pass                                                      */
+/* 4. The paged key/value cache and the forward pass                        */
 /* ------------------------------------------------------------------------ */
 
-/* A batch of rows to push through the transformer together. Row r is token
-   token[r] at position pos[r]; its key and value are written to cache slot
-   slot[r]. Its attention reads positions 0..pos[r]: position pos[r] from its
-   own slot, and each earlier position t from slot history[r * context + t],
-   or from its own slot when history is NULL (a single sequence). */
+/* ---- Blocks, block tables, reference counts -------------------------------
+   The cache is a pool of blocks of KV_BLOCK positions (the KVCache struct in
+   section 1). A sequence holds a block table: entry i is the block with its
+   positions i * KV_BLOCK .. i * KV_BLOCK + KV_BLOCK - 1. Blocks are reference
+   counted so that sequences share what they have in common: the beams of a
+   beam search share the blocks of their common past, and requests whose
+   prompts start alike share the blocks of that prefix. A block held by more
+   than one table is never written: a sequence about to write into one copies
+   it first (copy on write), which can only happen to its last, partly filled
+   block. Free blocks wait in two lists; an indexed one keeps its contents for
+   a later prompt until the pool runs out of plain ones. */
+
+enum { BLOCK_PLAIN, BLOCK_PENDING, BLOCK_READY }; /* not indexed; indexed, being computed; indexed, computed */
+
+typedef struct {
+    int *ids;   /* (cap) block ids in position order */
+    int n, cap;
+    /* --keep (generation past the context, see kv_slot): 0 slots is off */
+    int slots;          /* positions the table holds at most (the context) */
+    int keep;           /* leading positions never dropped (attention sinks) */
+    int shift;          /* 0 .. slots - keep - 1: how far the ring after them has turned */
+    long long dropped;  /* positions dropped so far */
+} BlockTable;
+
+static void list_remove(KVCache *c, int list, int b) {
+    if (c->prev[b] >= 0) c->next[c->prev[b]] = c->next[b];
+    else c->head[list] = c->next[b];
+    if (c->next[b] >= 0) c->prev[c->next[b]] = c->prev[b];
+    else c->tail[list] = c->prev[b];
+}
+
+static void list_append(KVCache *c, int list, int b) {
+    c->prev[b] = c->tail[list];
+    c->next[b] = -1;
+    if (c->tail[list] >= 0) c->next[c->tail[list]] = b;
+    else c->head[list] = b;
+    c->tail[list] = b;
+}
+
+static int free_list_of(const KVCache *c, int b) { return c->state[b] == BLOCK_READY; }
+
+/* The bytes of one cache row (a key or a value) of kv_dim values of `type`. */
+static size_t kv_row_bytes(int type, int kv_dim) {
+    if (type == KV_F16) return (size_t)kv_dim * sizeof(uint16_t);
+    if (type == KV_Q8_0) return (size_t)kv_dim + (size_t)kv_dim / KV_GROUP * sizeof(float);
+    return (size_t)kv_dim * sizeof(float);
+}
+
+/* A cache of n_blocks blocks of `type`, all free. */
+static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
+    int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
+    if (type == KV_Q8_0 && kv_dim % KV_GROUP != 0)
+        die(EXIT_USAGE, "--kv-type q8_0 needs a key/value dimension that is a multiple of %d; this model's is %d", KV_GROUP, kv_dim);
+    size_t row_bytes = kv_row_bytes(type, kv_dim);
+    double bytes = 2.0 * row_bytes * p->n_layers * (double)n_blocks * KV_BLOCK;
+    if (bytes > (double)(SIZE_MAX / 4))
+        die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", bytes);
+    size_t rows = (size_t)p->n_layers * (size_t)n_blocks * KV_BLOCK;
+    memset(c, 0, sizeof(*c));
+    c->n_blocks = n_blocks;
+    c->n_layers = p->n_layers;
+    c->kv_dim = kv_dim;
+    c->type = type;
+    c->row_bytes = row_bytes;
+    c->key = xcalloc(rows, row_bytes);
+    c->value = xcalloc(rows, row_bytes);
+    c->ref = xcalloc((size_t)n_blocks, sizeof(int));
+    c->prev = xcalloc((size_t)n_blocks, sizeof(int));
+    c->next = xcalloc((size_t)n_blocks, sizeof(int));
+    c->state = xcalloc((size_t)n_blocks, sizeof(int));
+    c->tokens = xcalloc((size_t)n_blocks * KV_BLOCK, sizeof(int));
+    c->parent = xcalloc((size_t)n_blocks, sizeof(int));
+    c->generation = xcalloc((size_t)n_blocks, sizeof(unsigned));
+    c->parent_generation = xcalloc((size_t)n_blocks, sizeof(unsigned));
+    c->chain = xcalloc((size_t)n_blocks, sizeof(int));
+    for (c->n_buckets = 1; c->n_buckets < n_blocks; c->n_buckets *= 2) {}
+    c->bucket = xcalloc((size_t)c->n_buckets, sizeof(int));
+    for (int i = 0; i < c->n_buckets; i++) c->bucket[i] = -1;
+    c->head[0] = c->head[1] = c->tail[0] = c->tail[1] = -1;
+    for (int b = 0; b < n_blocks; b++) list_append(c, 0, b);
+}
+
+static void kv_free(KVCache *c) {
+    free(c->key); free(c->value); free(c->ref); free(c->prev); free(c->next); free(c->state);
+    free(c->tokens); free(c->parent); free(c->generation); free(c->parent_generation);
+    free(c->chain); free(c->bucket);
+    memset(c, 0, sizeof(*c));
+}
+
+/* ---- The prefix index ------------------------------------------------------
+   A full block is indexed under the KV_BLOCK tokens it holds and its parent,
+   the indexed block before it in its sequence (-1 for positions 0..). Two
+   blocks with the same key hold the same tokens at the same positions after
+   the same past, so their keys and values are the same bits (a row's
+   arithmetic does not depend on its batch): a prompt that starts like an
+   indexed chain takes its blocks instead of computing them. A parent link
+   records the parent's generation; a block taken for reuse starts a new
+   generation, so links to its old self no longer match. */
+
+static uint32_t prefix_bucket(const KVCache *c, int parent, unsigned parent_gen, const int *tokens) {
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)(uint32_t)parent ^ ((uint64_t)parent_gen << 32);
+    for (int i = 0; i < KV_BLOCK; i++) h = (h ^ (uint32_t)tokens[i]) * 1099511628211ull;
+    return (uint32_t)(h ^ (h >> 32)) & (uint32_t)(c->n_buckets - 1);
+}
+
+/* The indexed block holding `tokens` after `parent`, or -1. */
+static int prefix_find(const KVCache *c, int parent, const int *tokens) {
+    unsigned gen = parent >= 0 ? c->generation[parent] : 0;
+    for (int b = c->bucket[prefix_bucket(c, parent, gen, tokens)]; b >= 0; b = c->chain[b])
+        if (c->parent[b] == parent && c->parent_generation[b] == gen &&
+            memcmp(c->tokens + (size_t)b * KV_BLOCK, tokens, KV_BLOCK * sizeof(int)) == 0)
+            return b;
+    return -1;
+}
+
+/* Indexes block b (held, full or about to be) under its tokens and parent,
+   unless an equal block is indexed already. */
+static void prefix_add(KVCache *c, int b, int parent, const int *tokens, int state) {
+    if (c->state[b] != BLOCK_PLAIN || prefix_find(c, parent, tokens) >= 0) return;
+    c->state[b] = state;
+    c->parent[b] = parent;
+    c->parent_generation[b] = parent >= 0 ? c->generation[parent] : 0;
+    memcpy(c->tokens + (size_t)b * KV_BLOCK, tokens, KV_BLOCK * sizeof(int));
+    uint32_t h = prefix_bucket(c, parent, c->parent_generation[b], tokens);
+    c->chain[b] = c->bucket[h];
+    c->bucket[h] = b;
+}
+
+static void prefix_remove(KVCache *c, int b) {
+    if (c->state[b] == BLOCK_PLAIN) return;
+    uint32_t h = prefix_bucket(c, c->parent[b], c->parent_generation[b], c->tokens + (size_t)b * KV_BLOCK);
+    int *link = &c->bucket[h];
+    while (*link != b) link = &c->chain[*link];
+    *link = c->chain[b];
+    c->state[b] = BLOCK_PLAIN;
+}
+
+/* ---- Taking and giving back blocks ------------------------------------- */
+
+/* A free block for the caller to fill (reference count 1): a plain one if
+   any, else the indexed one freed longest ago, which leaves the index. The
+   engine promises blocks before it takes them (see Engine), so one is free. */
+static int block_take(KVCache *c) {
+    int list = c->head[0] >= 0 ? 0 : 1, b = c->head[list];
+    if (b < 0) die(EXIT_BAD_FILE, "internal error: the key/value cache has no free block");
+    list_remove(c, list, b);
+    prefix_remove(c, b);
+    c->generation[b]++;
+    c->ref[b] = 1;
+    if (++c->held > c->peak_held) c->peak_held = c->held;
+    return b;
+}
+
+static void block_hold(KVCache *c, int b) {
+    if (c->ref[b]++ > 0) return;
+    list_remove(c, free_list_of(c, b), b);
+    if (++c->held > c->peak_held) c->peak_held = c->held;
+}
+
+/* Drops one reference; a block nobody holds becomes free. One still being
+   computed leaves the index, as nobody will finish it. */
+static void block_release(KVCache *c, int b) {
+    if (--c->ref[b] > 0) return;
+    c->held--;
+    if (c->state[b] == BLOCK_PENDING) prefix_remove(c, b);
+    list_append(c, free_list_of(c, b), b);
+}
+
+static void table_push(BlockTable *t, int b) {
+    if (t->n == t->cap) {
+        t->cap = t->cap ? 2 * t->cap : 8;
+        int *ids = realloc(t->ids, (size_t)t->cap * sizeof(int));
+        if (!ids) die(EXIT_BAD_FILE, "out of memory (block table of %d blocks)", t->cap);
+        t->ids = ids;
+    }
+    t->ids[t->n++] = b;
+}
+
+/* Gives back every block of t and empties it. */
+static void table_clear(KVCache *c, BlockTable *t) {
+    for (int i = 0; i < t->n; i++) block_release(c, t->ids[i]);
+    t->n = 0;
+}
+
+static void table_free(KVCache *c, BlockTable *t) {
+    table_clear(c, t);
+    free(t->ids);
+    memset(t, 0, sizeof(*t));
+}
+
+/* dst becomes a second holder of src's blocks. */
+static void table_copy(KVCache *c, BlockTable *dst, const BlockTable *src) {
+    table_clear(c, dst);
+    for (int i = 0; i < src->n; i++) {
+        block_hold(c, src->ids[i]);
+        table_push(dst, src->ids[i]);
+    }
+}
+
+/* ---- Generation past the context (--keep N) -------------------------------
+   When a sequence's cache is full (slots positions, the context), its oldest
+   position after the first `keep` is dropped for each new one (attention
+   sinks, as StreamingLLM has them): positions are renumbered by slot, so the
+   key in slot j attends as position j and each new query at slots - 1. A
+   drop moves no data: the slots after the first `keep` are a ring of
+   w = slots - keep physical slots, and logical slot j >= keep lives at
+       keep + (j - keep + shift) mod w,
+   where shift counts drops modulo w; the new position takes the slot of the
+   one dropped. kv_slot() is that mapping, and every store and load goes
+   through it (kv_offset).
+
+   Keys are stored rotated (RoPE) at their PHYSICAL slot P, as they are
+   without --keep, where P is the position: until the cache is full nothing
+   differs, bit for bit, in every cache type (storing keys unrotated and
+   rotating them when read would round f16 and q8_0 keys differently, and
+   cost a rotation per key per token). The key of logical slot j then has to
+   be turned by j - P, which is 0 for the sinks, shift for the logical slots
+   keep .. slots - 1 - shift and shift - w for the rest; since q . R(d) k =
+   (R(-d) q) . k, attention instead reads those two stretches with the query
+   rotated at pos + (P - j) (kv_query_turn): two extra rotations of each
+   query, none of the keys. */
+
+/* The physical slot of logical position pos of table t. */
+static int kv_slot(const BlockTable *t, int pos) {
+    if (t->shift == 0 || pos < t->keep) return pos;
+    int w = t->slots - t->keep, r = pos - t->keep + t->shift; /* r < 2w */
+    return t->keep + (r >= w ? r - w : r);
+}
+
+/* Which query reads logical position pos of t: 0 the row's own (rotated at
+   its position), 1 the one rotated `shift` further, 2 `shift - w` further. */
+static int kv_query_turn(const BlockTable *t, int pos) {
+    int d = kv_slot(t, pos) - pos;
+    return d == 0 ? 0 : d > 0 ? 1 : 2;
+}
+
+/* A full table drops its oldest position after the first `keep`: the ring
+   turns by one, and logical slot slots - 1 is the dropped one's, free. */
+static void table_drop_oldest(BlockTable *t) {
+    t->shift = t->shift + 1 == t->slots - t->keep ? 0 : t->shift + 1;
+    t->dropped++;
+}
+
+/* Where position pos of layer `layer` of block table t lives in `base` (the
+   keys or the values), in bytes: the one place that maps a position to the
+   cache. */
+static size_t kv_offset(const KVCache *c, int layer, const BlockTable *t, int pos) {
+    int slot = kv_slot(t, pos);
+    size_t block = (size_t)t->ids[slot / KV_BLOCK];
+    return (((size_t)layer * c->n_blocks + block) * KV_BLOCK + slot % KV_BLOCK) * c->row_bytes;
+}
+
+/* ---- The cache's element types ---------------------------------------------
+   float32 rows are stored as they are. f16: IEEE half precision, rounded to
+   nearest even (the F16C instruction where the compiler targets it, else the
+   plain C below, which gives the same bits). q8_0: per group of 32 values,
+   scale = (largest magnitude) / 127 in float32, q = x / scale rounded half
+   away from zero, 0 where the scale is 0. */
+
+/* float32 -> half, round to nearest even: overflow to infinity, subnormal
+   halves below 2^-14, NaN stays a (quiet) NaN with its payload's top bits. */
+#if !defined(__F16C__) || defined(TESTING) /* tests compare it with F16C's */
+static uint16_t half_from_float_plain(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof(x));
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* NaN */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: infinity */
+    if (ax <= 0x33000000u) return (uint16_t)sign;             /* <= 2^-25: zero (2^-25 is a tie to 0) */
+    uint32_t r, rem, half;
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half, in units of 2^-24 */
+        int shift = 126 - (int)(ax >> 23);
+        uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        r = m >> shift;
+        rem = m & ((1u << shift) - 1);
+        half = 1u << (shift - 1);
+    } else { /* normal: exponent rebased from 127 to 15, 13 mantissa bits dropped */
+        r = (ax - 0x38000000u) >> 13;
+        rem = ax & 0x1fffu;
+        half = 0x1000u;
+    }
+    if (rem > half || (rem == half && (r & 1))) r++; /* a carry into the exponent is right */
+    return (uint16_t)(sign | r);
+}
+
+static float half_to_float_plain(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    x = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &x, sizeof(f));
+    return f;
+}
+#endif
+
+#ifdef __F16C__
+#include <immintrin.h>
+static uint16_t half_from_float(float f) { return (uint16_t)_cvtss_sh(f, 0); /* 0: to nearest even */ }
+static float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static uint16_t half_from_float(float f) { return half_from_float_plain(f); }
+static float half_to_float(uint16_t h) { return half_to_float_plain(h); }
+#endif
+
+/* x (n values, n a multiple of KV_GROUP) as a q8_0 row: n int8, then n / 32
+   float32 scales. */
+static void q8_row_from_floats(unsigned char *row, const float *x, int n) {
+    int8_t *q = (int8_t *)row;
+    float *scales = (float *)(row + n);
+    for (int g = 0; g < n / KV_GROUP; g++) {
+        const float *xg = x + g * KV_GROUP;
+        float amax = 0.0f;
+        for (int i = 0; i < KV_GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
+        float scale = amax / 127.0f;
+        scales[g] = scale;
+        for (int i = 0; i < KV_GROUP; i++) q[g * KV_GROUP + i] = (int8_t)(scale != 0.0f ? roundf(xg[i] / scale) : 0.0f);
+    }
+}
+
+/* Stores n floats as a cache row of type c->type. */
+static void kv_encode(const KVCache *c, unsigned char *row, const float *x, int n) {
+    if (c->type == KV_F16) {
+        uint16_t *h = (uint16_t *)row;
+        for (int i = 0; i < n; i++) h[i] = half_from_float(x[i]);
+    } else if (c->type == KV_Q8_0) {
+        q8_row_from_floats(row, x, n);
+    } else {
+        memcpy(row, x, (size_t)n * sizeof(float));
+    }
+}
+
+/* The one function that stores a cache row: the key k and value v
+   (kv_dim floats each) of position pos of layer `layer`, in the cache's type. */
+static void kv_store(KVCache *c, int layer, const BlockTable *t, int pos, const float *k, const float *v) {
+    size_t at = kv_offset(c, layer, t, pos);
+    kv_encode(c, c->key + at, k, c->kv_dim);
+    kv_encode(c, c->value + at, v, c->kv_dim);
+}
+
+/* The one function that finds a cache row to read: the key (values = 0) or
+   the value (values = 1) of position pos of layer `layer`, as stored; kv_dot
+   and kv_axpy read its values. */
+static const unsigned char *kv_load(const KVCache *c, int layer, const BlockTable *t, int pos, int values) {
+    return (values ? c->value : c->key) + kv_offset(c, layer, t, pos);
+}
+
+/* Bytes of values from..from+n-1 of a row (the int8 part for q8_0), for
+   prefetching. */
+static size_t kv_span(const KVCache *c, size_t from, size_t n, size_t *start) {
+    size_t size = c->type == KV_F32 ? sizeof(float) : c->type == KV_F16 ? sizeof(uint16_t) : 1;
+    *start = from * size;
+    return n * size;
+}
+
+/* The reads of attention, on a row as stored, without a float copy of it.
+   q . row[off..off+n-1]: float32 rows in llama2.c's order (as before types
+   existed); the others as vectors where the build has the loads and the
+   stretch is whole vectors (for q8_0: of one group each), else in order. */
+static float kv_dot(const KVCache *c, const unsigned char *row, int off, const float *q, int n) {
+    float score = 0.0f;
+    if (c->type == KV_F32) {
+        const float *k = (const float *)row + off;
+        for (int i = 0; i < n; i++) score += q[i] * k[i];
+        return score;
+    }
+    const float *scales = (const float *)(row + c->kv_dim);
+#ifdef VF_CACHE_LOADS
+    if (off % SIMD_WIDTH == 0 && n % SIMD_WIDTH == 0) {
+        vfloat acc = vf_zero();
+        for (int i = 0; i < n; i += SIMD_WIDTH) {
+            vfloat k = c->type == KV_F16 ? vf_load_half((const uint16_t *)row + off + i)
+                                         : vf_load_i8_scaled((const int8_t *)row + off + i, scales[(off + i) / KV_GROUP]);
+            acc = vf_fma(vf_load(q + i), k, acc);
+        }
+        return vf_sum(acc);
+    }
+#endif
+    for (int i = 0; i < n; i++) {
+        int j = off + i;
+        float k = c->type == KV_F16 ? half_to_float(((const uint16_t *)row)[j]) : (float)((const int8_t *)row)[j] * scales[j / KV_GROUP];
+        score += q[i] * k;
+    }
+    return score;
+}
+
+/* xb[0..n-1] += a * row[off..off+n-1], the same way. */
+static void kv_axpy(const KVCache *c, const unsigned char *row, int off, float a, float *xb, int n) {
+    if (c->type == KV_F32) {
+        const float *v = (const float *)row + off;
+        for (int i = 0; i < n; i++) xb[i] += a * v[i];
+        return;
+    }
+    const float *scales = (const float *)(row + c->kv_dim);
+#ifdef VF_CACHE_LOADS
+    if (off % SIMD_WIDTH == 0 && n % SIMD_WIDTH == 0) {
+        vfloat va = vf_set(a);
+        for (int i = 0; i < n; i += SIMD_WIDTH) {
+            vfloat v = c->type == KV_F16 ? vf_load_half((const uint16_t *)row + off + i)
+                                         : vf_load_i8_scaled((const int8_t *)row + off + i, scales[(off + i) / KV_GROUP]);
+            vf_store(xb + i, vf_fma(va, v, vf_load(xb + i)));
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) {
+        int j = off + i;
+        float v = c->type == KV_F16 ? half_to_float(((const uint16_t *)row)[j]) : (float)((const int8_t *)row)[j] * scales[j / KV_GROUP];
+        xb[i] += a * v;
+    }
+}
+
+/* Makes position pos writable for table t: a new block when pos starts one,
+   or a private copy of a shared last block (its first pos % KV_BLOCK
+   positions, every layer). Once a table drops positions (--keep), it writes
+   into full blocks, so that nobody else ever reads what the ring overwrites:
+   a shared one is copied whole first (a free block exists then, since the
+   promises count a shared block once per holder), and one of its own leaves
+   the prefix index (a new generation: links to it go stale). */
+static void table_prepare_write(KVCache *c, BlockTable *t, int pos) {
+    int slot = kv_slot(t, pos), i = slot / KV_BLOCK;
+    if (i == t->n) {
+        table_push(t, block_take(c));
+        return;
+    }
+    int old = t->ids[i], ring = t->dropped > 0;
+    if (c->ref[old] == 1) {
+        if (ring && c->state[old] != BLOCK_PLAIN) {
+            prefix_remove(c, old);
+            c->generation[old]++;
+        }
+        return;
+    }
+    int fresh = block_take(c);
+    size_t bytes = (size_t)(ring ? KV_BLOCK : slot % KV_BLOCK) * c->row_bytes;
+    for (int l = 0; l < c->n_layers; l++) {
+        size_t from = ((size_t)l * c->n_blocks + old) * KV_BLOCK * c->row_bytes, to = ((size_t)l * c->n_blocks + fresh) * KV_BLOCK * c->row_bytes;
+        memcpy(c->key + to, c->key + from, bytes);
+        memcpy(c->value + to, c->value + from, bytes);
+    }
+    block_release(c, old);
+    t->ids[i] = fresh;
+}
+
+/* ---- Activations ---------------------------------------------------------- */
+
+/* Rows of attention scores (a query head of a row: context floats) that a
+   thread holds at once: all heads of a decoding row, or a tile of a prompt's
+   rows (ATTENTION_SCORES: rows x query heads of one key head). Rows of
+   scores lie ATTENTION_PAD floats more than the context apart, so that they
+   fall in different sets of the first-level cache. */
+#define ATTENTION_SCORES 32
+#define ATTENTION_PAD 16
+static int attention_score_rows(const Config *p) { return p->n_heads > ATTENTION_SCORES ? p->n_heads : ATTENTION_SCORES; }
+static size_t attention_score_stride(int context) { return (size_t)context + ATTENTION_PAD; }
+
+/* Floats of one thread's attention buffers (AttnScratch, section 4): the
+   rows of scores, their queries (three sets: --keep) and outputs. */
+static size_t attention_floats(const Config *p, int context) {
+    return (size_t)attention_score_rows(p) * (attention_score_stride(context) + 4 * (size_t)(p->dim / p->n_heads));
+}
+
+/* Activations for `max_rows` rows at once, for sequences of at most
+   `context` positions, and a cache of n_blocks blocks of kv_type. */
+static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int kv_type) {
+    int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
+    size_t rows = (size_t)max_rows;
+    s->max_rows = max_rows;
+    s->context = context;
+    s->x = xcalloc(rows * p->dim, sizeof(float));
+    s->xb = xcalloc(rows * p->dim, sizeof(float));
+    s->xb2 = xcalloc(rows * p->dim, sizeof(float));
+    s->hb = xcalloc(rows * p->hidden_dim, sizeof(float));
+    s->hb2 = xcalloc(rows * p->hidden_dim, sizeof(float));
+    s->q = xcalloc(rows * p->dim, sizeof(float));
+    s->q_turned = xcalloc(rows * 2 * p->dim, sizeof(float));
+    s->k = xcalloc(rows * kv_dim, sizeof(float));
+    s->v = xcalloc(rows * kv_dim, sizeof(float));
+    s->att = xcalloc((size_t)max_threads() * attention_floats(p, context), sizeof(float));
+    s->tiles = xcalloc(rows + 1, sizeof(int));
+    s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
+    kv_init(&s->cache, p, n_blocks, kv_type);
+}
+
+static void free_run_state(RunState *s) {
+    free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
+    free(s->q); free(s->q_turned); free(s->k); free(s->v); free(s->att); free(s->tiles); free(s->logits);
+    kv_free(&s->cache);
+    memset(s, 0, sizeof(*s));
+}
+
+/* ---- The forward pass ----------------------------------------------------- */
+
+/* A batch of rows to push through the transformer together: row r is token
+   token[r] at position pos[r] of the sequence whose block table is table[r]
+   (a block for pos[r], held by that table alone, must be in it: see
+   table_prepare_write). Its attention reads that table's positions
+   0..pos[r]. Rows of one sequence at consecutive positions may share a
+   batch (a prompt chunk): within each layer every row's key and value is
+   stored before any row attends. */
 typedef struct {
     int n_rows;
-    const int *token;
-    const int *pos;
-    const int *slot;
-    const int *history;
-    int n_logits; /* logits are computed for the last n_logits rows only */
+    const int *token;               /* (n_rows) */
+    const int *pos;                 /* (n_rows) */
+    const BlockTable *const *table; /* (n_rows) */
+    const int *logit_rows;          /* (n_logits) rows whose logits are wanted, ascending */
+    int n_logits;
 } Batch;
-
-static size_t cache_offset(const Config *p, const RunState *s, int layer, int slot, int pos) {
-    size_t kv_dim = (size_t)(p->dim / p->n_heads * p->n_kv_heads);
-    return (((size_t)layer * s->n_slots + slot) * s->context + pos) * kv_dim;
-}
-
-/* Where in the caches row r of the batch reads position tp: its own slot, or
-   the slot the history names (see Batch). */
-static size_t attended_offset(const Transformer *t, const Batch *b, int layer, int r, int tp) {
-    const Config *p = &t->config;
-    int slot = (b->history && tp < b->pos[r]) ? b->history[(size_t)r * t->state.context + tp] : b->slot[r];
-    return cache_offset(p, &t->state, layer, slot, tp);
-}
 
 /* Positions ahead whose keys or values attention prefetches: it reads the
    cache at a stride of kv_dim floats, which hardware prefetchers follow
    poorly. */
 #define ATTENTION_PREFETCH 16
 
-/* Multi-head attention of every row, reading keys and values from the cache:
-   for each head h, with key head h / (n_heads / n_kv_heads),
-     att[t] = softmax_t(q_h . k_t / sqrt(head_size)),  xb_h = sum_t att[t] v_t.
-   Work items are a row and a range of consecutive heads, as many ranges as
-   threads: the heads of a range read one stretch of each cached position,
-   and each thread takes one range of every row (in a prompt block, later
-   rows attend to more positions). */
-static void attention(Transformer *t, const Batch *b, int layer) {
+#ifdef _OPENMP
+static int thread_id(void) { return omp_get_thread_num(); }
+#else
+static int thread_id(void) { return 0; }
+#endif
+
+/* ---- Attention in tiles ------------------------------------------------------
+   A tile is up to tile_rows rows of one sequence at consecutive positions
+   (the same block table). Attention walks the cached positions once per
+   tile and head range: each key (value) read from the cache is used at once
+   by every query of the tile that attends to it, and by every query head
+   sharing its key head. The scores of all positions are kept (each row's
+   softmax is over all of them, as when rows were taken one by one): (tile
+   rows) x (heads at once) rows of scores, at most attention_score_rows(p).
+   A thread's buffers (AttnScratch) also hold the tile's queries and outputs
+   packed: rows of q and xb lie dim floats apart, which for dims like 768
+   puts the same head of every row in the same few sets of the first-level
+   cache. */
+
+/* One thread's part of RunState.att. */
+typedef struct {
+    float *scores; /* (score_rows, stride): softmax weights of positions 0..pos */
+    float *q;      /* (3, score_rows, head_size) the queries of the rows of scores, by kv_query_turn */
+    float *out;    /* (score_rows, head_size) their outputs */
+    size_t stride; /* floats from one row of scores to the next */
+    size_t turn;   /* score_rows * head_size: from one set of queries to the next */
+} AttnScratch;
+
+/* The buffers of thread `thread`. */
+static AttnScratch attention_scratch(const Config *p, const RunState *s, int thread) {
+    AttnScratch a;
+    const size_t rows = (size_t)attention_score_rows(p);
+    a.stride = attention_score_stride(s->context);
+    a.scores = s->att + (size_t)thread * attention_floats(p, s->context);
+    a.q = a.scores + rows * a.stride;
+    a.turn = rows * (size_t)(p->dim / p->n_heads);
+    a.out = a.q + 3 * a.turn;
+    return a;
+}
+
+/* Splits the rows of b into tiles of up to tile_rows rows, each of one
+   sequence at consecutive positions: first[i] is tile i's first row,
+   first[n_tiles] = b->n_rows. Returns n_tiles. */
+static int attention_tiles(const Batch *b, int tile_rows, int *first) {
+    int n_tiles = 0;
+    for (int r = 0; r < b->n_rows; r++) {
+        int start = n_tiles > 0 ? first[n_tiles - 1] : 0;
+        if (n_tiles == 0 || r - start == tile_rows || b->table[r] != b->table[r - 1] || b->pos[r] != b->pos[r - 1] + 1)
+            first[n_tiles++] = r;
+    }
+    first[n_tiles] = b->n_rows;
+    return n_tiles;
+}
+
+/* The scores of one cached key row for m rows x heads g0..g0+w-1 (queries
+   q, packed (m, w, head_size)): score = q . key / sqrt(head_size), into
+   scores (row i * w + h - g0 at that times stride). */
+static void attention_dot_tile(const KVCache *c, const unsigned char *keys, const float *q, float *scores, size_t stride,
+                               int m, int g0, int w, int kv_mul, int head_size) {
+    for (int h = 0; h < w; h++) {
+        const int off = (g0 + h) / kv_mul * head_size;
+        for (int i = 0; i < m; i++) {
+            const size_t row = (size_t)i * w + h;
+            float score = kv_dot(c, keys, off, q + row * head_size, head_size);
+            score /= sqrtf(head_size);
+            scores[row * stride] = score;
+        }
+    }
+}
+
+/* The scores of rows r0..r0+n-1 of b (a tile) for query heads g0..g1-1,
+   then their softmax: a->scores row i * (g1 - g0) + h - g0 for row r0 + i
+   and head h, positions 0..pos[r0 + i]. */
+static void attention_scores(Transformer *t, const Batch *b, int layer, int r0, int n, int g0, int g1, const AttnScratch *a) {
     const Config *p = &t->config;
     RunState *s = &t->state;
+    const KVCache *c = &s->cache;
+    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    const BlockTable *table = b->table[r0];
+    const int first = b->pos[r0], last = b->pos[r0 + n - 1];
+    /* the rows' queries, and (--keep) the two rotated for the ring */
+    for (int turn = 0; turn < (table->shift != 0 ? 3 : 1); turn++)
+        for (int i = 0; i < n; i++) {
+            const float *q = turn == 0 ? s->q + (size_t)(r0 + i) * p->dim : s->q_turned + ((size_t)(r0 + i) * 2 + turn - 1) * p->dim;
+            memcpy(a->q + turn * a->turn + (size_t)i * w * head_size, q + g0 * head_size, (size_t)w * head_size * sizeof(float));
+        }
+    /* the part of a cached position that heads g0..g1-1 read */
+    size_t kv0;
+    const size_t kv_bytes = kv_span(c, (size_t)(g0 / kv_mul) * head_size, (size_t)((g1 - 1) / kv_mul + 1 - g0 / kv_mul) * head_size, &kv0);
+    /* the first positions now, later ones ATTENTION_PREFETCH ahead */
+    for (int tp = 0; tp < ATTENTION_PREFETCH && tp <= last; tp++) {
+        prefetch(kv_load(c, layer, table, tp, 0) + kv0, kv_bytes);
+        prefetch(kv_load(c, layer, table, tp, 1) + kv0, kv_bytes);
+    }
+    for (int tp = 0; tp <= last; tp++) {
+        if (tp + ATTENTION_PREFETCH <= last) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 0) + kv0, kv_bytes);
+        const unsigned char *keys = kv_load(c, layer, table, tp, 0);
+        const float *q = a->q + kv_query_turn(table, tp) * a->turn;
+        /* the rows that attend to tp: i >= tp - pos[r0] */
+        const int i0 = tp > first ? tp - first : 0;
+        attention_dot_tile(c, keys, q + (size_t)i0 * w * head_size, a->scores + (size_t)i0 * w * a->stride + tp, a->stride,
+                           n - i0, g0, w, kv_mul, head_size);
+    }
+    for (int i = 0; i < n; i++)
+        for (int h = g0; h < g1; h++) softmax(a->scores + ((size_t)i * w + h - g0) * a->stride, b->pos[r0 + i] + 1);
+}
+
+/* One cached value row added to the outputs of m rows x heads g0..g0+w-1
+   (out, packed (m, w, head_size)), weighted by their softmaxed scores
+   (weights: row i * w + h - g0 at that times stride). */
+static void attention_axpy_tile(const KVCache *c, const unsigned char *values, const float *weights, size_t stride, float *out,
+                                int m, int g0, int w, int kv_mul, int head_size) {
+    for (int h = 0; h < w; h++) {
+        const int off = (g0 + h) / kv_mul * head_size;
+        for (int i = 0; i < m; i++) {
+            const size_t row = (size_t)i * w + h;
+            kv_axpy(c, values, off, weights[row * stride], out + row * head_size, head_size);
+        }
+    }
+}
+
+/* xb of rows r0..r0+n-1 (a tile), heads g0..g1-1 = the values weighted by
+   the scores (attention_scores), each output summed over positions in
+   ascending order. */
+static void attention_values(Transformer *t, const Batch *b, int layer, int r0, int n, int g0, int g1, const AttnScratch *a) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    const KVCache *c = &s->cache;
+    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    const BlockTable *table = b->table[r0];
+    const int first = b->pos[r0], last = b->pos[r0 + n - 1];
+    size_t kv0;
+    const size_t kv_bytes = kv_span(c, (size_t)(g0 / kv_mul) * head_size, (size_t)((g1 - 1) / kv_mul + 1 - g0 / kv_mul) * head_size, &kv0);
+    memset(a->out, 0, (size_t)n * w * head_size * sizeof(float));
+    for (int tp = 0; tp <= last; tp++) {
+        if (tp + ATTENTION_PREFETCH <= last) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 1) + kv0, kv_bytes);
+        const unsigned char *values = kv_load(c, layer, table, tp, 1);
+        const int i0 = tp > first ? tp - first : 0;
+        attention_axpy_tile(c, values, a->scores + (size_t)i0 * w * a->stride + tp, a->stride, a->out + (size_t)i0 * w * head_size,
+                            n - i0, g0, w, kv_mul, head_size);
+    }
+    for (int i = 0; i < n; i++)
+        memcpy(s->xb + (size_t)(r0 + i) * p->dim + g0 * head_size, a->out + (size_t)i * w * head_size, (size_t)w * head_size * sizeof(float));
+}
+
+/* Attention row by row, for f16 and q8_0 caches: work items are a row and
+   a range of consecutive heads, as many ranges as threads; the heads of a
+   range read one stretch of each cached position. (Their kv_dot and
+   kv_axpy convert each key and value as they read it; taken in tiles they
+   measured slower, not faster, than row by row.) */
+static void attention_rows(Transformer *t, const Batch *b, int layer) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    const KVCache *c = &s->cache;
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, n_rows = b->n_rows;
     const int threads = max_threads() < p->n_heads ? max_threads() : p->n_heads;
     const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
@@ -796,49 +2781,112 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
     for (int item = 0; item < n_ranges * n_rows; item++) {
         const int r = item % n_rows, pos = b->pos[r];
+        const BlockTable *table = b->table[r];
         const int h0 = item / n_rows * range, h1 = h0 + range < p->n_heads ? h0 + range : p->n_heads;
         /* the part of a cached position that heads h0..h1-1 read */
-        const size_t kv0 = (size_t)(h0 / kv_mul) * head_size;
-        const size_t kv_bytes = ((size_t)((h1 - 1) / kv_mul + 1) * head_size - kv0) * sizeof(float);
-        float *att = s->att + (size_t)r * p->n_heads * s->context; /* (n_heads, context) */
+        size_t kv0;
+        const size_t kv_bytes = kv_span(c, (size_t)(h0 / kv_mul) * head_size, (size_t)((h1 - 1) / kv_mul + 1 - h0 / kv_mul) * head_size, &kv0);
+        float *att = attention_scratch(p, s, thread_id()).scores; /* (n_heads, stride) */
+        const size_t stride = attention_score_stride(s->context);
         /* the first positions now, later ones ATTENTION_PREFETCH ahead */
         for (int tp = 0; tp < ATTENTION_PREFETCH && tp <= pos; tp++) {
-            prefetch(s->key_cache + attended_offset(t, b, layer, r, tp) + kv0, kv_bytes);
-            prefetch(s->value_cache + attended_offset(t, b, layer, r, tp) + kv0, kv_bytes);
+            prefetch(kv_load(c, layer, table, tp, 0) + kv0, kv_bytes);
+            prefetch(kv_load(c, layer, table, tp, 1) + kv0, kv_bytes);
         }
+        /* the row's query, and (--keep) the two rotated for the ring */
+        const float *queries[3] = {s->q + (size_t)r * p->dim, s->q_turned + (size_t)r * 2 * p->dim,
+                                   s->q_turned + ((size_t)r * 2 + 1) * p->dim};
         for (int tp = 0; tp <= pos; tp++) {
-            if (tp + ATTENTION_PREFETCH <= pos)
-                prefetch(s->key_cache + attended_offset(t, b, layer, r, tp + ATTENTION_PREFETCH) + kv0, kv_bytes);
-            const float *keys = s->key_cache + attended_offset(t, b, layer, r, tp);
+            if (tp + ATTENTION_PREFETCH <= pos) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 0) + kv0, kv_bytes);
+            const unsigned char *keys = kv_load(c, layer, table, tp, 0);
+            const float *query = queries[kv_query_turn(table, tp)];
             for (int h = h0; h < h1; h++) {
-                const float *q = s->q + (size_t)r * p->dim + h * head_size;
-                const float *k = keys + (size_t)(h / kv_mul) * head_size;
-                float score = 0.0f;
-                for (int i = 0; i < head_size; i++) score += q[i] * k[i];
+                const float *q = query + h * head_size;
+                float score = kv_dot(c, keys, h / kv_mul * head_size, q, head_size);
                 score /= sqrtf(head_size);
-                att[(size_t)h * s->context + tp] = score;
+                att[(size_t)h * stride + tp] = score;
             }
         }
         for (int h = h0; h < h1; h++) {
-            softmax(att + (size_t)h * s->context, pos + 1);
+            softmax(att + (size_t)h * stride, pos + 1);
             memset(s->xb + (size_t)r * p->dim + h * head_size, 0, head_size * sizeof(float));
         }
         for (int tp = 0; tp <= pos; tp++) {
-            if (tp + ATTENTION_PREFETCH <= pos)
-                prefetch(s->value_cache + attended_offset(t, b, layer, r, tp + ATTENTION_PREFETCH) + kv0, kv_bytes);
-            const float *values = s->value_cache + attended_offset(t, b, layer, r, tp);
+            if (tp + ATTENTION_PREFETCH <= pos) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 1) + kv0, kv_bytes);
+            const unsigned char *values = kv_load(c, layer, table, tp, 1);
             for (int h = h0; h < h1; h++) {
                 float *xb = s->xb + (size_t)r * p->dim + h * head_size;
-                const float *v = values + (size_t)(h / kv_mul) * head_size;
-                float a = att[(size_t)h * s->context + tp];
-                for (int i = 0; i < head_size; i++) xb[i] += a * v[i];
+                kv_axpy(c, values, h / kv_mul * head_size, att[(size_t)h * stride + tp], xb, head_size);
             }
         }
     }
 }
 
+/* Multi-head attention of every row, reading keys and values from the cache:
+   for each head h, with key head h / (n_heads / n_kv_heads),
+     att[t] = softmax_t(q_h . k_t / sqrt(head_size)),  xb_h = sum_t att[t] v_t.
+   With a float32 cache, rows of one sequence at consecutive positions (a
+   prompt chunk, a verified draft) are taken in tiles (attention_tiles), so
+   that each key and value read from the cache serves every query of the
+   tile; a decoding row is a tile of its own. Work items are a tile and a range of consecutive heads,
+   as many ranges as threads: the heads of a range read one stretch of each
+   cached position, and each thread takes one range of every tile (later
+   rows attend to more positions). Tiling changes only the order in which
+   different outputs are computed: each score is the same kv_dot, each
+   softmax the same, each output sums its kv_axpy over positions in
+   ascending order, so a row's result does not depend on its tile. */
+static void attention(Transformer *t, const Batch *b, int layer) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    if (s->cache.type != KV_F32) {
+        attention_rows(t, b, layer);
+        return;
+    }
+    const int threads = max_threads() < p->n_heads ? max_threads() : p->n_heads;
+    const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
+    const int score_rows = attention_score_rows(p);
+    const int n_tiles = attention_tiles(b, score_rows / (p->n_heads / p->n_kv_heads), s->tiles);
+    double work = 0; /* multiply-adds */
+    for (int r = 0; r < b->n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
+    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
+    for (int item = 0; item < n_ranges * n_tiles; item++) {
+        const int tile = item % n_tiles, r0 = s->tiles[tile], n = s->tiles[tile + 1] - r0;
+        const int h0 = item / n_tiles * range, h1 = h0 + range < p->n_heads ? h0 + range : p->n_heads;
+        const AttnScratch a = attention_scratch(p, s, thread_id());
+        /* as many heads at once as the scores of the tile's rows fit in */
+        const int w = score_rows / n > 0 ? score_rows / n : 1;
+        for (int g0 = h0; g0 < h1; g0 += w) {
+            const int g1 = g0 + w < h1 ? g0 + w : h1;
+            attention_scores(t, b, layer, r0, n, g0, g1, &a);
+            attention_values(t, b, layer, r0, n, g0, g1, &a);
+        }
+    }
+}
+
+/* RoPE for a row at position pos of table t: the query q at pos, the key k
+   at its physical slot, which is pos but after --keep drops (see kv_slot);
+   then, as the ring has turned, the two queries that read its stretches
+   (q_turned, 2 x dim), rotated from the same unrotated query. */
+static void rope_row(const Transformer *t, const BlockTable *table, int pos, float *q, float *q_turned, float *k) {
+    const Config *p = &t->config;
+    const int dim = p->dim, head_size = dim / p->n_heads, kv_dim = head_size * p->n_kv_heads, slot = kv_slot(table, pos);
+    if (table->shift != 0) {
+        int w = table->slots - table->keep;
+        memcpy(q_turned, q, (size_t)dim * sizeof(float));
+        memcpy(q_turned + dim, q, (size_t)dim * sizeof(float));
+        rope(q_turned, NULL, pos + table->shift, dim, 0, head_size, t->rope_freq);
+        rope(q_turned + dim, NULL, pos + table->shift - w, dim, 0, head_size, t->rope_freq);
+    }
+    if (slot == pos) {
+        rope(q, k, pos, dim, kv_dim, head_size, t->rope_freq);
+        return;
+    }
+    rope(q, NULL, pos, dim, 0, head_size, t->rope_freq);
+    rope(k, NULL, slot, kv_dim, 0, head_size, t->rope_freq);
+}
+
 /* Runs the rows of `b` through every layer; returns the logits
-   (b->n_logits, vocab_size) of the last b->n_logits rows. */
+   (b->n_logits, vocab_size) of the rows b->logit_rows, in that order. */
 static float *forward(Transformer *t, const Batch *b) {
     const Config *p = &t->config;
     const Weights *w = &t->weights;
@@ -852,16 +2900,16 @@ static float *forward(Transformer *t, const Batch *b) {
     for (int l = 0; l < p->n_layers; l++) {
         /* attention block: x += wo @ attention(rope(wq @ xb), rope(wk @ xb), wv @ xb) */
         for (int r = 0; r < n; r++)
-            rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_att + (size_t)l * dim, dim);
-        matmul(s->q, s->xb, &w->wq[l], n);
-        matmul(s->k, s->xb, &w->wk[l], n);
-        matmul(s->v, s->xb, &w->wv[l], n);
+            rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_att + (size_t)l * dim, dim, p->norm_eps);
+        const Matrix *qkv[3] = {&w->wq[l], &w->wk[l], &w->wv[l]};
+        float *const qkv_out[3] = {s->q, s->k, s->v};
+        matmul_shared(qkv, qkv_out, 3, s->xb, n);
+        /* rows write distinct cache positions, so threads can share them */
+        PARALLEL_FOR_IF(n >= 8)
         for (int r = 0; r < n; r++) {
             float *k = s->k + (size_t)r * kv_dim, *v = s->v + (size_t)r * kv_dim;
-            rope(s->q + (size_t)r * dim, k, b->pos[r], dim, kv_dim, head_size);
-            size_t at = cache_offset(p, s, l, b->slot[r], b->pos[r]);
-            memcpy(s->key_cache + at, k, kv_dim * sizeof(float));
-            memcpy(s->value_cache + at, v, kv_dim * sizeof(float));
+            rope_row(t, b->table[r], b->pos[r], s->q + (size_t)r * dim, s->q_turned + (size_t)r * 2 * dim, k);
+            kv_store(&s->cache, l, b->table[r], b->pos[r], k, v);
         }
         attention(t, b, l);
         matmul(s->xb2, s->xb, &w->wo[l], n);
@@ -869,79 +2917,116 @@ static float *forward(Transformer *t, const Batch *b) {
 
         /* FFN block: x += w2 @ (silu(w1 @ xb) * (w3 @ xb)), silu(v) = v * sigmoid(v) */
         for (int r = 0; r < n; r++)
-            rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim);
-        matmul(s->hb, s->xb, &w->w1[l], n);
-        matmul(s->hb2, s->xb, &w->w3[l], n);
-        /* split between threads for a prompt block: an exponential costs
-           about as much as 20 multiply-adds */
-        PARALLEL_FOR_IF(20.0 * n * hidden >= PARALLEL_MIN_WORK)
-        for (size_t i = 0; i < (size_t)n * hidden; i++) {
-            float val = s->hb[i];
-            val *= (1.0f / (1.0f + expf(-val)));
-            val *= s->hb2[i];
-            s->hb[i] = val;
-        }
+            rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim, p->norm_eps);
+        const Matrix *gate_up[2] = {&w->w1[l], &w->w3[l]};
+        float *const gate_up_out[2] = {s->hb, s->hb2};
+        matmul_shared(gate_up, gate_up_out, 2, s->xb, n);
+        swiglu(s->hb, s->hb2, n, hidden);
         matmul(s->xb2, s->hb, &w->w2[l], n);
         for (size_t i = 0; i < (size_t)n * dim; i++) s->x[i] += s->xb2[i];
     }
 
-    int first = n - b->n_logits;
-    for (int r = first; r < n; r++)
-        rmsnorm(s->x + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_final, dim);
-    if (b->n_logits > 0) matmul(s->logits, s->x + (size_t)first * dim, &w->wcls, b->n_logits);
+    /* the classifier reads the normalised rows that want logits, packed */
+    for (int i = 0; i < b->n_logits; i++)
+        rmsnorm(s->xb + (size_t)i * dim, s->x + (size_t)b->logit_rows[i] * dim, w->rms_final, dim, p->norm_eps);
+    if (b->n_logits > 0) matmul(s->logits, s->xb, &w->wcls, b->n_logits);
     return s->logits;
 }
 
-/* Runs one sequence's tokens at positions start.. through the model in blocks
-   of up to max_rows rows (cache slot `slot`); returns the logits of the last
-   token. */
-static float *forward_sequence(Transformer *t, const int *tokens, int n_tokens, int start, int slot) {
-    RunState *s = &t->state;
-    int *pos = xcalloc((size_t)s->max_rows, sizeof(int));
-    int *slots = xcalloc((size_t)s->max_rows, sizeof(int));
-    float *logits = NULL;
-    for (int done = 0; done < n_tokens;) {
-        int rows = n_tokens - done < s->max_rows ? n_tokens - done : s->max_rows;
-        for (int r = 0; r < rows; r++) { pos[r] = start + done + r; slots[r] = slot; }
-        int last_block = done + rows == n_tokens;
-        Batch b = {rows, tokens + done, pos, slots, NULL, last_block ? 1 : 0};
-        logits = forward(t, &b);
-        done += rows;
+/* Runs n tokens of one sequence at positions start.. (n <= max_rows) through
+   the model as one batch, their keys and values going into `table`; returns
+   the logits of every row (all) or of the last one. */
+static float *forward_rows(Transformer *t, BlockTable *table, const int *tokens, int n, int start, int all) {
+    int *pos = xcalloc((size_t)n, sizeof(int)), *rows = xcalloc((size_t)n, sizeof(int));
+    const BlockTable **tables = xcalloc((size_t)n, sizeof(BlockTable *));
+    for (int r = 0; r < n; r++) {
+        pos[r] = start + r;
+        rows[r] = r;
+        tables[r] = table;
+        table_prepare_write(&t->state.cache, table, start + r);
     }
+    Batch b = {n, tokens, pos, tables, all ? rows : rows + n - 1, all ? n : 1};
+    float *logits = forward(t, &b);
     free(pos);
-    free(slots);
+    free(rows);
+    free(tables);
     return logits;
 }
 
-/* Convenience for a single token of sequence slot 0. */
-static float *forward_token(Transformer *t, int token, int pos) {
-    int slot = 0;
-    Batch b = {1, &token, &pos, &slot, NULL, 1};
-    return forward(t, &b);
-}
-
 /* ------------------------------------------------------------------------ */
-/* 5. The BPE tokenizer                                                     */
+/* 5. The tokenizers                                                        */
 /* ------------------------------------------------------------------------ */
 
+/* The fixed ids of tokenizer.bin files; "tk42" files name their own. */
 enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
+
+enum { CHAT_LLAMA2, CHAT_LLAMA3 }; /* chat template families */
+#define MAX_END_TOKENS 8
 
 typedef struct {
     const char *str;
     int id;
 } TokenIndex;
 
+/* A byte-level BPE merge: the pair (left, right) becomes `merged`; lower
+   ranks merge first. A slot of the hash table, empty when left < 0. */
+typedef struct {
+    int left, right, merged, rank;
+} MergeRule;
+
 typedef struct {
     int vocab_size;
     int max_token_length;
     char **vocab;             /* (vocab_size) NUL-terminated pieces */
-    float *vocab_scores;      /* (vocab_size) merge priority: higher merges first */
-    TokenIndex *sorted_vocab; /* (vocab_size) pieces sorted by strcmp, for bsearch */
+    float *vocab_scores;      /* (vocab_size) merge priority: higher merges first (tokenizer.bin) */
+    TokenIndex *sorted_vocab; /* (vocab_size) pieces sorted by strcmp (byte-level: by bytes), for bsearch */
     unsigned char byte_pieces[512]; /* byte b as the string {b, 0} at 2b */
+    /* what the file says about the model's special tokens (tokenizer.bin:
+       BOS 1, the one end token EOS 2, the Llama 2 chat template) */
+    int bos;
+    int eos;                  /* end[0] */
+    int n_end;
+    int end[MAX_END_TOKENS];  /* tokens that end a reply */
+    int end_of_turn;          /* the token that closes a turn in the chat template */
+    int chat_template;        /* CHAT_LLAMA2 or CHAT_LLAMA3 */
+    int eos_ends_generate;    /* generate mode stops at an end token (llama2.c does not) */
+    /* byte-level BPE only (5.2) */
+    int byte_level;
+    int *piece_len;           /* (vocab_size) bytes of each piece: pieces may hold NUL */
+    unsigned char *special;   /* (vocab_size) 1: never produced from plain text */
+    int byte_token[256];      /* the token of each single byte */
+    MergeRule *merges;        /* (merge_mask + 1) hash table on (left, right) */
+    int merge_mask;
+    int n_letter, n_number;
+    int *letter_ranges;       /* (n_letter, 2) first and last code point of \p{L} runs, ascending */
+    int *number_ranges;       /* (n_number, 2) the same for \p{N} */
+    int n_sorted;             /* ordinary (not special) pieces in sorted_vocab */
 } Tokenizer;
+
+/* Sub-section 5.2 (byte-level BPE), used by the common entry points below. */
+static void load_byte_level_tokenizer(Tokenizer *t, const unsigned char *data, size_t size, const char *path, int vocab_size);
+static int encode_byte_level(const Tokenizer *t, const char *text, int bos, int eos, int *tokens);
+
+/* Whether `token` ends a reply: one of the file's end tokens. */
+static int is_eos_token(const Tokenizer *t, int token) {
+    for (int i = 0; i < t->n_end; i++)
+        if (token == t->end[i]) return 1;
+    return 0;
+}
+
+/* ---- 5.1 llama2.c's tokenizer.bin --------------------------------------- */
 
 static int compare_tokens(const void *a, const void *b) {
     return strcmp(((const TokenIndex *)a)->str, ((const TokenIndex *)b)->str);
+}
+
+/* Dies with a line naming the file's kind when it is not a tokenizer.bin. */
+static void refuse_non_tokenizer(const unsigned char *d, size_t size, const char *path) {
+    const char *kind = foreign_format(d, size);
+    if (kind) die(EXIT_BAD_FILE, "%s: is %s, not a tokenizer.bin: convert tokenizer.model with `python3 export.py tokenizer tokenizer.model tokenizer.bin`",
+                  path, kind);
+    if (looks_like_checkpoint(d, size))
+        die(EXIT_BAD_FILE, "%s: is a checkpoint, not a tokenizer (-z takes a tokenizer.bin)", path);
 }
 
 /* Reads llama2.c's tokenizer.bin: int32 max_token_length, then for each of
@@ -953,6 +3038,16 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
     size_t at = 0;
     memset(t, 0, sizeof(*t));
     t->vocab_size = vocab_size;
+    if (size >= 4 && memcmp(data, "tk42", 4) == 0) {
+        load_byte_level_tokenizer(t, data, size, path, vocab_size);
+        unmap((void *)data, size);
+        return;
+    }
+    refuse_non_tokenizer(data, size, path);
+    t->bos = TOKEN_BOS;
+    t->eos = t->end[0] = t->end_of_turn = TOKEN_EOS;
+    t->n_end = 1;
+    t->chat_template = CHAT_LLAMA2;
     if (size < 4) die(EXIT_BAD_FILE, "%s: truncated tokenizer: no max_token_length", path);
     int32_t max_len = read_i32((const char *)data);
     if (max_len <= 0 || max_len > (1 << 20))
@@ -978,7 +3073,7 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
     if (at != size)
         die(EXIT_BAD_FILE, "%s: tokenizer has more than the model's %d tokens (%zu bytes left over): wrong tokenizer for this model?",
             path, vocab_size, size - at);
-    munmap((void *)data, size);
+    unmap((void *)data, size);
     for (int i = 0; i < 256; i++) {
         t->byte_pieces[i * 2] = (unsigned char)i;
         t->byte_pieces[i * 2 + 1] = '\0';
@@ -993,6 +3088,11 @@ static void free_tokenizer(Tokenizer *t) {
     free(t->vocab);
     free(t->vocab_scores);
     free(t->sorted_vocab);
+    free(t->piece_len);
+    free(t->special);
+    free(t->merges);
+    free(t->letter_ranges);
+    free(t->number_ranges);
     memset(t, 0, sizeof(*t));
 }
 
@@ -1052,17 +3152,19 @@ static void consider_merge(const Tokenizer *t, const int *ids, int left, int rig
         heap_push(heap, n_heap, (Merge){t->vocab_scores[id], left, right, ids[left], ids[right], id});
 }
 
-/* Encodes `text` into `tokens` (room for strlen(text) + 3 ids) and returns the
+/* Encodes `text` into `tokens` (room for encode_capacity() ids) and returns the
    count: optional BOS, a dummy-prefix space for non-empty text, each UTF-8
    code point as its piece or else as byte tokens <0xNN> (id byte + 3), then
    merges of the best-scoring adjacent pair, leftmost first, until none is in
    the vocabulary. A heap of candidate merges gives llama2.c's result in
    O(n log n) instead of its O(n^2) rescans. Returns -1 (and names the byte in
-   *bad_byte) when a byte has no token. */
+   *bad_byte) when a byte has no token. A byte-level tokenizer's text goes to
+   encode_byte_level() (5.2). */
 static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *tokens, int *bad_byte) {
+    if (t->byte_level) return encode_byte_level(t, text, bos, eos, tokens);
     char *buffer = xcalloc((size_t)t->max_token_length * 2 + 3, 1);
     int n = 0;
-    if (bos) tokens[n++] = TOKEN_BOS;
+    if (bos) tokens[n++] = t->bos;
     if (text[0] != '\0') {
         int dummy_prefix = lookup_piece(t, " ");
         if (dummy_prefix != -1) tokens[n++] = dummy_prefix;
@@ -1113,7 +3215,7 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
     int out = 0;
     for (int i = 0; i < n; i++)
         if (tokens[i] >= 0) tokens[out++] = tokens[i];
-    if (eos) tokens[out++] = TOKEN_EOS;
+    if (eos) tokens[out++] = t->eos;
     free(prev);
     free(next);
     free(heap);
@@ -1123,10 +3225,11 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
 
 /* The text of `token` following `prev_token`: the space that SentencePiece
    puts at the start of a text is dropped after BOS, and byte tokens <0xNN>
-   become the byte itself. */
+   become the byte itself. A byte-level piece is its bytes, as they are. */
 static const char *decode(const Tokenizer *t, int prev_token, int token) {
     const char *piece = t->vocab[token];
-    if (prev_token == TOKEN_BOS && piece[0] == ' ') piece++;
+    if (t->byte_level) return piece;
+    if (prev_token == t->bos && piece[0] == ' ') piece++;
     unsigned char byte_val;
     if (sscanf(piece, "<0x%02hhX>", &byte_val) == 1) piece = (const char *)t->byte_pieces + byte_val * 2;
     return piece;
@@ -1134,14 +3237,407 @@ static const char *decode(const Tokenizer *t, int prev_token, int token) {
 
 /* Whether a decoded piece is printed: not when empty, nor when it is a single
    byte that is neither printable nor white space (a lone control byte, or a
-   fragment of a UTF-8 sequence that has no token of its own). */
-static int piece_is_printable(const char *piece) {
+   fragment of a UTF-8 sequence that has no token of its own). Byte-level
+   pieces are printed whole: their fragments of UTF-8 join up in the output. */
+static int piece_is_printable(const Tokenizer *t, const char *piece) {
     if (piece[0] == '\0') return 0;
+    if (t->byte_level) return 1;
     if (piece[1] == '\0') {
         unsigned char byte_val = (unsigned char)piece[0];
         if (!(isprint(byte_val) || isspace(byte_val))) return 0;
     }
     return 1;
+}
+
+/* Room encode() needs for a text of `len` bytes: llama2.c's bound of one id
+   per byte plus BOS, EOS and the dummy prefix; byte-level BPE replaces each
+   invalid byte by U+FFFD (three bytes, so up to three ids). */
+static size_t encode_capacity(const Tokenizer *t, size_t len) {
+    return (t->byte_level ? 3 * len : len) + 3;
+}
+
+/* ---- 5.2 byte-level BPE (Llama 3) ---------------------------------------
+   A "tk42" file, written by export.py from a Hugging Face tokenizer.json
+   (int32 little-endian unless said otherwise):
+     "tk42", format version 1, vocab_size, n_merges, max_token_length, bos,
+     end_of_turn, chat template (0 llama2, 1 llama3), pre-tokenizer (1: the
+     Llama 3 split), n_end (1..8), end[n_end];
+     per token: flags (1: special), byte length, the bytes;
+     per merge, best rank first: left id, right id, merged id;
+     n_letter, (first, last) code point ranges of \p{L};
+     n_number, the ranges of \p{N}.
+   tokenizer.bin has no magic: it starts with max_token_length, at most 2^20
+   here, while "tk42" read as an int32 is 842230644, so neither is taken for
+   the other.
+
+   Encoding splits the text as Llama 3's pre-tokenizer regex does, then runs
+   BPE inside each piece: start from one token per byte, merge the adjacent
+   pair of lowest rank (the leftmost among equals) until no pair has a merge.
+   A piece that is itself a token is taken whole (the tokenizer's
+   "ignore_merges"). Special tokens (<|begin_of_text|>, ...) are never
+   produced from text; the chat template inserts them by id.
+
+   The split needs Unicode's letter (L*) and number (N*) categories. They
+   come in the file, as ranges written from Python's unicodedata: about 700
+   ranges that a program would otherwise have to carry and keep current with
+   Unicode, and the tokenizer file is made by the same tool that reads
+   tokenizer.json. White space is the fixed, short White_Space property. */
+
+/* A cursor over a tokenizer file that refuses to run past its end. */
+static int32_t take_tokenizer_i32(const unsigned char *data, size_t size, size_t *at, const char *path, const char *what) {
+    if (size - *at < 4) die(EXIT_BAD_FILE, "%s: truncated tokenizer: no room for %s at offset %zu", path, what, *at);
+    int32_t v = read_i32((const char *)data + *at);
+    *at += 4;
+    return v;
+}
+
+static int compare_pieces_by_bytes(const Tokenizer *t, int a, int b) {
+    int la = t->piece_len[a], lb = t->piece_len[b];
+    int c = memcmp(t->vocab[a], t->vocab[b], (size_t)(la < lb ? la : lb));
+    return c != 0 ? c : (la > lb) - (la < lb);
+}
+
+/* A context for qsort, which has none: the tokenizer being sorted. */
+static const Tokenizer *sorting_tokenizer;
+
+static int compare_token_index_bytes(const void *a, const void *b) {
+    return compare_pieces_by_bytes(sorting_tokenizer, ((const TokenIndex *)a)->id, ((const TokenIndex *)b)->id);
+}
+
+static uint32_t merge_hash(int left, int right) {
+    return ((uint32_t)left * 2654435761u) ^ ((uint32_t)right * 2246822519u);
+}
+
+/* The merge rule of the pair (left, right), or NULL. */
+static const MergeRule *find_merge(const Tokenizer *t, int left, int right) {
+    for (uint32_t i = merge_hash(left, right) & (uint32_t)t->merge_mask;; i = (i + 1) & (uint32_t)t->merge_mask) {
+        const MergeRule *m = &t->merges[i];
+        if (m->left < 0) return NULL;
+        if (m->left == left && m->right == right) return m;
+    }
+}
+
+/* Reads `n` (first, last) code point ranges, ascending and disjoint. */
+static int *load_ranges(const unsigned char *data, size_t size, size_t *at, const char *path, int *n, const char *what) {
+    *n = take_tokenizer_i32(data, size, at, path, what);
+    if (*n < 0 || (size_t)*n > (size - *at) / 8)
+        die(EXIT_BAD_FILE, "%s: bad tokenizer: %d %s ranges do not fit the file", path, *n, what);
+    int *r = xcalloc(2 * (size_t)*n, sizeof(int));
+    for (int i = 0; i < 2 * *n; i++) r[i] = take_tokenizer_i32(data, size, at, path, what);
+    for (int i = 0; i < *n; i++)
+        if (r[2 * i] > r[2 * i + 1] || r[2 * i] < (i ? r[2 * i - 1] + 1 : 0) || r[2 * i + 1] > 0x10FFFF)
+            die(EXIT_BAD_FILE, "%s: bad tokenizer: %s range %d is not ascending code points", path, what, i);
+    return r;
+}
+
+static void load_byte_level_tokenizer(Tokenizer *t, const unsigned char *data, size_t size, const char *path, int vocab_size) {
+    size_t at = 4;
+    int32_t h[8];
+    static const char *names[] = {"version", "vocab_size", "n_merges", "max_token_length", "bos", "end_of_turn",
+                                  "chat template", "pre-tokenizer"};
+    for (int i = 0; i < 8; i++) h[i] = take_tokenizer_i32(data, size, &at, path, names[i]);
+    if (h[0] != 1) die(EXIT_BAD_FILE, "%s: unknown tokenizer version %d (this program reads tk42 version 1)", path, h[0]);
+    if (h[1] != vocab_size)
+        die(EXIT_BAD_FILE, "%s: tokenizer has %d tokens, the model has %d: wrong tokenizer for this model?", path, h[1], vocab_size);
+    if (h[2] < 0 || (size_t)h[2] > size / 12) die(EXIT_BAD_FILE, "%s: bad tokenizer: %d merges do not fit the file", path, h[2]);
+    if (h[3] <= 0 || h[3] > (1 << 20)) die(EXIT_BAD_FILE, "%s: bad tokenizer: max_token_length is %d", path, h[3]);
+    if (h[4] < 0 || h[4] >= vocab_size || h[5] < 0 || h[5] >= vocab_size)
+        die(EXIT_BAD_FILE, "%s: bad tokenizer: BOS %d or end-of-turn %d is not a token", path, h[4], h[5]);
+    if (h[6] != CHAT_LLAMA2 && h[6] != CHAT_LLAMA3) die(EXIT_BAD_FILE, "%s: bad tokenizer: unknown chat template %d", path, h[6]);
+    if (h[7] != 1) die(EXIT_BAD_FILE, "%s: bad tokenizer: unknown pre-tokenizer %d", path, h[7]);
+    t->byte_level = 1;
+    t->max_token_length = h[3];
+    t->bos = h[4];
+    t->end_of_turn = h[5];
+    t->chat_template = h[6];
+    t->eos_ends_generate = 1;
+    t->n_end = take_tokenizer_i32(data, size, &at, path, "n_end");
+    if (t->n_end < 1 || t->n_end > MAX_END_TOKENS)
+        die(EXIT_BAD_FILE, "%s: bad tokenizer: %d end tokens (1 to %d)", path, t->n_end, MAX_END_TOKENS);
+    for (int i = 0; i < t->n_end; i++) {
+        t->end[i] = take_tokenizer_i32(data, size, &at, path, "end token");
+        if (t->end[i] < 0 || t->end[i] >= vocab_size) die(EXIT_BAD_FILE, "%s: bad tokenizer: end token %d is not a token", path, t->end[i]);
+    }
+    t->eos = t->end[0];
+
+    t->vocab = xcalloc((size_t)vocab_size, sizeof(char *));
+    t->piece_len = xcalloc((size_t)vocab_size, sizeof(int));
+    t->special = xcalloc((size_t)vocab_size, 1);
+    for (int i = 0; i < 256; i++) t->byte_token[i] = -1;
+    for (int i = 0; i < vocab_size; i++) {
+        int32_t flags = take_tokenizer_i32(data, size, &at, path, "token flags");
+        int32_t len = take_tokenizer_i32(data, size, &at, path, "token length");
+        if ((flags != 0 && flags != 1) || len < 0 || len > t->max_token_length || (flags == 0 && len == 0))
+            die(EXIT_BAD_FILE, "%s: bad tokenizer: token %d has flags %d and length %d (max_token_length %d)",
+                path, i, flags, len, t->max_token_length);
+        if (size - at < (size_t)len) die(EXIT_BAD_FILE, "%s: truncated tokenizer: token %d needs %d bytes", path, i, len);
+        t->vocab[i] = xcalloc((size_t)len + 1, 1);
+        memcpy(t->vocab[i], data + at, (size_t)len);
+        at += (size_t)len;
+        t->piece_len[i] = len;
+        t->special[i] = (unsigned char)flags;
+        if (!flags && len == 1 && t->byte_token[data[at - 1]] < 0) t->byte_token[data[at - 1]] = i;
+    }
+    for (int b = 0; b < 256; b++)
+        if (t->byte_token[b] < 0) die(EXIT_BAD_FILE, "%s: bad tokenizer: no token for the byte 0x%02X", path, b);
+
+    /* merges, in a hash table at most half full */
+    int n_merges = h[2], cap = 2;
+    while (cap < 2 * n_merges) cap *= 2;
+    t->merge_mask = cap - 1;
+    t->merges = xcalloc((size_t)cap, sizeof(MergeRule));
+    for (int i = 0; i < cap; i++) t->merges[i].left = -1;
+    for (int r = 0; r < n_merges; r++) {
+        int left = take_tokenizer_i32(data, size, &at, path, "merge");
+        int right = take_tokenizer_i32(data, size, &at, path, "merge");
+        int merged = take_tokenizer_i32(data, size, &at, path, "merge");
+        if (left < 0 || left >= vocab_size || right < 0 || right >= vocab_size || merged < 0 || merged >= vocab_size)
+            die(EXIT_BAD_FILE, "%s: bad tokenizer: merge %d names a token outside the vocabulary", path, r);
+        int ll = t->piece_len[left], lr = t->piece_len[right];
+        if (t->special[left] || t->special[right] || t->special[merged] || t->piece_len[merged] != ll + lr ||
+            memcmp(t->vocab[merged], t->vocab[left], (size_t)ll) != 0 || memcmp(t->vocab[merged] + ll, t->vocab[right], (size_t)lr) != 0)
+            die(EXIT_BAD_FILE, "%s: bad tokenizer: merge %d: token %d is not tokens %d and %d joined", path, r, merged, left, right);
+        if (find_merge(t, left, right)) continue; /* a repeated pair keeps its best rank */
+        uint32_t i = merge_hash(left, right) & (uint32_t)t->merge_mask;
+        while (t->merges[i].left >= 0) i = (i + 1) & (uint32_t)t->merge_mask;
+        t->merges[i] = (MergeRule){left, right, merged, r};
+    }
+    t->letter_ranges = load_ranges(data, size, &at, path, &t->n_letter, "letter");
+    t->number_ranges = load_ranges(data, size, &at, path, &t->n_number, "number");
+    if (at != size) die(EXIT_BAD_FILE, "%s: bad tokenizer: %zu bytes left over after the number ranges", path, size - at);
+
+    /* the ordinary pieces sorted by their bytes, for taking a split piece whole */
+    t->sorted_vocab = xcalloc((size_t)vocab_size, sizeof(TokenIndex));
+    int n_sorted = 0;
+    for (int i = 0; i < vocab_size; i++)
+        if (!t->special[i]) t->sorted_vocab[n_sorted++] = (TokenIndex){t->vocab[i], i};
+    sorting_tokenizer = t;
+    qsort(t->sorted_vocab, (size_t)n_sorted, sizeof(TokenIndex), compare_token_index_bytes);
+    t->n_sorted = n_sorted;
+}
+
+/* The id of the ordinary piece with exactly these bytes, or -1. */
+static int lookup_bytes(const Tokenizer *t, const char *bytes, int len) {
+    int lo = 0, hi = t->n_sorted - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, id = t->sorted_vocab[mid].id;
+        int lm = t->piece_len[id];
+        int c = memcmp(t->vocab[id], bytes, (size_t)(lm < len ? lm : len));
+        if (c == 0) c = (lm > len) - (lm < len);
+        if (c == 0) return id;
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return -1;
+}
+
+/* The id of the special token spelled `text`, or -1. */
+static int lookup_special(const Tokenizer *t, const char *text) {
+    for (int i = 0; i < t->vocab_size; i++)
+        if (t->special[i] && strcmp(t->vocab[i], text) == 0) return i;
+    return -1;
+}
+
+static int in_ranges(const int *r, int n, int cp) {
+    int lo = 0, hi = n - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (cp < r[2 * mid]) hi = mid - 1;
+        else if (cp > r[2 * mid + 1]) lo = mid + 1;
+        else return 1;
+    }
+    return 0;
+}
+
+/* Unicode's White_Space property, the regex's \s. */
+static int is_space_cp(int cp) {
+    return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+/* The decoded text: code points and where each starts in the UTF-8 bytes. */
+typedef struct {
+    int n;
+    int *cp;      /* (n + 1) code points; cp[n] = 0 ends it */
+    char *bytes;  /* the text as well-formed UTF-8 */
+    int *offset;  /* (n + 1) byte offset of each code point; offset[n] = the length */
+    unsigned char *cls; /* (n + 1) CP_LETTER, CP_NUMBER, CP_SPACE or CP_OTHER */
+} CodePoints;
+
+enum { CP_OTHER, CP_LETTER, CP_NUMBER, CP_SPACE };
+
+/* Decodes one code point at s (n bytes left, n >= 1); *len gets the bytes it
+   takes. An ill-formed sequence is U+FFFD, once for each maximal part that
+   could begin a well-formed one (Unicode's and the WHATWG decoder's rule, as
+   text decoders before a tokenizer apply it). */
+static int decode_utf8(const unsigned char *s, size_t n, int *len) {
+    unsigned char c = s[0];
+    int need = c < 0x80 ? 0 : (c >= 0xC2 && c <= 0xDF) ? 1 : (c >= 0xE0 && c <= 0xEF) ? 2 : (c >= 0xF0 && c <= 0xF4) ? 3 : -1;
+    *len = 1;
+    if (need == 0) return c;
+    if (need < 0) return 0xFFFD;
+    int cp = c & (0x3F >> need);
+    for (int i = 1; i <= need; i++) {
+        unsigned char lo = 0x80, hi = 0xBF;
+        if (i == 1) {
+            lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+            hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+        }
+        if ((size_t)i >= n || s[i] < lo || s[i] > hi) {
+            *len = i;
+            return 0xFFFD;
+        }
+        cp = (cp << 6) | (s[i] & 0x3F);
+    }
+    *len = need + 1;
+    return cp;
+}
+
+static int encode_utf8(int cp, char *out) {
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    if (cp < 0x800) { out[0] = (char)(0xC0 | cp >> 6); out[1] = (char)(0x80 | (cp & 0x3F)); return 2; }
+    if (cp < 0x10000) {
+        out[0] = (char)(0xE0 | cp >> 12); out[1] = (char)(0x80 | (cp >> 6 & 0x3F)); out[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    out[0] = (char)(0xF0 | cp >> 18); out[1] = (char)(0x80 | (cp >> 12 & 0x3F));
+    out[2] = (char)(0x80 | (cp >> 6 & 0x3F)); out[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+static CodePoints decode_code_points(const Tokenizer *t, const char *text) {
+    size_t len = strlen(text);
+    CodePoints c = {0, xcalloc(len + 1, sizeof(int)), xcalloc(3 * len + 1, 1), xcalloc(len + 1, sizeof(int)), xcalloc(len + 1, 1)};
+    int at = 0;
+    for (size_t i = 0; i < len;) {
+        int step, cp = decode_utf8((const unsigned char *)text + i, len - i, &step);
+        i += (size_t)step;
+        c.cp[c.n] = cp;
+        c.offset[c.n] = at;
+        c.cls[c.n] = is_space_cp(cp) ? CP_SPACE : in_ranges(t->letter_ranges, t->n_letter, cp) ? CP_LETTER
+                   : in_ranges(t->number_ranges, t->n_number, cp) ? CP_NUMBER : CP_OTHER;
+        at += encode_utf8(cp, c.bytes + at);
+        c.n++;
+    }
+    c.offset[c.n] = at;
+    return c;
+}
+
+static void free_code_points(CodePoints *c) {
+    free(c->cp); free(c->bytes); free(c->offset); free(c->cls);
+}
+
+/* The end of the run of code points of class `cls` starting at i. */
+static int run_end(const CodePoints *c, int i, int cls) {
+    while (i < c->n && c->cls[i] == cls) i++;
+    return i;
+}
+
+static int is_newline(int cp) { return cp == '\r' || cp == '\n'; }
+
+/* The end of the piece that Llama 3's pre-tokenizer splits off at code point
+   i (< c->n): the first of its alternatives that matches at i, in order,
+     (?i:'s|'t|'re|'ve|'m|'ll|'d)     a contraction
+     [^\r\n\p{L}\p{N}]?\p{L}+         letters, after at most one other non-newline
+     \p{N}{1,3}                       up to three digits
+      ?[^\s\p{L}\p{N}]+[\r\n]*        punctuation, after at most a space, with its newlines
+     \s*[\r\n]+                       white space up to its last newline
+     \s+(?!\S)                        white space but the last before a non-space
+     \s+                              white space
+   Every code point starts some alternative, so the pieces cover the text. */
+static int split_piece_end(const CodePoints *c, int i) {
+    const int *cp = c->cp;
+    const unsigned char *cls = c->cls;
+    if (cp[i] == '\'' && i + 1 < c->n) {
+        int a = cp[i + 1] | 0x20, b = i + 2 < c->n ? cp[i + 2] | 0x20 : 0;
+        /* (?i) also folds U+017F (long s) to s */
+        if (a == 's' || a == 't' || a == 'm' || a == 'd' || cp[i + 1] == 0x17F) return i + 2;
+        if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 3;
+    }
+    if (cls[i] == CP_LETTER) return run_end(c, i, CP_LETTER);
+    if (cls[i] != CP_NUMBER && !is_newline(cp[i]) && i + 1 < c->n && cls[i + 1] == CP_LETTER) return run_end(c, i + 1, CP_LETTER);
+    if (cls[i] == CP_NUMBER) {
+        int j = i;
+        while (j < c->n && j < i + 3 && cls[j] == CP_NUMBER) j++;
+        return j;
+    }
+    int from = cp[i] == ' ' && i + 1 < c->n && cls[i + 1] == CP_OTHER ? i + 1 : i;
+    if (cls[from] == CP_OTHER) {
+        int j = run_end(c, from, CP_OTHER);
+        while (j < c->n && is_newline(cp[j])) j++;
+        return j;
+    }
+    /* white space from i to j */
+    int j = run_end(c, i, CP_SPACE), last_newline = -1;
+    for (int k = i; k < j; k++)
+        if (is_newline(cp[k])) last_newline = k;
+    if (last_newline >= 0) return last_newline + 1;
+    if (j < c->n && j - 1 > i) return j - 1;
+    return j;
+}
+
+/* BPE on the bytes of one split piece: appends its tokens to `out` and
+   returns how many. */
+static int bpe_piece(const Tokenizer *t, const char *bytes, int len, int *out) {
+    int whole = lookup_bytes(t, bytes, len);
+    if (whole >= 0) {
+        out[0] = whole;
+        return 1;
+    }
+    int *prev = xcalloc((size_t)len, sizeof(int)), *next = xcalloc((size_t)len, sizeof(int));
+    Merge *heap = xcalloc(3 * (size_t)len + 1, sizeof(Merge));
+    int n_heap = 0;
+    for (int i = 0; i < len; i++) {
+        out[i] = t->byte_token[(unsigned char)bytes[i]];
+        prev[i] = i - 1;
+        next[i] = i + 1 < len ? i + 1 : -1;
+    }
+    /* candidate merges in the heap of 5.1, ranked by -rank: lowest rank
+       first, then leftmost */
+    for (int i = 0; i + 1 < len; i++) {
+        const MergeRule *m = find_merge(t, out[i], out[i + 1]);
+        if (m) heap_push(heap, &n_heap, (Merge){-(float)m->rank, i, i + 1, m->left, m->right, m->merged});
+    }
+    while (n_heap > 0) {
+        Merge m = heap_pop(heap, &n_heap);
+        if (next[m.left] != m.right || out[m.left] != m.left_id || out[m.right] != m.right_id) continue;
+        out[m.left] = m.merged_id;
+        out[m.right] = -1;
+        next[m.left] = next[m.right];
+        if (next[m.right] >= 0) prev[next[m.right]] = m.left;
+        next[m.right] = -2;
+        int neighbours[2][2] = {{prev[m.left], m.left}, {m.left, next[m.left]}};
+        for (int k = 0; k < 2; k++) {
+            int a = neighbours[k][0], b = neighbours[k][1];
+            if (a < 0 || b < 0) continue;
+            const MergeRule *r = find_merge(t, out[a], out[b]);
+            if (r) heap_push(heap, &n_heap, (Merge){-(float)r->rank, a, b, r->left, r->right, r->merged});
+        }
+    }
+    int n = 0;
+    for (int i = 0; i < len; i++)
+        if (out[i] >= 0) out[n++] = out[i];
+    free(prev);
+    free(next);
+    free(heap);
+    return n;
+}
+
+/* Encodes `text` with a byte-level tokenizer: optional BOS, the split
+   pieces' BPE tokens, optional EOS. Every byte has a token, so it cannot
+   fail. */
+static int encode_byte_level(const Tokenizer *t, const char *text, int bos, int eos, int *tokens) {
+    CodePoints c = decode_code_points(t, text);
+    int n = 0;
+    if (bos) tokens[n++] = t->bos;
+    for (int i = 0; i < c.n;) {
+        int j = split_piece_end(&c, i);
+        n += bpe_piece(t, c.bytes + c.offset[i], c.offset[j] - c.offset[i], tokens + n);
+        i = j;
+    }
+    if (eos) tokens[n++] = t->eos;
+    free_code_points(&c);
+    return n;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1158,7 +3654,7 @@ typedef struct {
     float temperature; /* 0: greedy */
     float topp;        /* nucleus mass; outside (0, 1): plain multinomial */
     uint64_t rng_state;
-    ProbIndex *probindex; /* (vocab_size) scratch for top-p */
+    ProbIndex *probindex; /* (2, vocab_size) scratch for top-p: the tokens, and the sort's */
 } Sampler;
 
 /* xorshift64* (Vigna), as in llama2.c, so a seed gives the same story. */
@@ -1191,24 +3687,59 @@ static int sample_mult(const float *probabilities, int n, float coin) {
     return n - 1; /* rounding */
 }
 
-static int compare_prob_desc(const void *a, const void *b) {
-    const ProbIndex *x = a, *y = b;
-    if (x->prob > y->prob) return -1;
-    if (x->prob < y->prob) return 1;
-    return 0;
+/* Sorts a (n) by probability, largest first, equal ones in the order they
+   come (the samplers fill `a` in token order, so ties go by token id): the
+   order of a stable sort, which glibc's qsort (a merge sort) gives llama2.c
+   and the numpy references' stable argsort give the tests. A radix sort on
+   the bits of the floats (a non-negative float orders as its bit pattern;
+   the complement for largest first), 8 bits a pass from the lowest, each
+   pass stable, through tmp (n); a pass where every key has the same digit
+   is skipped. Sorting a flat distribution's 32000 tokens this way is ten
+   times faster than qsort's comparisons. */
+static void sort_by_prob(ProbIndex *a, ProbIndex *tmp, int n) {
+    enum { digits = 4 };
+    int count[digits][256];
+    memset(count, 0, sizeof(count));
+    for (int i = 0; i < n; i++) {
+        uint32_t key;
+        memcpy(&key, &a[i].prob, sizeof(key));
+        key = ~key;
+        for (int d = 0; d < digits; d++) count[d][(key >> (8 * d)) & 255]++;
+    }
+    ProbIndex *from = a, *to = tmp;
+    for (int d = 0; d < digits; d++) {
+        int at = 0, whole = 0;
+        for (int v = 0; v < 256; v++) {
+            int c = count[d][v];
+            whole |= c == n;
+            count[d][v] = at;
+            at += c;
+        }
+        if (whole) continue; /* every key has this digit: the order stays */
+        for (int i = 0; i < n; i++) {
+            uint32_t key;
+            memcpy(&key, &from[i].prob, sizeof(key));
+            to[count[d][((~key) >> (8 * d)) & 255]++] = from[i];
+        }
+        ProbIndex *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != a) memcpy(a, from, (size_t)n * sizeof(ProbIndex));
 }
 
 /* Nucleus sampling: draw from the smallest set of most likely tokens whose
    mass exceeds topp. The tokens below cutoff = (1 - topp) / (n - 1) hold less
    than (n - 1) * cutoff = 1 - topp in all, so the others hold more than topp
-   and contain that set: only they are sorted. */
+   and contain that set: only they are sorted. probindex has room for 2n
+   (the second half is the sort's scratch). */
 static int sample_topp(const float *probabilities, int n, float topp, ProbIndex *probindex, float coin) {
     int n0 = 0;
     const float cutoff = (1.0f - topp) / (n - 1);
     for (int i = 0; i < n; i++)
         if (probabilities[i] >= cutoff) probindex[n0++] = (ProbIndex){probabilities[i], i};
     if (n0 == 0) return sample_argmax(probabilities, n); /* topp < 1/n on a flat distribution */
-    qsort(probindex, (size_t)n0, sizeof(ProbIndex), compare_prob_desc);
+    sort_by_prob(probindex, probindex + n, n0);
     float cumulative_prob = 0.0f;
     int last_idx = n0 - 1;
     for (int i = 0; i < n0; i++) {
@@ -1228,7 +3759,7 @@ static void init_sampler(Sampler *s, int vocab_size, float temperature, float to
     s->temperature = temperature;
     s->topp = topp;
     s->rng_state = seed;
-    s->probindex = xcalloc((size_t)vocab_size, sizeof(ProbIndex));
+    s->probindex = xcalloc(2 * (size_t)vocab_size, sizeof(ProbIndex));
 }
 
 static void free_sampler(Sampler *s) { free(s->probindex); s->probindex = NULL; }
@@ -1253,6 +3784,159 @@ static double log_prob(const float *logits, int n, int token) {
     return (double)logits[token] - max_val - log(sum);
 }
 
+static int is_end_token(const Tokenizer *tok, int token) { return token == tok->bos || is_eos_token(tok, token); }
+
+static const char *end_reason(const Tokenizer *tok, int token) { return token == tok->bos ? "bos" : "eos"; }
+/* Generation controls, with the semantics of Hugging Face transformers'
+   generate() (version 4.38) where the library has them. Logits processors
+   change the scores of the next token from the sequence so far: in greedy
+   search and sampling they act on the logits, in beam search on log
+   softmax(logits), and the processed values are what beam scores add up, so
+   the library's sequences_scores come out. They run in the library's order:
+   repetition penalty, no-repeat n-grams, minimum new tokens. Sampling then
+   applies the warpers: temperature, top-k, top-p, min-p. */
+
+#define MAX_STOPS 16
+
+/* One request's controls; all zero changes nothing, so a command line or a
+   batch request fills in only what it sets (the stop strings are not copied). */
+typedef struct {
+    int min_new_tokens;       /* BOS and EOS masked before this many new tokens; 0: off */
+    float repetition_penalty; /* > 0; 1 (the library's default) or 0: off */
+    int no_repeat_ngram_size; /* 0: off */
+    int top_k;                /* sampling only; 0: off */
+    float min_p;              /* sampling only, in [0, 1]; 0: off */
+    int n_stops;
+    const char *stops[MAX_STOPS]; /* non-empty texts that end generation */
+} Controls;
+
+/* The CTRL penalty (Keskar et al. 2019) as the library applies it: each
+   token id present in seq gets score < 0 ? score * p : score / p, once
+   however often it occurs (the library gathers all the scores, then writes
+   them back). */
+static void apply_repetition_penalty(float penalty, const int *seq, int n_seq, float *scores) {
+    float *gathered = xcalloc((size_t)n_seq, sizeof(float)); /* (n_seq) */
+    for (int i = 0; i < n_seq; i++) {
+        float s = scores[seq[i]];
+        gathered[i] = s < 0 ? s * penalty : s / penalty;
+    }
+    for (int i = 0; i < n_seq; i++) scores[seq[i]] = gathered[i];
+    free(gathered);
+}
+
+/* Masks each token that would complete an n-gram (n = size) already in seq:
+   wherever the last size - 1 tokens occurred before, the token that followed. */
+static void ban_repeated_ngrams(int size, const int *seq, int n_seq, float *scores) {
+    if (n_seq + 1 < size) return;
+    const int *tail = seq + n_seq - (size - 1);
+    for (int i = 0; i + size <= n_seq; i++)
+        if (memcmp(seq + i, tail, (size_t)(size - 1) * sizeof(int)) == 0) scores[seq[i + size - 1]] = -INFINITY;
+}
+
+/* Applies the logits processors to `scores` (vocab values) for the next
+   token after seq (n_seq tokens, the prompt's BOS first; its last n_new are
+   the ones generated so far); the end tokens are the tokenizer's BOS and
+   end tokens. */
+static void process_logits(const Controls *c, const Tokenizer *tok, const int *seq, int n_seq, int n_new, float *scores) {
+    if (c->repetition_penalty > 0.0f && c->repetition_penalty != 1.0f) apply_repetition_penalty(c->repetition_penalty, seq, n_seq, scores);
+    if (c->no_repeat_ngram_size > 0) ban_repeated_ngrams(c->no_repeat_ngram_size, seq, n_seq, scores);
+    if (n_new < c->min_new_tokens) {
+        scores[tok->bos] = -INFINITY;
+        for (int i = 0; i < tok->n_end; i++) scores[tok->end[i]] = -INFINITY;
+    }
+}
+
+/* The k-th largest of x (n values, none NaN, 1 <= k <= n): Hoare's
+   quickselect on a copy in `scratch` (n), in linear time on average. */
+static float kth_largest(const float *x, int n, int k, float *scratch) {
+    memcpy(scratch, x, (size_t)n * sizeof(float));
+    int lo = 0, hi = n - 1, want = k - 1; /* its index in descending order */
+    while (lo < hi) {
+        float pivot = scratch[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) { /* afterwards: [lo, j] >= pivot, (j, i) == pivot, [i, hi] <= pivot */
+            while (scratch[i] > pivot) i++;
+            while (scratch[j] < pivot) j--;
+            if (i <= j) {
+                float swap = scratch[i];
+                scratch[i++] = scratch[j];
+                scratch[j--] = swap;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return pivot;
+    }
+    return scratch[want];
+}
+
+/* Draws from `probabilities` (after temperature) cut by the warpers, in the
+   library's order, with llama2.c's coin:
+   - top-k keeps the tokens not below the k-th largest probability (ties
+     kept, as the library keeps every logit not below the k-th);
+   - top-p then keeps llama2.c's nucleus, computed on the top-k tokens'
+     renormalized probabilities: the fewest likeliest tokens whose mass
+     exceeds topp (the library's rule differs only at the boundary: it keeps
+     the tokens whose cumulative mass before them is below topp);
+   - min-p keeps those with probability >= min_p times the largest (a ratio,
+     so renormalizing first changes nothing).
+   The kept tokens are walked from the likeliest with r = coin * their mass.
+   Only the tokens that can survive are sorted (probindex: room for 2n, as
+   sample_topp's): those above the k-th
+   probability, the nucleus cutoff of sample_topp() or the min-p bound. */
+static int sample_truncated(const float *probabilities, int n, int top_k, float topp, float min_p, ProbIndex *probindex,
+                            float coin) {
+    float floor_p = 0.0f;
+    if (top_k > 0 && top_k < n) {
+        float *scratch = xcalloc((size_t)n, sizeof(float)); /* (n) */
+        floor_p = kth_largest(probabilities, n, top_k, scratch);
+        free(scratch);
+    }
+    int use_topp = topp > 0 && topp < 1, n_kept = 0;
+    float mass = 0.0f, max_p = probabilities[sample_argmax(probabilities, n)];
+    for (int i = 0; i < n; i++)
+        if (probabilities[i] >= floor_p) { mass += probabilities[i]; n_kept++; }
+    if (floor_p == 0.0f) mass = 1.0f; /* no top-k: the softmax sums to 1, as sample_topp() assumes */
+    float bound = floor_p;
+    if (use_topp && n_kept > 1) bound = fmaxf(bound, mass * (1.0f - topp) / (n_kept - 1));
+    if (!use_topp && min_p > 0) bound = fmaxf(bound, min_p * max_p);
+    int n0 = 0;
+    for (int i = 0; i < n; i++)
+        if (probabilities[i] >= bound) probindex[n0++] = (ProbIndex){probabilities[i], i};
+    if (n0 == 0) return sample_argmax(probabilities, n);
+    sort_by_prob(probindex, probindex + n, n0);
+    int last = n0 - 1;
+    if (use_topp) {
+        float cumulative = 0.0f;
+        for (int i = 0; i < n0; i++) {
+            cumulative += probindex[i].prob;
+            if (cumulative > topp * mass) { last = i; break; }
+        }
+    }
+    while (last > 0 && probindex[last].prob < min_p * probindex[0].prob) last--;
+    float kept = 0.0f;
+    for (int i = 0; i <= last; i++) kept += probindex[i].prob;
+    float r = coin * kept, cdf = 0.0f;
+    for (int i = 0; i <= last; i++) {
+        cdf += probindex[i].prob;
+        if (r < cdf) return probindex[i].index;
+    }
+    return probindex[last].index;
+}
+
+/* sample() with the warpers of `c`; with top-k and min-p off it is sample()
+   itself, so the output stays llama2.c's. Greedy (temperature 0) takes the
+   largest logit: the library applies no warpers without sampling. */
+static int sample_with_controls(Sampler *s, const Controls *c, float *logits) {
+    if (c->top_k == 0 && c->min_p == 0.0f) return sample(s, logits);
+    if (s->temperature == 0.0f) return sample_argmax(logits, s->vocab_size);
+    if (!isfinite(logits[sample_argmax(logits, s->vocab_size)] / s->temperature)) return sample_argmax(logits, s->vocab_size);
+    for (int q = 0; q < s->vocab_size; q++) logits[q] /= s->temperature;
+    softmax(logits, s->vocab_size);
+    float coin = random_f32(&s->rng_state);
+    return sample_truncated(logits, s->vocab_size, c->top_k, s->topp, c->min_p, s->probindex, coin);
+}
+
 /* Beam search, with the semantics of Hugging Face transformers' generate()
    (version 4.38): B beams advance together; each step ranks every (beam,
    token) continuation by beam score + log softmax(logits)[token] and walks the
@@ -1270,20 +3954,41 @@ typedef struct {
 } BeamSettings;
 
 /* A returned sequence: the generated ids (no prompt, no end token), its score
-   and why it ended ("bos", "eos" or "length"). For beam search, slots[i] is
-   the cache slot holding the key/value of tokens[i], or -1 if never computed. */
+   and why it ended ("bos", "eos", "length", "interrupted" (Ctrl-C), or
+   "string": stop_string appeared in its text, the token that completed it
+   included). */
 typedef struct {
     int *tokens;
-    int *slots;
     int n_tokens;
     double score;
     const char *stop;
+    const char *stop_string; /* NULL unless stop is "string" */
 } Hypothesis;
 
 static void free_hypothesis(Hypothesis *h) {
     free(h->tokens);
-    free(h->slots);
     memset(h, 0, sizeof(*h));
+}
+
+/* A hypothesis holding a copy of the first n of `tokens`. */
+static Hypothesis make_hypothesis(const int *tokens, int n, const char *stop) {
+    Hypothesis h = {xcalloc((size_t)n + 1, sizeof(int)), n, 0.0, stop, NULL};
+    if (n > 0) memcpy(h.tokens, tokens, (size_t)n * sizeof(int));
+    return h;
+}
+
+/* Puts the hypotheses in the library's output order: best score first, and
+   among equal scores the one that entered the pool last first. */
+static void sort_best_first(Hypothesis *hyps, int n) {
+    for (int i = 1; i < n; i++) {
+        Hypothesis h = hyps[i];
+        int j = i;
+        while (j > 0 && hyps[j - 1].score <= h.score) {
+            hyps[j] = hyps[j - 1];
+            j--;
+        }
+        hyps[j] = h;
+    }
 }
 
 /* The finished hypotheses, at most B. worst_score follows the library: 1e9
@@ -1359,6 +4064,16 @@ static int top_candidates(const float *beam_scores, float *const *logprobs, int 
     return n;
 }
 
+/* Ranks twice as many continuations as the n in *cand (all of them at
+   most), in a grown buffer; the first n stay as they were. Returns the count. */
+static int more_candidates(const float *beam_scores, float *const *logprobs, int n_beams, int vocab, Candidate **cand, int n) {
+    int k = 2 * n < n_beams * vocab ? 2 * n : n_beams * vocab;
+    Candidate *grown = realloc(*cand, (size_t)k * sizeof(Candidate));
+    if (!grown) die(EXIT_BAD_FILE, "out of memory (%d beam candidates)", k);
+    *cand = grown;
+    return top_candidates(beam_scores, logprobs, n_beams, vocab, grown, k);
+}
+
 /* out = log softmax(x) = x - max - log sum exp(x - max), in float32 */
 static void log_softmax(float *out, const float *x, int n) {
     float max_val = x[sample_argmax(x, n)];
@@ -1368,30 +4083,1091 @@ static void log_softmax(float *out, const float *x, int n) {
     for (int i = 0; i < n; i++) out[i] = (x[i] - max_val) - log_sum;
 }
 
+/* ---- Text: what a continuation prints, and stop strings ------------------ */
+
+/* The printable text of `tokens` as generate prints it, the first one
+   decoded after `prev_token`. The caller frees it. */
+static char *decode_text(const Tokenizer *tok, int prev_token, const int *tokens, int n) {
+    size_t cap = 1, len = 0;
+    for (int i = 0; i < n; i++) cap += strlen(tok->vocab[tokens[i]]) + 1;
+    char *text = xcalloc(cap, 1);
+    for (int i = 0; i < n; i++) {
+        const char *piece = decode(tok, prev_token, tokens[i]);
+        if (piece_is_printable(tok, piece)) {
+            size_t piece_len = strlen(piece);
+            memcpy(text + len, piece, piece_len);
+            len += piece_len;
+        }
+        prev_token = tokens[i];
+    }
+    return text;
+}
+
+/* Stop strings: generation ends when its printed text (the prompt not
+   included) would contain one of the strings. The text is watched as it
+   grows; a StopMatcher holds back only its end that could still become a
+   stop string, so streamed text is printed as soon as it cannot be part of
+   one, and the stop string itself never is. */
+typedef struct {
+    const Controls *c;
+    char *held;          /* (cap) the text not yet released, NUL-terminated */
+    size_t n_held, cap;
+    size_t released;     /* bytes at the start of held that the last feed released */
+    const char *matched; /* the stop string found; NULL while none */
+} StopMatcher;
+
+static StopMatcher stop_matcher(const Controls *c) { return (StopMatcher){c, xcalloc(1, 1), 0, 1, 0, NULL}; }
+
+static void free_stop_matcher(StopMatcher *m) { free(m->held); }
+
+/* The length of the longest end of text (n bytes) that begins a stop string. */
+static size_t partial_stop_length(const Controls *c, const char *text, size_t n) {
+    size_t best = 0;
+    for (int s = 0; s < c->n_stops; s++) {
+        size_t len = strlen(c->stops[s]);
+        for (size_t k = len - 1 < n ? len - 1 : n; k > best; k--)
+            if (memcmp(text + n - k, c->stops[s], k) == 0) { best = k; break; }
+    }
+    return best;
+}
+
+/* Adds a printable piece to the text. Returns the text that is now safe to
+   print (*n_safe bytes, valid until the next call): everything before the
+   first stop string when one appeared (m->matched names it; the earliest in
+   the text, the first listed among those that start at the same byte), else
+   all but the held-back end. */
+static const char *stop_feed(StopMatcher *m, const char *piece, size_t *n_safe) {
+    m->n_held -= m->released;
+    memmove(m->held, m->held + m->released, m->n_held + 1);
+    size_t len = strlen(piece);
+    if (m->n_held + len + 1 > m->cap) {
+        m->cap = 2 * (m->n_held + len + 1);
+        char *grown = realloc(m->held, m->cap);
+        if (!grown) die(EXIT_BAD_FILE, "out of memory (%zu bytes)", m->cap);
+        m->held = grown;
+    }
+    memcpy(m->held + m->n_held, piece, len + 1);
+    m->n_held += len;
+    const char *first = NULL;
+    for (int s = 0; s < m->c->n_stops; s++) {
+        const char *at = strstr(m->held, m->c->stops[s]);
+        if (at && (!first || at < first)) { first = at; m->matched = m->c->stops[s]; }
+    }
+    m->released = first ? (size_t)(first - m->held) : m->n_held - partial_stop_length(m->c, m->held, m->n_held);
+    *n_safe = m->released;
+    return m->held;
+}
+
+/* The text still held back once generation has ended without a stop string
+   (*n bytes). */
+static const char *stop_rest(const StopMatcher *m, size_t *n) {
+    *n = m->matched ? 0 : m->n_held - m->released;
+    return m->held + m->released;
+}
+
+/* The stop string that the text of `tokens` (n, decoded after prev_token)
+   followed by `next` contains, or NULL: beam search asks this of each
+   candidate (whose own text has none). */
+static const char *continuation_stop(const Controls *c, const Tokenizer *tok, int prev_token, const int *tokens, int n, int next) {
+    if (c->n_stops == 0) return NULL;
+    char *text = decode_text(tok, prev_token, tokens, n);
+    StopMatcher m = stop_matcher(c);
+    size_t n_safe;
+    stop_feed(&m, text, &n_safe);
+    const char *piece = decode(tok, n > 0 ? tokens[n - 1] : prev_token, next);
+    if (!m.matched && piece_is_printable(tok, piece)) stop_feed(&m, piece, &n_safe);
+    const char *matched = m.matched;
+    free_stop_matcher(&m);
+    free(text);
+    return matched;
+}
+
+/* The text of a hypothesis as printed: its tokens decoded after
+   last_prompt_token, cut before its stop string. The caller frees it. */
+static char *hypothesis_text(const Tokenizer *tok, const Hypothesis *h, int last_prompt_token) {
+    char *text = decode_text(tok, last_prompt_token, h->tokens, h->n_tokens);
+    char *at = h->stop_string ? strstr(text, h->stop_string) : NULL;
+    if (at) *at = '\0';
+    return text;
+}
+
 /* ------------------------------------------------------------------------ */
-/* 7. Generation loops                                                      */
+/* 7. The engine: requests served together (continuous batching)           */
 /* ------------------------------------------------------------------------ */
+
+/* Every mode is a driver of one engine. A request is a prompt and how to
+   continue it; the engine runs the requests it is given in steps. Each step
+   builds one batch of rows: one row for each sequence that is decoding (a
+   sampled request has one sequence, a beam search B), then chunks of the
+   prompts of newly admitted requests (chunked prefill) up to PREFILL_CHUNK
+   rows, so that reading a long prompt does not stall the others; each weight
+   matrix is then read once for all of them. A finished request's place goes
+   to the next waiting one at the next step. Since a row's arithmetic does not
+   depend on the other rows of its batch, every request gets exactly what it
+   would get alone. generate is one request, beam search one request of B
+   sequences, each chat turn one request whose prompt is the conversation so
+   far (the prefix index hands back all but its last partial block), and
+   --batch many. */
 
 typedef enum { FORMAT_TEXT, FORMAT_JSON } OutputFormat;
 
 typedef struct {
-    int prompt_tokens;
+    int prompt_tokens;      /* prompt positions computed */
+    int reused_tokens;      /* prompt positions taken from the prefix index */
     double prompt_seconds;
     int generated_tokens;
     double generate_seconds;
+    /* speculative decoding (printed when `speculating`) */
+    int speculating;
+    long long drafted;      /* tokens drafted */
+    long long accepted;     /* drafted tokens the target chose too */
+    long long target_passes; /* forward passes that gave a sampled request its next token(s) */
+    int keeping;            /* --keep was given (printed then) */
+    long long dropped;      /* positions dropped by --keep */
 } Stats;
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+/* How to choose the continuation of a prompt. */
+typedef struct {
+    float temperature;    /* sampling: 0 is greedy */
+    float topp;
+    uint64_t seed;
+    BeamSettings beam;    /* beam search when beam.beams >= 1 */
+    int n_return;         /* hypotheses returned, best first (beam search) */
+    OutputFormat format;
+    Controls controls;    /* processors, warpers and stop strings */
+    int max_new_tokens;   /* --max-new-tokens: new tokens per reply at most; 0: no limit */
+    int rolling;          /* --keep given: past the context, drop old positions (see kv_slot) */
+    int keep;             /* --keep: the leading positions never dropped */
+} Decoding;
+
+/* The new tokens a continuation may have: `room` (what the positions
+   allow), or fewer by --max-new-tokens. */
+static int cap_new_tokens(const Decoding *d, int room) {
+    return d->max_new_tokens > 0 && d->max_new_tokens < room ? d->max_new_tokens : room;
 }
 
-static void print_stats(const Stats *st) {
+/* Rows of prompt read per step, at most: a prompt of 64 rows reads each
+   weight matrix once for all of them, and a longer one is read in chunks. */
+#define PREFILL_CHUNK 64
+
+/* One sequence of tokens and the cache blocks of the positions computed. */
+typedef struct {
+    BlockTable table;
+    int *tokens;    /* (cap) the prompt, then each token generated and fed back */
+    int n_tokens;   /* tokens[n_cached..n_tokens-1] are still to be fed */
+    int n_cached;   /* leading positions whose keys and values are in the cache */
+    int n_indexed;  /* leading blocks of the table that have been offered to the prefix index */
+    int cap;
+} Sequence;
+
+/* The state of a beam search between steps (see section 6 for the rules). */
+typedef struct {
+    int step;               /* tokens generated so far by each beam */
+    float *beam_scores;     /* (B) */
+    float *logprob_rows;    /* (B, vocab) log softmax of each beam's logits */
+    float **logprobs;       /* (B) the row each beam continues from */
+    int *generated;         /* (B, max_new) each beam's generated tokens */
+    int *next_generated;    /* (B, max_new) the same after a reorder */
+    int *parent, *next_token;
+    float *next_scores;     /* (B) */
+    Candidate *cand;        /* (3B) */
+    HypothesisPool pool;
+} BeamState;
+
+typedef enum { REQUEST_WAITING, REQUEST_RUNNING, REQUEST_DONE } RequestState;
+
+typedef struct Request Request;
+struct Request {
+    /* what is asked */
+    int *prompt;            /* (n_prompt) BOS first; owned by the request */
+    int n_prompt;
+    int max_new;            /* tokens to generate at most */
+    int stop_at_eos;        /* sampling: EOS ends the continuation as BOS does */
+    Decoding d;
+    int index;              /* place in the input, for ordered output */
+    char *id;               /* --batch: the request's "id" as JSON text */
+    const char *error;      /* set when the request cannot run */
+    /* called with the text of each sampled token once it is safe to print
+       (see StopMatcher), for streamed output; may be NULL */
+    void (*on_text)(Request *r, const char *text, size_t n);
+    void *owner;            /* the driver's, for on_text (the server's) */
+    /* progress */
+    RequestState state;
+    Sequence *seqs;         /* (max(1, B)) */
+    int n_seqs;
+    long long promised;     /* cache blocks promised to it (its worst case) */
+    Sampler sampler;
+    StopMatcher stops;      /* sampling: the text so far, against the stop strings */
+    float *raw;             /* (vocab) sampling with a score: the logits before sampling */
+    BeamState *beam;        /* NULL when sampling */
+    Hypothesis *hyps;       /* (max(1, B)) the result, best first */
+    int n_hyps;
+    int logit_at;           /* this step: the first of its rows in the logits, -1 if none */
+    int chosen;             /* this step: a sampled request's token, chosen in parallel */
+    int n_draft;            /* this step: tokens drafted after its next one, all verified; -1: not speculating */
+    Sequence draft;         /* drafting with a draft model: the tokens its cache holds (n_cached) and its block table there */
+    double draft_budget;    /* the draft model drafts while -log(its drafts' probability) is at most this */
+};
+
+/* Speculative decoding (see its sub-section below): where drafts come from,
+   and the draft model's own cache. */
+typedef struct {
+    int lookup;             /* --lookup N: drafts copied after an earlier N-gram; 0: the draft model */
+    int draft_max;          /* --draft-max: tokens drafted per step, at most */
+    Transformer *draft;     /* --draft: the draft model (its own RunState, and a cache with a block table per request); NULL with lookup */
+    /* the draft model's steps: rows (draft->state.max_rows), and its requests of a step (parallel) */
+    int *row_token, *row_pos, *logit_rows;
+    const BlockTable **row_table;
+    Request **drafting;
+    int *fed, *logit_at;    /* (parallel) each drafting request's rows in the step, and its logits' place (-1: none) */
+    double *surprise;       /* (parallel) -log of each one's drafts' probability so far */
+} Speculator;
+
+typedef struct {
+    Transformer *t;
+    const Tokenizer *tok;   /* BOS, the end tokens, and the text that stop strings are matched in */
+    int parallel;           /* requests running at once, at most */
+    Request **queue;        /* (n_queue) submitted, in order; waiting ones from `next_waiting` */
+    int n_queue, cap_queue, next_waiting;
+    Request **running;      /* (parallel) */
+    int n_running;
+    /* the rows of the current step */
+    int *row_token, *row_pos, *logit_rows;  /* (max_rows) */
+    const BlockTable **row_table;           /* (max_rows) */
+    Sequence **row_seq;                     /* (max_rows) */
+    void (*on_done)(Request *r, void *user);
+    void *user;
+    Speculator *spec;       /* greedy requests draft and verify several tokens per step; NULL: off */
+    Stats stats;
+} Engine;
+
+
+/* ---- Sequences ------------------------------------------------------------ */
+
+static void sequence_init(Sequence *s, const int *tokens, int n, int cap) {
+    memset(s, 0, sizeof(*s));
+    s->cap = cap > n ? cap : n;
+    s->tokens = xcalloc((size_t)s->cap, sizeof(int));
+    memcpy(s->tokens, tokens, (size_t)n * sizeof(int));
+    s->n_tokens = n;
+}
+
+static void sequence_free(KVCache *c, Sequence *s) {
+    table_free(c, &s->table);
+    free(s->tokens);
+    memset(s, 0, sizeof(*s));
+}
+
+/* dst (initialised, same cap) becomes a copy of src sharing its blocks. */
+static void sequence_copy(KVCache *c, Sequence *dst, const Sequence *src) {
+    table_copy(c, &dst->table, &src->table);
+    memcpy(dst->tokens, src->tokens, (size_t)src->n_tokens * sizeof(int));
+    dst->n_tokens = src->n_tokens;
+    dst->n_cached = src->n_cached;
+    dst->n_indexed = src->n_indexed;
+}
+
+static void sequence_push(Sequence *s, int token) { s->tokens[s->n_tokens++] = token; }
+
+/* Offers the blocks that have become full to the prefix index: a block
+   indexed while pending is now ready; another is indexed if the block
+   before it is. */
+static void sequence_index_blocks(KVCache *c, Sequence *s) {
+    /* a table that drops positions (--keep) offers those before its first
+       drop only: after it, a block's positions are no longer the index's */
+    int cached = s->table.slots > 0 && s->n_cached > s->table.slots ? s->table.slots : s->n_cached;
+    for (; s->n_indexed < cached / KV_BLOCK; s->n_indexed++) {
+        int i = s->n_indexed, b = s->table.ids[i], parent = i > 0 ? s->table.ids[i - 1] : -1;
+        if (c->state[b] == BLOCK_PENDING) c->state[b] = BLOCK_READY;
+        else if (parent < 0 || c->state[parent] != BLOCK_PLAIN)
+            prefix_add(c, b, parent, s->tokens + (size_t)i * KV_BLOCK, BLOCK_READY);
+    }
+}
+
+/* ---- Requests ------------------------------------------------------------- */
+
+/* A request for the continuation of prompt (n_prompt tokens, BOS first; the
+   request takes ownership) with at most max_new tokens. */
+static Request *request_new(int *prompt, int n_prompt, int max_new, int stop_at_eos, const Decoding *d) {
+    Request *r = xcalloc(1, sizeof(Request));
+    r->prompt = prompt;
+    r->n_prompt = n_prompt;
+    r->max_new = max_new;
+    r->stop_at_eos = stop_at_eos;
+    r->d = *d;
+    r->n_seqs = d->beam.beams > 0 ? d->beam.beams : 1;
+    r->hyps = xcalloc((size_t)r->n_seqs, sizeof(Hypothesis));
+    return r;
+}
+
+static void request_free(Request *r) {
+    for (int i = 0; i < r->n_hyps; i++) free_hypothesis(&r->hyps[i]);
+    free(r->hyps);
+    free(r->prompt);
+    free(r->id);
+    free(r);
+}
+
+/* The most positions a request computes: its prompt and every generated
+   token but the last. */
+static int request_positions(const Request *r) { return r->n_prompt + (r->max_new > 0 ? r->max_new - 1 : 0); }
+
+/* The most cache blocks the request can hold at once, with a context of
+   `context` positions (--keep holds no more, however far it goes): each
+   sequence's own blocks (shared ones counted for each holder), and one more
+   for the moment a copy on write holds both the copy and the original. */
+static long long request_blocks(const Request *r, int context) {
+    int positions = request_positions(r);
+    if (r->d.rolling && positions > context) positions = context;
+    long long per_seq = (positions + KV_BLOCK - 1) / KV_BLOCK;
+    return (long long)r->n_seqs * per_seq + (r->n_seqs > 1);
+}
+
+static void beam_state_free(BeamState *b) {
+    if (!b) return;
+    free(b->beam_scores); free(b->logprob_rows); free(b->logprobs); free(b->generated); free(b->next_generated);
+    free(b->parent); free(b->next_token); free(b->next_scores); free(b->cand);
+    free(b);
+}
+
+/* Ends a request: its hypotheses are final, its cache blocks and working
+   memory are given back. */
+static void request_finish(Engine *e, Request *r) {
+    KVCache *c = &e->t->state.cache;
+    if (r->beam) {
+        r->n_hyps = r->beam->pool.n;
+        sort_best_first(r->hyps, r->n_hyps);
+    }
+    for (int i = 0; i < r->n_seqs && r->seqs; i++) sequence_free(c, &r->seqs[i]);
+    free(r->seqs);
+    if (r->draft.tokens) sequence_free(&e->spec->draft->state.cache, &r->draft);
+    r->seqs = NULL;
+    beam_state_free(r->beam);
+    r->beam = NULL;
+    free(r->raw);
+    r->raw = NULL;
+    free_sampler(&r->sampler);
+    free_stop_matcher(&r->stops);
+    r->stops.held = NULL;
+    c->promised -= r->promised;
+    r->promised = 0;
+    r->state = REQUEST_DONE;
+}
+
+/* ---- Ctrl-C ----------------------------------------------------------------
+   The first SIGINT only sets a flag: generation stops at the next token,
+   keeping what it printed, and the program ends with status 130 (or, in
+   chat, the reply ends and the next message is asked for). A second one
+   while the first is pending ends the program at once. While a line is read
+   from stdin, the signal interrupts the read, which ends the chat. */
+
+#define EXIT_INTERRUPTED 130 /* 128 + SIGINT, as the shell reports it */
+
+static volatile sig_atomic_t interrupt_pending;
+static int interrupts_caught; /* whether the handler is installed (main does; tests do not) */
+
+static void on_interrupt(int sig) {
+    (void)sig;
+    if (interrupt_pending) _Exit(EXIT_INTERRUPTED);
+    interrupt_pending = 1;
+}
+
+/* Installs the handler; `restart` as on_sigint (section "Platform"). */
+static void catch_interrupts(int restart) {
+    on_sigint(on_interrupt, restart);
+    interrupts_caught = 1;
+}
+
+/* Whether Ctrl-C asked generation to stop. */
+static int interrupted(void) { return interrupt_pending != 0; }
+
+/* Forgets a Ctrl-C that has been acted on (a chat reply it ended). */
+static void clear_interrupt(void) { interrupt_pending = 0; }
+
+/* ---- Choosing tokens -------------------------------------------------------- */
+
+/* The choice of a sampled request's next token (the first half of
+   sample_step, below): the token, and with
+   JSON output its log-probability added to the score. It touches nothing but
+   the request (its sampler, scratch and score), so the requests of a step
+   choose in parallel (engine_step). */
+static int choose_token(const Engine *e, Request *r, float *logits) {
+    const int vocab = e->t->config.vocab_size;
+    const Controls *ctl = &r->d.controls;
+    const Sequence *s = &r->seqs[0];
+    process_logits(ctl, e->tok, s->tokens, s->n_tokens, r->hyps[0].n_tokens, logits);
+    if (r->raw) memcpy(r->raw, logits, (size_t)vocab * sizeof(float));
+    int next = sample_with_controls(&r->sampler, ctl, logits);
+    if (r->raw) r->hyps[0].score += log_prob(r->raw, vocab, next);
+    return next;
+}
+
+/* Ends a request at Ctrl-C: every token it has is fed. */
+static void finish_interrupted(Engine *e, Request *r) {
+    r->hyps[0].stop = "interrupted";
+    request_finish(e, r);
+}
+
+/* The second half: takes the chosen token (see sample_step). */
+static void take_token(Engine *e, Request *r, int next) {
+    Hypothesis *h = &r->hyps[0];
+    Sequence *s = &r->seqs[0];
+    int ended = next == e->tok->bos || (r->stop_at_eos && is_eos_token(e->tok, next));
+    if (ended) h->stop = end_reason(e->tok, next);
+    else {
+        const char *piece = decode(e->tok, s->tokens[s->n_tokens - 1], next);
+        h->tokens[h->n_tokens++] = next;
+        e->stats.generated_tokens++;
+        if (piece_is_printable(e->tok, piece)) {
+            size_t n_safe;
+            const char *safe = stop_feed(&r->stops, piece, &n_safe);
+            if (r->on_text) r->on_text(r, safe, n_safe);
+        }
+        if (r->stops.matched) {
+            h->stop = "string";
+            h->stop_string = r->stops.matched;
+            ended = 1;
+        } else if (h->n_tokens == r->max_new) {
+            ended = 1;
+        }
+    }
+    if (!ended) {
+        sequence_push(s, next);
+        return;
+    }
+    size_t n_rest;
+    const char *rest = stop_rest(&r->stops, &n_rest);
+    if (r->on_text && n_rest > 0) r->on_text(r, rest, n_rest);
+    request_finish(e, r);
+}
+
+/* A sampled request's next token from its logits row (overwritten), under
+   its controls: ends it at BOS (or EOS when stop_at_eos), after max_new
+   tokens, at Ctrl-C (stop "interrupted": every token it has is fed), or when
+   its text would contain a stop string (that token is kept, not fed), else
+   feeds the token back. Text output never prints the score, so only JSON
+   output keeps a copy of the logits to score the choice. */
+static void sample_step(Engine *e, Request *r, float *logits) {
+    if (interrupted()) finish_interrupted(e, r);
+    else take_token(e, r, choose_token(e, r, logits));
+}
+
+/* The scores beam search ranks a sequence's continuations by, into `out`
+   (vocab values): log softmax(logits) and then the processors, as the
+   library's beam search has them; one beam is the library's greedy search,
+   whose processors act on the logits before. The sequence holds the prompt
+   and its n_new generated tokens. */
+static void beam_token_scores(const Controls *ctl, const Tokenizer *tok, int beams, const Sequence *s, int n_new, float *logits,
+                              float *out, int vocab) {
+    if (beams == 1) process_logits(ctl, tok, s->tokens, s->n_tokens, n_new, logits);
+    log_softmax(out, logits, vocab);
+    if (beams > 1) process_logits(ctl, tok, s->tokens, s->n_tokens, n_new, out);
+}
+
+static BeamState *beam_state_new(int B, int vocab, int max_new) {
+    BeamState *b = xcalloc(1, sizeof(BeamState));
+    b->beam_scores = xcalloc((size_t)B, sizeof(float));
+    b->logprob_rows = xcalloc((size_t)B * vocab, sizeof(float));
+    b->logprobs = xcalloc((size_t)B, sizeof(float *));
+    b->generated = xcalloc((size_t)B * max_new, sizeof(int));
+    b->next_generated = xcalloc((size_t)B * max_new, sizeof(int));
+    b->parent = xcalloc((size_t)B, sizeof(int));
+    b->next_token = xcalloc((size_t)B, sizeof(int));
+    b->next_scores = xcalloc((size_t)B, sizeof(float));
+    b->cand = xcalloc(3 * (size_t)B, sizeof(Candidate));
+    return b;
+}
+
+/* One step of beam search (the rules in section 6) on the logits of the B
+   beams, or at the first step of the prompt's last row: every beam starts as
+   the prompt, but only the first one expands (the others score -1e9), so
+   the B beams come out distinct. Beam j then continues beam parent[j]: it
+   takes a copy of that beam's block table, sharing its blocks (the partly
+   filled last one is copied when written), and feeds its new token. */
+static void beam_step(Engine *e, Request *r, float *logits) {
+    KVCache *c = &e->t->state.cache;
+    const int B = r->d.beam.beams, vocab = e->t->config.vocab_size, max_new = r->max_new;
+    BeamState *bs = r->beam;
+    if (!bs) {
+        bs = r->beam = beam_state_new(B, vocab, max_new);
+        bs->pool = (HypothesisPool){r->hyps, 0, 1e9};
+        beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[0], 0, logits, bs->logprob_rows, vocab);
+        for (int j = 0; j < B; j++) {
+            bs->logprobs[j] = bs->logprob_rows;
+            bs->beam_scores[j] = j == 0 ? 0.0f : -1e9f;
+            if (j > 0) sequence_copy(c, &r->seqs[j], &r->seqs[0]);
+        }
+    } else {
+        for (int j = 0; j < B; j++) {
+            bs->logprobs[j] = bs->logprob_rows + (size_t)j * vocab;
+            beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[j], bs->step, logits + (size_t)j * vocab, bs->logprobs[j], vocab);
+        }
+    }
+    const int step = bs->step;
+    int n_cand = top_candidates(bs->beam_scores, bs->logprobs, B, vocab, bs->cand, 3 * B), n_next = 0;
+    for (int rank = 0; n_next < B; rank++) {
+        /* stop strings can take more than the 2B places that end tokens
+           can: then the walk goes on down the ranking */
+        if (rank == n_cand) {
+            if (n_cand == B * vocab) break;
+            n_cand = more_candidates(bs->beam_scores, bs->logprobs, B, vocab, &bs->cand, n_cand);
+        }
+        Candidate cd = bs->cand[rank];
+        const int *beam_tokens = bs->generated + (size_t)cd.beam * max_new;
+        const char *stop_string = is_end_token(e->tok, cd.token) ? NULL
+                                  : continuation_stop(&r->d.controls, e->tok, r->prompt[r->n_prompt - 1], beam_tokens, step, cd.token);
+        if (is_end_token(e->tok, cd.token)) {
+            if (rank >= B) continue;
+            Hypothesis h = make_hypothesis(beam_tokens, step, end_reason(e->tok, cd.token));
+            pool_add(&bs->pool, &r->d.beam, h, cd.score, step + 1);
+        } else if (stop_string) {
+            /* a stop string ends a hypothesis as an end token does, but the
+               token that completed it stays in the hypothesis */
+            if (rank >= B) continue;
+            Hypothesis h = make_hypothesis(beam_tokens, step, "string");
+            h.tokens[h.n_tokens++] = cd.token;
+            h.stop_string = stop_string;
+            pool_add(&bs->pool, &r->d.beam, h, cd.score, step + 1);
+        } else {
+            bs->parent[n_next] = cd.beam;
+            bs->next_token[n_next] = cd.token;
+            bs->next_scores[n_next++] = cd.score;
+        }
+    }
+    int generated = step + 1, done = pool_is_done(&bs->pool, &r->d.beam, bs->cand[0].score, generated, max_new);
+    /* reorder: beam j continues beam parent[j] with next_token[j] */
+    Sequence *next = xcalloc((size_t)B, sizeof(Sequence));
+    for (int j = 0; j < B; j++) {
+        const Sequence *from = &r->seqs[bs->parent[j]];
+        sequence_init(&next[j], from->tokens, 0, from->cap);
+        sequence_copy(c, &next[j], from);
+        memcpy(bs->next_generated + (size_t)j * max_new, bs->generated + (size_t)bs->parent[j] * max_new, (size_t)step * sizeof(int));
+        bs->next_generated[(size_t)j * max_new + step] = bs->next_token[j];
+        bs->beam_scores[j] = bs->next_scores[j];
+    }
+    for (int j = 0; j < B; j++) {
+        sequence_free(c, &r->seqs[j]);
+        r->seqs[j] = next[j];
+    }
+    free(next);
+    int *swap = bs->generated; bs->generated = bs->next_generated; bs->next_generated = swap;
+    bs->step++;
+    e->stats.generated_tokens++;
+    if (done) {
+        request_finish(e, r);
+        return;
+    }
+    if (generated == max_new || interrupted()) { /* the length limit (or Ctrl-C): running beams join the pool */
+        for (int j = 0; j < B; j++)
+            pool_add(&bs->pool, &r->d.beam, make_hypothesis(bs->generated + (size_t)j * max_new, generated, "length"),
+                     bs->beam_scores[j], generated);
+        request_finish(e, r);
+        return;
+    }
+    for (int j = 0; j < B; j++) sequence_push(&r->seqs[j], bs->next_token[j]);
+}
+
+/* ---- Speculative decoding ---------------------------------------------------
+   Decoding reads every weight once per token. Reading them once for a few
+   rows costs about the same, so a sampled (not beam search) request guesses
+   (drafts) up to K tokens after its next one and the engine feeds the next
+   token and the K drafts as consecutive rows of one step; the target's
+   choice at each row decides (greedy, or a draw with the request's sampler:
+   the same draw as without speculation). The drafts are accepted while each equals the choice at
+   the row before it, and the choice at the first mismatch (or after the last
+   draft) is one more token for free. Each row's choice goes through
+   sample_step with the sequence up to that row, so the controls, the end
+   tokens, the length limit, stop strings, scores and streamed text are
+   exactly those of one token per step, and since a row's arithmetic does not
+   depend on its batch, so are the tokens. Rejected drafts' keys and values
+   are left where they are and overwritten when those positions are fed
+   again; the sequence's n_cached only ever counts accepted positions, so the
+   prefix index (which takes full blocks below n_cached) never holds a
+   rejected token. Drafts never go past the request's length limit, so they
+   stay inside the blocks promised to it.
+   Drafts come from prompt lookup (--lookup N: what followed the latest
+   earlier occurrence of the last N tokens, copied on, the copy reading its
+   own drafts where it runs into them) or from a draft model (--draft: a
+   smaller model, or a cheaper export of the same one, run greedily on its own
+   cache, where each request has a block table that rolls back to the
+   longest prefix it shares with the request's tokens; the requests of a step
+   draft together, a row each per draft model pass). Each request's draft
+   model stops drafting when the product of its
+   probabilities for its drafts falls below a threshold that follows the
+   acceptance: exp(-budget), where the budget (in nats, starting at log 2)
+   doubles after a step whose drafts were all accepted and halves after a
+   step with a rejected one (the threshold squared, or its square root).
+   Drafts then settle near the length at which half the steps take all of
+   them: long when the draft agrees with the model, short when it does not,
+   whatever the scale of the draft's probabilities (a model with random
+   weights is never sure). The first draft is always made. */
+
+/* Drafts after tokens[0..n-1] by prompt lookup (N-grams of `size` tokens)
+   into tokens[n..]; returns how many, at most k_max. */
+static int draft_by_lookup(int size, int *tokens, int n, int k_max) {
+    if (n <= size) return 0;
+    const int *tail = tokens + n - size;
+    for (int j = n - size - 1; j >= 0; j--) {
+        if (memcmp(tokens + j, tail, (size_t)size * sizeof(int)) != 0) continue;
+        for (int k = 0; k < k_max; k++) tokens[n + k] = tokens[j + size + k]; /* j + size + k < n + k */
+        return k_max;
+    }
+    return 0;
+}
+
+/* The draft model's greedy token from its logits, and its probability. */
+static int draft_choice(const float *logits, int vocab, double *prob) {
+    int best = sample_argmax(logits, vocab);
+    double sum = 0;
+    for (int i = 0; i < vocab; i++) sum += exp((double)logits[i] - logits[best]);
+    *prob = 1.0 / sum;
+    return best;
+}
+
+/* Rolls r's draft sequence back to the longest prefix its cache shares with
+   r's tokens (the last one is always fed again, for its logits) and gives it
+   the rest of them to feed. */
+static void draft_sync(Request *r) {
+    Sequence *ds = &r->draft;
+    const Sequence *s = &r->seqs[0];
+    if (!ds->tokens) {
+        sequence_init(ds, NULL, 0, s->cap);
+        r->draft_budget = log(2.0);
+    }
+    int common = 0;
+    while (common < ds->n_cached && common < s->n_tokens && ds->tokens[common] == s->tokens[common]) common++;
+    ds->n_cached = common < s->n_tokens ? common : s->n_tokens - 1;
+    memcpy(ds->tokens + ds->n_cached, s->tokens + ds->n_cached, (size_t)(s->n_tokens - ds->n_cached) * sizeof(int));
+    ds->n_tokens = s->n_tokens;
+}
+
+/* One step of the draft model over the requests sp->drafting[0..n-1]: each
+   one's tokens still to feed, as many as fit in its rows (a long catch-up
+   takes several steps), with the logits of the last one wanted. */
+static float *draft_model_step(Speculator *sp, int n) {
+    Transformer *t = sp->draft;
+    KVCache *c = &t->state.cache;
+    int rows = 0, n_logits = 0;
+    for (int i = 0; i < n; i++) {
+        Sequence *ds = &sp->drafting[i]->draft;
+        int room = t->state.max_rows - rows, pending = ds->n_tokens - ds->n_cached;
+        sp->fed[i] = pending < room ? pending : room;
+        sp->logit_at[i] = sp->fed[i] == pending && pending > 0 ? n_logits : -1;
+        for (int j = 0; j < sp->fed[i]; j++, rows++) {
+            int pos = ds->n_cached + j;
+            table_prepare_write(c, &ds->table, pos);
+            sp->row_token[rows] = ds->tokens[pos];
+            sp->row_pos[rows] = pos;
+            sp->row_table[rows] = &ds->table;
+        }
+        if (sp->logit_at[i] >= 0) sp->logit_rows[n_logits++] = rows - 1;
+    }
+    Batch b = {rows, sp->row_token, sp->row_pos, sp->row_table, sp->logit_rows, n_logits};
+    return forward(t, &b);
+}
+
+/* Drafts with the draft model for the requests sp->drafting[0..n-1] at once,
+   after each one's pending token, at most r->n_draft tokens each (the cap on
+   entry; the count drafted on return), into its tokens still to feed. */
+static void draft_by_model(Speculator *sp, int n) {
+    const int vocab = sp->draft->config.vocab_size;
+    for (int i = 0; i < n; i++) {
+        draft_sync(sp->drafting[i]);
+        sp->surprise[i] = 0.0;
+    }
+    int *cap = xcalloc((size_t)n, sizeof(int));
+    for (int i = 0; i < n; i++) {
+        cap[i] = sp->drafting[i]->n_draft;
+        sp->drafting[i]->n_draft = 0;
+    }
+    for (int active = n; active > 0;) {
+        float *logits = draft_model_step(sp, n);
+        active = 0;
+        for (int i = 0; i < n; i++) {
+            Request *r = sp->drafting[i];
+            Sequence *ds = &r->draft, *s = &r->seqs[0];
+            ds->n_cached += sp->fed[i];
+            if (sp->logit_at[i] < 0) { /* done drafting, or still catching up */
+                active += ds->n_cached < ds->n_tokens;
+                continue;
+            }
+            double prob;
+            int next = draft_choice(logits + (size_t)sp->logit_at[i] * vocab, vocab, &prob);
+            sp->surprise[i] -= log(prob);
+            if (r->n_draft > 0 && sp->surprise[i] > r->draft_budget) continue;
+            s->tokens[s->n_tokens++] = next;
+            r->n_draft++;
+            if (r->n_draft == cap[i]) continue;
+            sequence_push(ds, next);
+            active++;
+        }
+    }
+    free(cap);
+}
+
+/* Drafts the next tokens of every running request that speculates (sampled,
+   not beam search, with its next token pending) after that token, into its
+   sequence as tokens still to feed; sets each request's n_draft (-1: not
+   speculating this step). */
+static void speculate(Engine *e) {
+    Speculator *sp = e->spec;
+    int n = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        Request *r = e->running[i];
+        Sequence *s = &r->seqs[0];
+        r->n_draft = -1;
+        if (!sp || r->d.beam.beams > 0 || s->n_tokens - s->n_cached != 1) continue;
+        int k_max = r->max_new - r->hyps[0].n_tokens - 1; /* the last new token is never fed */
+        r->n_draft = k_max < sp->draft_max ? (k_max > 0 ? k_max : 0) : sp->draft_max;
+        if (r->n_draft == 0) continue;
+        if (sp->lookup) {
+            r->n_draft = draft_by_lookup(sp->lookup, s->tokens, s->n_tokens, r->n_draft);
+            s->n_tokens += r->n_draft;
+        } else {
+            sp->drafting[n++] = r;
+        }
+    }
+    if (n > 0) draft_by_model(sp, n);
+    for (int i = 0; i < e->n_running; i++) e->stats.drafted += e->running[i]->n_draft > 0 ? e->running[i]->n_draft : 0;
+}
+
+/* Verifies r's drafts on the logits of its rows (the pending token's, then
+   one per draft): chooses at each row as sample_step does, with the
+   sequence up to that row, while the choice equals the draft fed after it.
+   With sampling (-t > 0) each row draws the random number that the plain
+   run would draw for that token, so the output is the same; a draft is then
+   accepted with its probability under the model, as in standard speculative
+   sampling with a draft that is certain of its tokens. */
+static void verify_step(Engine *e, Request *r, float *logits) {
+    KVCache *c = &e->t->state.cache;
+    const int vocab = e->t->config.vocab_size, k = r->n_draft;
+    Sequence *s = &r->seqs[0];
+    const int first = s->n_cached; /* the position of the pending token */
+    int *draft = xcalloc((size_t)k + 1, sizeof(int));
+    memcpy(draft, s->tokens + first + 1, (size_t)k * sizeof(int));
+    int accepted = 0;
+    for (int i = 0; i <= k; i++) {
+        s->n_cached = s->n_tokens = first + i + 1;
+        sequence_index_blocks(c, s);
+        sample_step(e, r, logits + (size_t)i * vocab);
+        if (r->state == REQUEST_DONE || i == k || s->tokens[first + i + 1] != draft[i]) break;
+        accepted++;
+    }
+    free(draft);
+    e->stats.accepted += accepted;
+    double *budget = &r->draft_budget;
+    if (k > 0) *budget = accepted == k ? fmin(*budget * 2, 1e4) : fmax(*budget / 2, 1e-3);
+}
+
+static Speculator *speculator_new(int lookup, int draft_max, Transformer *draft) {
+    Speculator *sp = xcalloc(1, sizeof(Speculator));
+    sp->lookup = lookup;
+    sp->draft_max = draft_max;
+    sp->draft = draft;
+    return sp;
+}
+
+/* Gives the draft model rows for `parallel` requests and a cache for as
+   many sequences of `context` positions. */
+static void speculator_setup(Speculator *sp, int parallel, int context) {
+    if (!sp->draft) return;
+    int rows = parallel + PREFILL_CHUNK, blocks_each = (context + KV_BLOCK - 1) / KV_BLOCK;
+    alloc_run_state(&sp->draft->state, &sp->draft->config, rows, context, parallel * blocks_each, KV_F32);
+    sp->row_token = xcalloc((size_t)rows, sizeof(int));
+    sp->row_pos = xcalloc((size_t)rows, sizeof(int));
+    sp->logit_rows = xcalloc((size_t)rows, sizeof(int));
+    sp->row_table = xcalloc((size_t)rows, sizeof(BlockTable *));
+    sp->drafting = xcalloc((size_t)parallel, sizeof(Request *));
+    sp->fed = xcalloc((size_t)parallel, sizeof(int));
+    sp->logit_at = xcalloc((size_t)parallel, sizeof(int));
+    sp->surprise = xcalloc((size_t)parallel, sizeof(double));
+}
+
+static void speculator_free(Speculator *sp) {
+    if (!sp) return;
+    if (sp->draft && sp->drafting) free_run_state(&sp->draft->state);
+    free(sp->row_token); free(sp->row_pos); free(sp->logit_rows); free(sp->row_table);
+    free(sp->drafting); free(sp->fed); free(sp->logit_at); free(sp->surprise);
+    free(sp);
+}
+
+/* ---- The engine ------------------------------------------------------------- */
+
+static void engine_init(Engine *e, Transformer *t, const Tokenizer *tok, int parallel) {
+    memset(e, 0, sizeof(*e));
+    e->t = t;
+    e->tok = tok;
+    e->parallel = parallel;
+    e->running = xcalloc((size_t)parallel, sizeof(Request *));
+    size_t rows = (size_t)t->state.max_rows;
+    e->row_token = xcalloc(rows, sizeof(int));
+    e->row_pos = xcalloc(rows, sizeof(int));
+    e->logit_rows = xcalloc(rows, sizeof(int));
+    e->row_table = xcalloc(rows, sizeof(BlockTable *));
+    e->row_seq = xcalloc(rows, sizeof(Sequence *));
+}
+
+static void engine_free(Engine *e) {
+    free(e->queue); free(e->running); free(e->row_token); free(e->row_pos); free(e->logit_rows);
+    free(e->row_table); free(e->row_seq);
+    memset(e, 0, sizeof(*e));
+}
+
+/* Adds a request at the end of the queue. */
+static void engine_submit(Engine *e, Request *r) {
+    if (e->next_waiting == e->n_queue) e->n_queue = e->next_waiting = 0; /* all started: the queue starts over */
+    if (e->n_queue == e->cap_queue) {
+        e->cap_queue = e->cap_queue ? 2 * e->cap_queue : 16;
+        Request **q = realloc(e->queue, (size_t)e->cap_queue * sizeof(Request *));
+        if (!q) die(EXIT_BAD_FILE, "out of memory (queue of %d requests)", e->cap_queue);
+        e->queue = q;
+    }
+    r->state = REQUEST_WAITING;
+    e->queue[e->n_queue++] = r;
+}
+
+static void engine_done(Engine *e, Request *r) {
+    if (e->on_done) e->on_done(r, e->user);
+}
+
+/* Blocks of r's prompt that the prefix index holds ready: their count, or -1
+   when the next one is still being computed by a running request (r then
+   waits for it rather than compute it a second time). The prompt's last
+   token is always computed, for its logits. */
+static int prefix_match(const KVCache *c, const Request *r, int *blocks) {
+    int n = 0, parent = -1;
+    for (; (n + 1) * KV_BLOCK <= r->n_prompt - 1; n++) {
+        int b = prefix_find(c, parent, r->prompt + (size_t)n * KV_BLOCK);
+        if (b < 0) break;
+        if (c->state[b] == BLOCK_PENDING) return -1;
+        blocks[n] = parent = b;
+    }
+    return n;
+}
+
+/* Starts r: promises its blocks, takes the blocks of its prompt's prefix
+   from the index, and takes (and indexes, as pending) the blocks the rest of
+   its prompt will fill. Returns 0 when r must wait. */
+static int engine_start(Engine *e, Request *r) {
+    Transformer *t = e->t;
+    KVCache *c = &t->state.cache;
+    long long need = request_blocks(r, t->config.seq_len);
+    if (c->promised + need > c->n_blocks) return 0;
+    int *matched = xcalloc((size_t)r->n_prompt / KV_BLOCK + 1, sizeof(int));
+    int n_matched = prefix_match(c, r, matched);
+    if (n_matched < 0) {
+        free(matched);
+        return 0;
+    }
+    c->promised += need;
+    r->promised = need;
+    r->seqs = xcalloc((size_t)r->n_seqs, sizeof(Sequence));
+    int cap = r->n_prompt + r->max_new;
+    for (int j = 0; j < r->n_seqs; j++) sequence_init(&r->seqs[j], r->prompt, j == 0 ? r->n_prompt : 0, cap);
+    Sequence *s = &r->seqs[0];
+    if (r->d.rolling) {
+        s->table.slots = t->config.seq_len;
+        s->table.keep = r->d.keep;
+    }
+    for (int i = 0; i < n_matched; i++) {
+        block_hold(c, matched[i]);
+        table_push(&s->table, matched[i]);
+    }
+    free(matched);
+    s->n_cached = s->n_indexed = n_matched * KV_BLOCK;
+    s->n_indexed = n_matched;
+    e->stats.reused_tokens += s->n_cached;
+    for (int pos = s->n_cached; pos < r->n_prompt; pos += KV_BLOCK) {
+        table_prepare_write(c, &s->table, pos);
+        int i = pos / KV_BLOCK;
+        if ((i + 1) * KV_BLOCK <= r->n_prompt) prefix_add(c, s->table.ids[i], i > 0 ? s->table.ids[i - 1] : -1,
+                                                          r->prompt + (size_t)i * KV_BLOCK, BLOCK_PENDING);
+    }
+    init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
+    r->stops = stop_matcher(&r->d.controls);
+    if (r->d.beam.beams == 0 && r->d.format == FORMAT_JSON) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
+    if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
+    r->n_hyps = r->d.beam.beams == 0;
+    r->state = REQUEST_RUNNING;
+    return 1;
+}
+
+/* Moves waiting requests to the running ones, in order, while there is
+   room: a place among `parallel`, and the cache blocks it may need. A request
+   that needs more blocks than the whole cache fails at once. */
+static void engine_admit(Engine *e) {
+    const KVCache *c = &e->t->state.cache;
+    while (e->next_waiting < e->n_queue && e->n_running < e->parallel) {
+        Request *r = e->queue[e->next_waiting];
+        if (request_blocks(r, e->t->config.seq_len) > c->n_blocks) {
+            r->error = "the request needs more key/value cache than --kv-mb allows";
+            r->state = REQUEST_DONE;
+            e->next_waiting++;
+            engine_done(e, r);
+            continue;
+        }
+        if (!engine_start(e, r)) break;
+        e->running[e->n_running++] = r;
+        e->next_waiting++;
+    }
+}
+
+/* Adds sequence s's next `rows` tokens to the step's batch; the last one's
+   logits are wanted when it is the last token s has, every row's when they
+   are drafts to verify (`verify`: then verify_step, not the step, counts
+   the positions that stay cached). */
+static int add_rows(Engine *e, int n, Sequence *s, int rows, int *n_logits, int verify) {
+    KVCache *c = &e->t->state.cache;
+    for (int i = 0; i < rows; i++, n++) {
+        int at = s->n_cached + i, pos = at; /* the token's index, and its position */
+        if (s->table.slots > 0 && at >= s->table.slots) { /* --keep: full, one row per step from here */
+            table_drop_oldest(&s->table);
+            e->stats.dropped++;
+            pos = s->table.slots - 1;
+        }
+        table_prepare_write(c, &s->table, pos);
+        e->row_token[n] = s->tokens[at];
+        e->row_pos[n] = pos;
+        e->row_table[n] = &s->table;
+        e->row_seq[n] = verify ? NULL : s;
+        if (verify || at == s->n_tokens - 1) e->logit_rows[(*n_logits)++] = n;
+    }
+    return n;
+}
+
+/* Builds the step's rows: every decoding sequence's next token first, then
+   prompt chunks, PREFILL_CHUNK rows in all, in the order requests started.
+   Returns the row count; *n_prompt_rows of them read prompts. */
+static int engine_gather(Engine *e, int *n_logits, int *n_prompt_rows) {
+    int n = 0, budget = PREFILL_CHUNK;
+    *n_logits = 0;
+    speculate(e);
+    for (int i = 0; i < e->n_running; i++) {
+        Request *r = e->running[i];
+        r->logit_at = -1;
+        if (r->n_draft >= 0) {
+            r->logit_at = *n_logits;
+            n = add_rows(e, n, &r->seqs[0], 1 + r->n_draft, n_logits, 1);
+            continue;
+        }
+        if (r->seqs[0].n_tokens - r->seqs[0].n_cached != 1) continue;
+        r->logit_at = *n_logits;
+        int live = r->beam ? r->n_seqs : 1;
+        for (int j = 0; j < live; j++) n = add_rows(e, n, &r->seqs[j], 1, n_logits, 0);
+    }
+    *n_prompt_rows = 0;
+    for (int i = 0; i < e->n_running && budget > 0; i++) {
+        Request *r = e->running[i];
+        Sequence *s = &r->seqs[0];
+        int pending = s->n_tokens - s->n_cached;
+        if (r->logit_at >= 0 || pending == 0) continue;
+        int rows = pending < budget ? pending : budget;
+        if (rows == pending) r->logit_at = *n_logits;
+        n = add_rows(e, n, s, rows, n_logits, 0);
+        budget -= rows;
+        *n_prompt_rows += rows;
+    }
+    return n;
+}
+
+/* One step: admit, gather rows, run them through the model, and let each
+   request choose from its logits. Returns whether any request is left. */
+static int engine_step(Engine *e) {
+    engine_admit(e);
+    if (e->n_running == 0) return e->next_waiting < e->n_queue;
+    double t0 = now_seconds();
+    int n_logits, n_prompt_rows, n = engine_gather(e, &n_logits, &n_prompt_rows);
+    Batch b = {n, e->row_token, e->row_pos, e->row_table, e->logit_rows, n_logits};
+    float *logits = forward(e->t, &b);
+    KVCache *c = &e->t->state.cache;
+    for (int i = 0; i < n; i++) {
+        if (!e->row_seq[i]) continue; /* a draft's row: verify_step counts it */
+        e->row_seq[i]->n_cached++;
+        sequence_index_blocks(c, e->row_seq[i]);
+    }
+    const int vocab = e->t->config.vocab_size, stop_now = interrupted();
+    /* sampled requests choose their tokens in parallel (a choice touches only
+       its own request: softmax and top-p over the vocabulary are the costly
+       part), then everything else happens in order */
+    PARALLEL_FOR_IF(e->n_running > 1 && !stop_now)
+    for (int i = 0; i < e->n_running; i++) {
+        Request *r = e->running[i];
+        if (r->logit_at >= 0 && r->max_new > 0 && r->d.beam.beams == 0 && r->n_draft < 0 && !stop_now)
+            r->chosen = choose_token(e, r, logits + (size_t)r->logit_at * vocab);
+    }
+    for (int i = 0; i < e->n_running; i++) {
+        Request *r = e->running[i];
+        if (r->logit_at < 0) continue;
+        float *row = logits + (size_t)r->logit_at * vocab;
+        if (r->max_new == 0) {
+            request_finish(e, r); /* it only reads its prompt */
+            continue;
+        }
+        if (r->d.beam.beams > 0) beam_step(e, r, row);
+        else if (r->n_draft >= 0) verify_step(e, r, row);
+        else if (stop_now) finish_interrupted(e, r);
+        else take_token(e, r, r->chosen);
+        e->stats.target_passes += r->d.beam.beams == 0;
+    }
+    /* the share of the step's time spent on prompt rows counts as prompt time */
+    double seconds = now_seconds() - t0, prompt_share = (double)n_prompt_rows / n;
+    e->stats.prompt_tokens += n_prompt_rows;
+    e->stats.prompt_seconds += seconds * prompt_share;
+    e->stats.generate_seconds += seconds * (1.0 - prompt_share);
+    int kept = 0;
+    for (int i = 0; i < e->n_running; i++) {
+        Request *r = e->running[i];
+        if (r->state == REQUEST_DONE) engine_done(e, r);
+        else e->running[kept++] = r;
+    }
+    e->n_running = kept;
+    return e->n_running > 0 || e->next_waiting < e->n_queue;
+}
+
+static void engine_run(Engine *e) {
+    while (engine_step(e)) {}
+}
+
+/* Drops r, waiting or running (a client that went away): its cache blocks
+   and working memory are given back at once, and on_done is not called.
+   The caller frees r. */
+static void engine_cancel(Engine *e, Request *r) {
+    for (int i = e->next_waiting; i < e->n_queue; i++) {
+        if (e->queue[i] != r) continue;
+        memmove(e->queue + i, e->queue + i + 1, (size_t)(e->n_queue - i - 1) * sizeof(Request *));
+        e->n_queue--;
+        r->state = REQUEST_DONE;
+        return;
+    }
+    for (int i = 0; i < e->n_running; i++) {
+        if (e->running[i] != r) continue;
+        request_finish(e, r);
+        memmove(e->running + i, e->running + i + 1, (size_t)(e->n_running - i - 1) * sizeof(Request *));
+        e->n_running--;
+        return;
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* 8. Drivers: generate, tokenize, chat; perplexity of a text              */
+/* ------------------------------------------------------------------------ */
+
+static const char *const kv_type_names[] = {"f32", "f16", "q8_0"}; /* by KV_F32.. */
+
+/* The stats line; last, the cache's type and the most of it held at once. */
+static void print_stats(const Engine *e) {
+    const Stats *st = &e->stats;
+    const KVCache *c = &e->t->state.cache;
     double prompt_rate = st->prompt_seconds > 0 ? st->prompt_tokens / st->prompt_seconds : 0;
     double gen_rate = st->generate_seconds > 0 ? st->generated_tokens / st->generate_seconds : 0;
-    fprintf(stderr, "stats: prompt %d tokens, %.1f tok/s; generated %d tokens, %.1f tok/s\n",
-            st->prompt_tokens, prompt_rate, st->generated_tokens, gen_rate);
+    fprintf(stderr, "stats: prompt %d tokens, %d reused, %.1f tok/s; generated %d tokens, %.1f tok/s",
+            st->prompt_tokens, st->reused_tokens, prompt_rate, st->generated_tokens, gen_rate);
+    if (st->speculating)
+        fprintf(stderr, "; drafted %lld, accepted %lld (%.2f tokens per target pass)", st->drafted, st->accepted,
+                st->target_passes > 0 ? (double)st->generated_tokens / (double)st->target_passes : 0.0);
+    fprintf(stderr, ", kv %s %.2f MB peak", kv_type_names[c->type], 2.0 * c->row_bytes * c->n_layers * KV_BLOCK * c->peak_held / 1e6);
+    if (st->keeping) fprintf(stderr, "; %lld positions dropped (--keep)", st->dropped);
+    fputc('\n', stderr);
 }
 
 /* Flushes stdout; when the reader has gone (a closed pipe), there is no one
@@ -1400,13 +5176,6 @@ static void flush_output(void) {
     if (fflush(stdout) != 0 || ferror(stdout)) die(EXIT_BAD_FILE, "cannot write to stdout: %s", strerror(errno));
 }
 
-static void print_piece(const char *piece) {
-    if (piece_is_printable(piece)) fputs(piece, stdout);
-}
-
-static int is_end_token(int token) { return token == TOKEN_BOS || token == TOKEN_EOS; }
-
-static const char *end_reason(int token) { return token == TOKEN_BOS ? "bos" : "eos"; }
 
 /* Encodes `text` after a BOS. Returns NULL when it needs more than `room`
    positions; text longer than room * max_token_length bytes is refused before
@@ -1414,7 +5183,7 @@ static const char *end_reason(int token) { return token == TOKEN_BOS ? "bos" : "
 static int *encode_prompt(const Tokenizer *tok, const char *text, int room, int *n_tokens) {
     size_t len = strlen(text);
     if (len / (size_t)tok->max_token_length > (size_t)room) return NULL;
-    int *tokens = xcalloc(len + 3, sizeof(int));
+    int *tokens = xcalloc(encode_capacity(tok, len), sizeof(int));
     int bad_byte = 0;
     *n_tokens = encode(tok, text, 1, 0, tokens, &bad_byte);
     if (*n_tokens < 0) die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the prompt", bad_byte);
@@ -1425,10 +5194,12 @@ static int *encode_prompt(const Tokenizer *tok, const char *text, int room, int 
     return tokens;
 }
 
-/* Writes `s` as a JSON string; bytes that are not valid UTF-8 become U+FFFD. */
-static void print_json_string(const char *s) {
+/* `s` as a JSON string (quotes included); bytes that are not valid UTF-8
+   become U+FFFD. The caller frees it. */
+static char *json_quote(const char *s) {
     const unsigned char *p = (const unsigned char *)s;
-    putchar('"');
+    char *out = xcalloc(6 * strlen(s) + 3, 1), *o = out;
+    *o++ = '"';
     while (*p) {
         unsigned char c = *p;
         /* well-formed UTF-8 only (RFC 3629): no overlong forms, surrogates or
@@ -1440,240 +5211,44 @@ static void print_json_string(const char *s) {
             valid = p[1] >= lo && p[1] <= hi;
         }
         for (int i = 2; valid && i < len; i++) valid = (p[i] & 0xC0) == 0x80;
-        if (!valid) { fputs("\\ufffd", stdout); p++; continue; }
-        if (len > 1) { fwrite(p, 1, (size_t)len, stdout); p += len; continue; }
-        if (c == '"' || c == '\\') printf("\\%c", c);
-        else if (c == '\n') fputs("\\n", stdout);
-        else if (c == '\t') fputs("\\t", stdout);
-        else if (c < 0x20 || c == 0x7f) printf("\\u%04x", c);
-        else putchar(c);
+        if (!valid) { o += sprintf(o, "\\ufffd"); p++; continue; }
+        if (len > 1) { memcpy(o, p, (size_t)len); o += len; p += len; continue; }
+        if (c == '"' || c == '\\') o += sprintf(o, "\\%c", c);
+        else if (c == '\n') o += sprintf(o, "\\n");
+        else if (c == '\t') o += sprintf(o, "\\t");
+        else if (c < 0x20 || c == 0x7f) o += sprintf(o, "\\u%04x", c);
+        else *o++ = (char)c;
         p++;
     }
-    putchar('"');
+    *o++ = '"';
+    return out;
 }
 
-/* The printable text of `tokens` as generate prints it, the first one
-   decoded after `prev_token`. The caller frees it. */
-static char *decode_text(const Tokenizer *tok, int prev_token, const int *tokens, int n) {
-    size_t cap = 1, len = 0;
-    for (int i = 0; i < n; i++) cap += strlen(tok->vocab[tokens[i]]) + 1;
-    char *text = xcalloc(cap, 1);
-    for (int i = 0; i < n; i++) {
-        const char *piece = decode(tok, prev_token, tokens[i]);
-        if (piece_is_printable(piece)) {
-            size_t piece_len = strlen(piece);
-            memcpy(text + len, piece, piece_len);
-            len += piece_len;
-        }
-        prev_token = tokens[i];
-    }
-    return text;
+/* Writes `s` as a JSON string (see json_quote). */
+static void print_json_string(const char *s) {
+    char *quoted = json_quote(s);
+    fputs(quoted, stdout);
+    free(quoted);
 }
 
-/* One JSON line for a returned sequence. */
-static void print_json_hypothesis(const Tokenizer *tok, int rank, const Hypothesis *h, int last_prompt_token) {
-    char *text = decode_text(tok, last_prompt_token, h->tokens, h->n_tokens);
-    printf("{\"rank\":%d,\"score\":%.6f,\"tokens\":[", rank, h->score);
+
+/* One JSON line for a returned sequence; `id` (JSON text) leads it when
+   given. */
+static void print_json_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token) {
+    char *text = hypothesis_text(tok, h, last_prompt_token);
+    if (id) printf("{\"id\":%s,", id);
+    else putchar('{');
+    printf("\"rank\":%d,\"score\":%.6f,\"tokens\":[", rank, h->score);
     for (int i = 0; i < h->n_tokens; i++) printf(i ? ",%d" : "%d", h->tokens[i]);
     printf("],\"text\":");
     print_json_string(text);
-    printf(",\"stop\":\"%s\"}\n", h->stop);
+    printf(",\"stop\":\"%s\"", h->stop);
+    if (h->stop_string) {
+        printf(",\"stop_string\":");
+        print_json_string(h->stop_string);
+    }
+    printf("}\n");
     free(text);
-}
-
-/* How to choose the continuation of a prompt. */
-typedef struct {
-    Sampler *sampler;     /* used when beam.beams == 0 */
-    BeamSettings beam;    /* beam search when beam.beams >= 1 */
-    int n_return;         /* hypotheses printed, best first (beam search) */
-    OutputFormat format;
-} Decoding;
-
-/* Feeds `feed` (n_feed tokens) at positions start.. of cache slot 0, then
-   samples up to max_new tokens, each fed back at the next position; stops
-   after BOS, or EOS when `stop_at_eos` (the end token is not included). With
-   `stream`, pieces are printed as they come. Returns the generated tokens;
-   without `stream` (JSON output, the only one that prints it), score is the
-   sum of their log-probs. */
-static Hypothesis sample_continuation(Transformer *t, const Tokenizer *tok, Sampler *sampler, const int *feed, int n_feed,
-                                      int start, int max_new, int stop_at_eos, int stream, Stats *stats) {
-    const int vocab = t->config.vocab_size;
-    Hypothesis h = {xcalloc((size_t)max_new, sizeof(int)), NULL, 0, 0.0, "length"};
-    double t0 = now_seconds();
-    float *logits = forward_sequence(t, feed, n_feed, start, 0);
-    double t1 = now_seconds();
-    stats->prompt_seconds += t1 - t0;
-    stats->prompt_tokens += n_feed;
-    /* the sampler overwrites the logits; the score needs them as they were.
-       Text output never prints the score, so it skips this pass over the
-       vocabulary per token. */
-    float *raw = stream ? NULL : xcalloc((size_t)vocab, sizeof(float));
-    int token = feed[n_feed - 1], pos = start + n_feed;
-    for (;;) {
-        if (raw) memcpy(raw, logits, (size_t)vocab * sizeof(float));
-        int next = sample(sampler, logits);
-        if (raw) h.score += log_prob(raw, vocab, next);
-        if (next == TOKEN_BOS || (stop_at_eos && next == TOKEN_EOS)) { h.stop = end_reason(next); break; }
-        h.tokens[h.n_tokens++] = next;
-        if (stream) {
-            print_piece(decode(tok, token, next));
-            flush_output();
-        }
-        token = next;
-        if (h.n_tokens == max_new) break;
-        logits = forward_token(t, token, pos++);
-    }
-    free(raw);
-    stats->generated_tokens += h.n_tokens;
-    stats->generate_seconds += now_seconds() - t1;
-    return h;
-}
-
-/* A hypothesis holding the first n tokens of `tokens`, with the cache slots
-   of those that have been fed through the model (`n_slots` of them). */
-static Hypothesis make_hypothesis(const int *tokens, int n, const int *slots, int n_slots, const char *stop) {
-    Hypothesis h = {xcalloc((size_t)n + 1, sizeof(int)), xcalloc((size_t)n + 1, sizeof(int)), n, 0.0, stop};
-    if (n > 0) memcpy(h.tokens, tokens, (size_t)n * sizeof(int));
-    for (int i = 0; i < n; i++) h.slots[i] = i < n_slots ? slots[i] : -1;
-    return h;
-}
-
-/* Puts the hypotheses in the library's output order: best score first, and
-   among equal scores the one that entered the pool last first. */
-static void sort_best_first(Hypothesis *hyps, int n) {
-    for (int i = 1; i < n; i++) {
-        Hypothesis h = hyps[i];
-        int j = i;
-        while (j > 0 && hyps[j - 1].score <= h.score) {
-            hyps[j] = hyps[j - 1];
-            j--;
-        }
-        hyps[j] = h;
-    }
-}
-
-/* Beam search after `feed` (n_feed tokens at positions start.. of cache
-   slot 0), generating at most max_new tokens. Fills `out` (room for B) with
-   the finished hypotheses, best first, and returns their count.
-
-   The B beams run as the rows of one batch, so each weight matrix is read
-   once per step for all of them. Their keys and values are never copied when
-   beams are reordered: beam j writes the token it feeds at position p into
-   cache slot j, and history[j][t] names the slot holding its key/value for
-   each earlier position t (FasterTransformer's "cache indirection"). A
-   reorder copies these small index rows (B x positions ints) instead of the
-   cache (B x positions x layers x kv_dim floats), and the prompt's keys and
-   values, computed once in slot 0, are shared by every beam. */
-static int beam_search(Transformer *t, const BeamSettings *bs, const int *feed, int n_feed, int start, int max_new,
-                       Hypothesis *out, Stats *stats) {
-    const int B = bs->beams, vocab = t->config.vocab_size, context = t->state.context, K = 3 * B;
-    const int first_pos = start + n_feed; /* position of the first generated token */
-    double t0 = now_seconds();
-    float *logits = forward_sequence(t, feed, n_feed, start, 0);
-    double t1 = now_seconds();
-    stats->prompt_seconds += t1 - t0;
-    stats->prompt_tokens += n_feed;
-
-    float *beam_scores = xcalloc((size_t)B, sizeof(float));
-    float *logprob_rows = xcalloc((size_t)B * vocab, sizeof(float)); /* (B, vocab) */
-    float **logprobs = xcalloc((size_t)B, sizeof(float *));
-    int *history = xcalloc((size_t)B * context, sizeof(int)), *next_history = xcalloc((size_t)B * context, sizeof(int));
-    int *tokens = xcalloc((size_t)B * max_new, sizeof(int)), *next_tokens = xcalloc((size_t)B * max_new, sizeof(int));
-    int *parent = xcalloc((size_t)B, sizeof(int)), *row_token = xcalloc((size_t)B, sizeof(int));
-    int *row_pos = xcalloc((size_t)B, sizeof(int)), *row_slot = xcalloc((size_t)B, sizeof(int));
-    float *next_scores = xcalloc((size_t)B, sizeof(float));
-    Candidate *cand = xcalloc((size_t)K, sizeof(Candidate));
-    HypothesisPool pool = {out, 0, 1e9};
-
-    /* every beam starts as the prompt, but only the first one expands at the
-       first step (the others score -1e9), so the B beams come out distinct */
-    log_softmax(logprob_rows, logits, vocab);
-    for (int b = 0; b < B; b++) {
-        logprobs[b] = logprob_rows;
-        beam_scores[b] = b == 0 ? 0.0f : -1e9f;
-    }
-    for (int step = 0;; step++) { /* step: tokens generated so far by each beam */
-        int n_cand = top_candidates(beam_scores, logprobs, B, vocab, cand, K), n_next = 0;
-        for (int rank = 0; rank < n_cand && n_next < B; rank++) {
-            Candidate c = cand[rank];
-            if (is_end_token(c.token)) {
-                if (rank >= B) continue;
-                const int *slots = history + (size_t)c.beam * context + first_pos;
-                Hypothesis h = make_hypothesis(tokens + (size_t)c.beam * max_new, step, slots, step, end_reason(c.token));
-                pool_add(&pool, bs, h, c.score, step + 1);
-            } else {
-                parent[n_next] = c.beam;
-                row_token[n_next] = c.token;
-                next_scores[n_next++] = c.score;
-            }
-        }
-        int generated = step + 1, done = pool_is_done(&pool, bs, cand[0].score, generated, max_new);
-        /* reorder: beam j continues beam parent[j] with row_token[j] */
-        for (int j = 0; j < B; j++) {
-            memcpy(next_tokens + (size_t)j * max_new, tokens + (size_t)parent[j] * max_new, (size_t)step * sizeof(int));
-            next_tokens[(size_t)j * max_new + step] = row_token[j];
-            memcpy(next_history + (size_t)j * context, history + (size_t)parent[j] * context, (size_t)(first_pos + step) * sizeof(int));
-            beam_scores[j] = next_scores[j];
-        }
-        int *swap = tokens; tokens = next_tokens; next_tokens = swap;
-        swap = history; history = next_history; next_history = swap;
-        stats->generated_tokens++;
-        if (done) break;
-        if (generated == max_new) { /* the length limit: running beams join the pool */
-            for (int j = 0; j < B; j++) {
-                const int *slots = history + (size_t)j * context + first_pos;
-                pool_add(&pool, bs, make_hypothesis(tokens + (size_t)j * max_new, generated, slots, step, "length"), beam_scores[j], generated);
-            }
-            break;
-        }
-        /* feed every beam's new token at position first_pos + step into its own slot */
-        for (int j = 0; j < B; j++) {
-            row_pos[j] = first_pos + step;
-            row_slot[j] = j;
-        }
-        Batch batch = {B, row_token, row_pos, row_slot, history, B};
-        logits = forward(t, &batch);
-        for (int j = 0; j < B; j++) {
-            history[(size_t)j * context + first_pos + step] = j;
-            logprobs[j] = logprob_rows + (size_t)j * vocab;
-            log_softmax(logprobs[j], logits + (size_t)j * vocab, vocab);
-        }
-    }
-    stats->generate_seconds += now_seconds() - t1;
-    sort_best_first(pool.hyps, pool.n);
-    free(beam_scores); free(logprob_rows); free(logprobs); free(history); free(next_history);
-    free(tokens); free(next_tokens); free(parent); free(row_token); free(row_pos); free(row_slot);
-    free(next_scores); free(cand);
-    return pool.n;
-}
-
-/* Copies the keys and values of a beam-search reply, scattered over the
-   beams' slots, into slot 0 at positions first_pos.., so that the reply joins
-   the conversation's cache. */
-static void adopt_hypothesis_cache(Transformer *t, const Hypothesis *h, int first_pos) {
-    const Config *p = &t->config;
-    RunState *s = &t->state;
-    size_t kv_bytes = (size_t)(p->dim / p->n_heads * p->n_kv_heads) * sizeof(float);
-    for (int l = 0; l < p->n_layers; l++)
-        for (int i = 0; i < h->n_tokens; i++) {
-            if (h->slots[i] <= 0) continue;
-            size_t from = cache_offset(p, s, l, h->slots[i], first_pos + i), to = cache_offset(p, s, l, 0, first_pos + i);
-            memcpy(s->key_cache + to, s->key_cache + from, kv_bytes);
-            memcpy(s->value_cache + to, s->value_cache + from, kv_bytes);
-        }
-}
-
-/* Chooses the continuation of `feed` (fed at positions start..) with at most
-   max_new tokens: by sampling (streamed in text mode when `stream`; EOS ends
-   it when `stop_at_eos`) or by beam search (BOS and EOS end hypotheses).
-   Returns the number of hypotheses in `out` (room for max(1, B)), best first. */
-static int continue_sequence(Transformer *t, const Tokenizer *tok, const Decoding *d, const int *feed, int n_feed, int start,
-                             int max_new, int stop_at_eos, int stream, Hypothesis *out, Stats *stats) {
-    if (d->beam.beams == 0) {
-        out[0] = sample_continuation(t, tok, d->sampler, feed, n_feed, start, max_new, stop_at_eos, stream, stats);
-        return 1;
-    }
-    return beam_search(t, &d->beam, feed, n_feed, start, max_new, out, stats);
 }
 
 /* Prints the best n_show hypotheses: in text mode after the prompt (or, with
@@ -1683,13 +5258,13 @@ static int continue_sequence(Transformer *t, const Tokenizer *tok, const Decodin
 static void print_results(const Tokenizer *tok, OutputFormat format, const Hypothesis *hyps, int n_show, int last_prompt_token,
                           const char *prompt_text, int streamed) {
     if (format == FORMAT_JSON) {
-        for (int i = 0; i < n_show; i++) print_json_hypothesis(tok, i + 1, &hyps[i], last_prompt_token);
+        for (int i = 0; i < n_show; i++) print_json_hypothesis(tok, NULL, i + 1, &hyps[i], last_prompt_token);
         return;
     }
     for (int i = 0; i < n_show; i++) {
         if (n_show > 1) printf("%s[rank %d] score %.6f, stop %s\n%s", i ? "\n" : "", i + 1, hyps[i].score, hyps[i].stop, prompt_text);
         if (!streamed) {
-            char *text = decode_text(tok, last_prompt_token, hyps[i].tokens, hyps[i].n_tokens);
+            char *text = hypothesis_text(tok, &hyps[i], last_prompt_token);
             fputs(text, stdout);
             free(text);
         }
@@ -1698,20 +5273,64 @@ static void print_results(const Tokenizer *tok, OutputFormat format, const Hypot
     if (n_show <= 1) printf("\n");
 }
 
+/* Sets up e and t's activations and cache for `parallel` requests of
+   `beams` sequences (1 when sampling) and `context` positions each: by
+   default a cache that holds all of them at full length, or kv_mb MiB of it
+   in kv_type (then requests that do not fit wait); drafting with `spec`
+   (NULL: no speculation), whose drafts take rows too. */
+static void engine_setup(Engine *e, Transformer *t, const Tokenizer *tok, int parallel, int beams, int context, int kv_mb,
+                         int kv_type, Speculator *spec) {
+    const Config *p = &t->config;
+    double block_bytes = 2.0 * kv_row_bytes(kv_type, p->dim / p->n_heads * p->n_kv_heads) * p->n_layers * KV_BLOCK;
+    double per_request = (double)beams * ((context + KV_BLOCK - 1) / KV_BLOCK) + (beams > 1);
+    double n_blocks = kv_mb > 0 ? floor(kv_mb * 1048576.0 / block_bytes) : parallel * per_request;
+    if (n_blocks < 1) n_blocks = 1;
+    if (n_blocks > INT_MAX / KV_BLOCK)
+        die(EXIT_BAD_FILE, "the key/value cache would need %.0f blocks of %d positions, too many", n_blocks, KV_BLOCK);
+    alloc_run_state(&t->state, p, parallel * (beams + (spec ? spec->draft_max : 0)) + PREFILL_CHUNK, context, (int)n_blocks, kv_type);
+    engine_init(e, t, tok, parallel);
+    if (spec) speculator_setup(spec, parallel, context);
+    e->spec = spec;
+    e->stats.speculating = spec != NULL;
+}
+
+/* Prints a sampled continuation's text as it comes. */
+static void stream_text(Request *r, const char *text, size_t n) {
+    (void)r;
+    fwrite(text, 1, n, stdout);
+    flush_output();
+}
+
+/* A prompt of more tokens than the `steps` positions: llama2.c reads (and
+   prints) the first `steps` of them and generates nothing. So does run: a
+   request with nothing to generate reads them, and stderr says so. */
+static void read_prompt_that_fits(Engine *e, const int *tokens, int n_tokens, int steps) {
+    fprintf(stderr, "run: warning: the prompt is %d tokens (BOS included) but -n allows %d positions: "
+            "printing the %d that fit, generating nothing\n", n_tokens, steps, steps);
+    int *head = xcalloc((size_t)steps, sizeof(int));
+    memcpy(head, tokens, (size_t)steps * sizeof(int));
+    Decoding greedy = {.topp = 0.9f, .seed = 1, .beam = {0, 1.0f, STOP_HEURISTIC}, .n_return = 1, .format = FORMAT_TEXT};
+    Request *r = request_new(head, steps, 0, 0, &greedy);
+    engine_submit(e, r);
+    engine_run(e);
+    request_free(r);
+}
+
 /* Generates from a prompt, as llama2.c does: the prompt's tokens are forced
    and printed, then the continuation is chosen until `steps` positions are
    used (prompt included) or it ends. Sampling ends at BOS only, exactly as in
    llama2.c (a sampled EOS prints as its piece and generation goes on), so
    that the output stays byte-identical; beam search ends hypotheses at BOS or
    EOS, as the library does. Sampled text streams to stdout as it comes. */
-static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, const char *prompt, int steps) {
-    const Config *p = &t->config;
-    int n_prompt;
-    int *prompt_tokens = encode_prompt(tok, prompt, p->seq_len, &n_prompt);
-    if (!prompt_tokens) die(EXIT_USAGE, "the prompt does not fit the model's context of %d tokens", p->seq_len);
-    Stats stats = {0, 0, 0, 0};
+static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, const char *prompt, int steps) {
+    int n_prompt = 0;
+    int *prompt_tokens = encode_prompt(tok, prompt, INT_MAX, &n_prompt);
+    if (d->rolling && n_prompt > e->t->config.seq_len && steps > e->t->config.seq_len)
+        die(EXIT_USAGE, "the prompt is %d tokens (BOS included), more than the model's context of %d positions; "
+            "--keep drops generated positions, not the prompt's", n_prompt, e->t->config.seq_len);
+    if (n_prompt > steps) read_prompt_that_fits(e, prompt_tokens, n_prompt, steps);
     /* llama2.c prints each prompt token as it forces it, up to `steps` */
-    int n_forced = n_prompt - 1 < steps ? n_prompt - 1 : steps;
+    int n_forced = n_prompt - 1 < steps ? n_prompt - 1 : steps, last_prompt_token = prompt_tokens[n_prompt - 1];
     char *prompt_text = decode_text(tok, prompt_tokens[0], prompt_tokens + 1, n_forced);
     int several = d->format == FORMAT_TEXT && d->n_return > 1 && d->beam.beams > 0;
     if (d->format == FORMAT_TEXT && !several) {
@@ -1719,23 +5338,59 @@ static void generate(Transformer *t, const Tokenizer *tok, const Decoding *d, co
         flush_output();
     }
     int stream = d->format == FORMAT_TEXT && d->beam.beams == 0;
-    Hypothesis *hyps = xcalloc((size_t)(d->beam.beams > 1 ? d->beam.beams : 1), sizeof(Hypothesis));
-    int n_hyps = 0;
-    if (steps >= n_prompt)
-        n_hyps = continue_sequence(t, tok, d, prompt_tokens, n_prompt, 0, steps - n_prompt + 1, 0, stream, hyps, &stats);
-    else
-        hyps[n_hyps++] = make_hypothesis(NULL, 0, NULL, 0, "length");
-    print_results(tok, d->format, hyps, n_hyps < d->n_return ? n_hyps : d->n_return, prompt_tokens[n_prompt - 1], prompt_text, stream);
+    if (steps >= n_prompt) {
+        Request *r = request_new(prompt_tokens, n_prompt, cap_new_tokens(d, steps - n_prompt + 1), tok->eos_ends_generate, d);
+        r->on_text = stream ? stream_text : NULL;
+        engine_submit(e, r);
+        engine_run(e);
+        print_results(tok, d->format, r->hyps, r->n_hyps < d->n_return ? r->n_hyps : d->n_return, last_prompt_token, prompt_text, stream);
+        request_free(r);
+    } else {
+        Hypothesis none = make_hypothesis(NULL, 0, "length");
+        print_results(tok, d->format, &none, 1, last_prompt_token, prompt_text, stream);
+        free_hypothesis(&none);
+        free(prompt_tokens);
+    }
     flush_output();
-    print_stats(&stats);
-    for (int i = 0; i < n_hyps; i++) free_hypothesis(&hyps[i]);
-    free(hyps);
+    print_stats(e);
     free(prompt_text);
-    free(prompt_tokens);
+}
+
+/* The piece -m tokenize shows for a token: its vocabulary entry as stored
+   (a leading space kept, byte tokens as <0xNN>), "<s>" and "</s>" for BOS and
+   EOS, whose entries in tokenizer.bin are wrapped in newlines. */
+static const char *token_piece(const Tokenizer *tok, int token) {
+    if (!tok->byte_level && token == TOKEN_BOS) return "<s>";
+    if (!tok->byte_level && token == TOKEN_EOS) return "</s>";
+    return tok->vocab[token];
+}
+
+/* -m tokenize: the prompt's tokens, BOS first, as generation feeds them. In
+   text mode one line per token, `id -> 'piece'` with the id right-aligned in
+   6 columns, as llama.cpp's tokenize tool prints them; in JSON one line
+   {"tokens":[...],"pieces":[...]}. */
+static void print_tokens(const Tokenizer *tok, const char *prompt, OutputFormat format) {
+    int n;
+    int *tokens = encode_prompt(tok, prompt, INT_MAX, &n);
+    if (format == FORMAT_TEXT)
+        for (int i = 0; i < n; i++) printf("%6d -> '%s'\n", tokens[i], token_piece(tok, tokens[i]));
+    else {
+        printf("{\"tokens\":[");
+        for (int i = 0; i < n; i++) printf(i ? ",%d" : "%d", tokens[i]);
+        printf("],\"pieces\":[");
+        for (int i = 0; i < n; i++) {
+            if (i) putchar(',');
+            print_json_string(token_piece(tok, tokens[i]));
+        }
+        printf("]}\n");
+    }
+    flush_output();
+    free(tokens);
 }
 
 /* Reads one line of any length from stdin after printing `guide` (text mode),
-   without its newline. Returns NULL at end of input. The caller frees it. */
+   without its newline. Returns NULL at end of input or Ctrl-C. The caller
+   frees it. */
 static char *read_line(const char *guide, OutputFormat format) {
     if (format == FORMAT_TEXT) {
         fputs(guide, stdout);
@@ -1743,7 +5398,9 @@ static char *read_line(const char *guide, OutputFormat format) {
     }
     char *line = NULL;
     size_t cap = 0;
-    ssize_t len = getline(&line, &cap, stdin);
+    if (interrupts_caught) catch_interrupts(0); /* Ctrl-C ends the read */
+    ptrdiff_t len = read_line_raw(&line, &cap, stdin);
+    if (interrupts_caught) catch_interrupts(1);
     if (len < 0) {
         free(line);
         return NULL;
@@ -1752,8 +5409,8 @@ static char *read_line(const char *guide, OutputFormat format) {
     return line;
 }
 
-/* The Llama 2 chat template for one user turn; the system prompt goes into
-   the first turn only. */
+/* The Llama 2 chat template for one user turn, as text; the system prompt
+   goes into the first turn only. */
 static char *render_chat_turn(const char *system_prompt, const char *user) {
     static const char *with_system = "[INST] <<SYS>>\n%s\n<</SYS>>\n\n%s [/INST]";
     static const char *plain = "[INST] %s [/INST]";
@@ -1765,82 +5422,360 @@ static char *render_chat_turn(const char *system_prompt, const char *user) {
     return out;
 }
 
-static void announce_full_context(int steps) {
-    fprintf(stderr, "run: the context of %d positions is full; ending the chat\n", steps);
+/* Appends the tokens of `text` (no BOS) to `out` at *n, `room` ids long in
+   all; returns 0 when they do not fit. */
+static int append_text_tokens(const Tokenizer *tok, const char *text, int *out, int *n, int room) {
+    size_t len = strlen(text);
+    if (len / (size_t)tok->max_token_length > (size_t)(room - *n)) return 0;
+    int *ids = xcalloc(encode_capacity(tok, len), sizeof(int)), bad_byte = 0;
+    int count = encode(tok, text, 0, 0, ids, &bad_byte);
+    if (count < 0) die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the prompt", bad_byte);
+    int fits = count <= room - *n;
+    if (fits) memcpy(out + *n, ids, (size_t)count * sizeof(int));
+    if (fits) *n += count;
+    free(ids);
+    return fits;
 }
 
-/* An interactive conversation. Each user turn (BOS + template) is appended to
-   the key/value cache after the previous reply and its end token, so the
-   model sees the whole conversation; a reply ends at EOS (or BOS). The chat
-   ends at end of input or when the `steps` positions are used up. In JSON
-   mode the guides are not printed and each reply is one JSON line. */
-static void chat(Transformer *t, const Tokenizer *tok, const Decoding *d, const char *cli_user, const char *cli_system, int steps) {
-    Stats stats = {0, 0, 0, 0};
+/* The special token `name` that the Llama 3 template needs. */
+static int template_token(const Tokenizer *tok, const char *name) {
+    int id = tok->byte_level ? lookup_special(tok, name) : -1;
+    if (id < 0) die(EXIT_USAGE, "the llama3 chat template needs the token %s, which this tokenizer lacks (use --chat-template llama2)", name);
+    return id;
+}
+
+/* Appends one Llama 3 message, <|start_header_id|>role<|end_header_id|>\n\n
+   content, and (unless content is NULL: the header that opens the reply)
+   <|eot_id|>. The content is trimmed of white space at both ends, as the
+   template's `| trim` does. */
+static int append_llama3_message(const Tokenizer *tok, const char *role, const char *content, int *out, int *n, int room) {
+    if (*n + 2 > room) return 0;
+    out[(*n)++] = template_token(tok, "<|start_header_id|>");
+    if (!append_text_tokens(tok, role, out, n, room) || *n + 1 > room) return 0;
+    out[(*n)++] = template_token(tok, "<|end_header_id|>");
+    const char *start = content ? content : "";
+    size_t len = strlen(start);
+    while (len > 0 && isspace((unsigned char)*start)) { start++; len--; }
+    while (len > 0 && isspace((unsigned char)start[len - 1])) len--;
+    char *text = xcalloc(len + 3, 1);
+    memcpy(text, "\n\n", 2);
+    memcpy(text + 2, start, len);
+    int fits = append_text_tokens(tok, text, out, n, room);
+    free(text);
+    if (!fits || !content) return fits;
+    if (*n + 1 > room) return 0;
+    out[(*n)++] = template_token(tok, "<|eot_id|>");
+    return 1;
+}
+
+/* The Llama 3 template for one user turn, as tokens (its special tokens are
+   not text): BOS in the first turn, the system message (first turn, when
+   given), the user message, and the assistant header that opens the reply. */
+static int *render_chat_turn_llama3(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
+                                    int *n_tokens) {
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0)) + 64;
+    int *out = xcalloc(bound < (size_t)room ? bound : (size_t)room + 1, sizeof(int)), n = 0;
+    int fits = 1;
+    if (first) {
+        if (room < 1) fits = 0;
+        else out[n++] = tok->bos;
+    }
+    if (fits && system_prompt && system_prompt[0] != '\0') fits = append_llama3_message(tok, "system", system_prompt, out, &n, room);
+    if (fits) fits = append_llama3_message(tok, "user", user, out, &n, room);
+    if (fits) fits = append_llama3_message(tok, "assistant", NULL, out, &n, room);
+    if (!fits) {
+        free(out);
+        return NULL;
+    }
+    *n_tokens = n;
+    return out;
+}
+
+/* The tokens of one user turn in the tokenizer's chat template (see
+   --chat-template); NULL when they need more than `room` positions. */
+static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room, int *n_tokens) {
+    if (tok->chat_template == CHAT_LLAMA3) return render_chat_turn_llama3(tok, system_prompt, user, first, room, n_tokens);
+    char *rendered = render_chat_turn(system_prompt, user);
+    int *tokens = encode_prompt(tok, rendered, room, n_tokens);
+    free(rendered);
+    return tokens;
+}
+
+/* ---- The conversation ------------------------------------------------------
+   What the cache holds in a chat, as turns: each is the user's message
+   rendered with the template (BOS first; the system prompt goes into the
+   first turn kept), the reply, and the reply's end token. When a new message
+   does not fit, the oldest turns are dropped, the first one left is rendered
+   again with the system prompt, and the kept tokens are read again from
+   position 0 (in batched chunks, with the new message). These functions
+   only keep the tokens; chat() runs the model. */
+
+typedef struct {
+    char *user;   /* the message, to render the turn again */
+    int *tokens;  /* (n_tokens) rendered prompt (BOS first), then the reply and its end token */
+    int n_tokens;
+    int n_prompt; /* of which the rendered prompt */
+} Turn;
+
+typedef struct {
+    const char *system_prompt; /* rendered into the first kept turn */
+    Turn *turns;               /* (n_turns) the kept turns, oldest first */
+    int n_turns;
+    int context;               /* positions the conversation may use */
+} Conversation;
+
+/* The tokens of all kept turns, one after the other. */
+static int conversation_length(const Conversation *c) {
+    int n = 0;
+    for (int i = 0; i < c->n_turns; i++) n += c->turns[i].n_tokens;
+    return n;
+}
+
+/* Copies the kept turns' tokens from index `from` on into `out`; returns
+   their count. */
+static int conversation_tokens(const Conversation *c, int from, int *out) {
+    int at = 0, n = 0;
+    for (int i = 0; i < c->n_turns; i++)
+        for (int j = 0; j < c->turns[i].n_tokens; j++, at++)
+            if (at >= from) out[n++] = c->turns[i].tokens[j];
+    return n;
+}
+
+/* (Re)renders the turn's prompt in the chat template, with `system_prompt`
+   when it is the first kept turn (NULL otherwise); a reply already there is
+   kept after it. */
+static void render_turn(Turn *turn, const Tokenizer *tok, const char *system_prompt) {
+    int n_prompt = 0, n_reply = turn->n_tokens - turn->n_prompt;
+    int *prompt = chat_turn_tokens(tok, system_prompt, turn->user, system_prompt != NULL, INT_MAX, &n_prompt);
+    int *tokens = xcalloc((size_t)(n_prompt + n_reply), sizeof(int));
+    memcpy(tokens, prompt, (size_t)n_prompt * sizeof(int));
+    if (n_reply > 0) memcpy(tokens + n_prompt, turn->tokens + turn->n_prompt, (size_t)n_reply * sizeof(int));
+    free(prompt);
+    free(turn->tokens);
+    turn->tokens = tokens;
+    turn->n_prompt = n_prompt;
+    turn->n_tokens = n_prompt + n_reply;
+}
+
+/* A turn for the message `user`, to follow the kept turns. */
+static Turn conversation_new_turn(const Conversation *c, const Tokenizer *tok, const char *user) {
+    Turn turn = {strdup(user), NULL, 0, 0};
+    render_turn(&turn, tok, c->n_turns == 0 ? c->system_prompt : NULL);
+    return turn;
+}
+
+static void free_turn(Turn *turn) {
+    free(turn->user);
+    free(turn->tokens);
+    memset(turn, 0, sizeof(*turn));
+}
+
+/* Puts the reply (n tokens) and its end token after the turn's prompt. */
+static void turn_set_reply(Turn *turn, const int *reply, int n, int end_token) {
+    turn->tokens = realloc(turn->tokens, (size_t)(turn->n_prompt + n + 1) * sizeof(int));
+    if (!turn->tokens) die(EXIT_BAD_FILE, "out of memory");
+    if (n > 0) memcpy(turn->tokens + turn->n_prompt, reply, (size_t)n * sizeof(int));
+    turn->tokens[turn->n_prompt + n] = end_token;
+    turn->n_tokens = turn->n_prompt + n + 1;
+}
+
+static void conversation_append(Conversation *c, Turn turn) {
+    c->turns = realloc(c->turns, (size_t)(c->n_turns + 1) * sizeof(Turn));
+    if (!c->turns) die(EXIT_BAD_FILE, "out of memory");
+    c->turns[c->n_turns++] = turn;
+}
+
+/* Drops the oldest turn; the next one takes the system prompt (so the
+   kept turns are read again: the prefix index has no block of them). */
+static void conversation_drop_oldest(Conversation *c, const Tokenizer *tok) {
+    free_turn(&c->turns[0]);
+    memmove(c->turns, c->turns + 1, (size_t)(c->n_turns - 1) * sizeof(Turn));
+    c->n_turns--;
+    if (c->n_turns > 0) render_turn(&c->turns[0], tok, c->system_prompt);
+}
+
+/* Makes room for `turn` (a new message, not yet appended) with `reserve`
+   positions left for its reply: drops the oldest turns until that much is
+   free, or none is left (the message then takes the system prompt). Returns
+   the number of turns dropped, or -1, dropping nothing, when the message
+   does not fit the context even alone. */
+static int conversation_make_room(Conversation *c, const Tokenizer *tok, Turn *turn, int reserve) {
+    if (conversation_length(c) + turn->n_prompt + reserve <= c->context) return 0;
+    Conversation empty = {c->system_prompt, NULL, 0, c->context};
+    Turn alone = conversation_new_turn(&empty, tok, turn->user);
+    int fits = alone.n_prompt <= c->context;
+    if (!fits || c->n_turns == 0) {
+        free_turn(&alone);
+        return fits ? 0 : -1;
+    }
+    int dropped = 0;
+    while (c->n_turns > 0 && conversation_length(c) + turn->n_prompt + reserve > c->context) {
+        conversation_drop_oldest(c, tok);
+        dropped++;
+    }
+    if (c->n_turns == 0) {
+        free_turn(turn);
+        *turn = alone;
+    } else {
+        free_turn(&alone);
+    }
+    return dropped;
+}
+
+static void free_conversation(Conversation *c) {
+    for (int i = 0; i < c->n_turns; i++) free_turn(&c->turns[i]);
+    free(c->turns);
+    memset(c, 0, sizeof(*c));
+}
+
+/* The end token that closes a reply in the conversation: BOS when it ended
+   with BOS, else the end-of-turn token (EOS for llama2.c's tokenizers), also
+   for a reply cut short (length limit, stop string, Ctrl-C). */
+static int reply_end_token(const Tokenizer *tok, const Hypothesis *h) {
+    return strcmp(h->stop, "bos") == 0 ? tok->bos : tok->end_of_turn;
+}
+
+/* An interactive conversation over a context of `steps` positions. Each
+   user turn (BOS + template) follows the previous reply and its end token,
+   so the model sees the whole conversation: the turn's request has all of
+   it as its prompt, and the prefix index hands back the blocks computed in
+   earlier turns. A reply ends at EOS (or BOS), at the end of the context or
+   after --max-new-tokens. A message that would leave less than a quarter of
+   the context (or --max-new-tokens, if fewer) for the reply makes room by
+   dropping the oldest turns (see Conversation). The chat ends at end of
+   input or Ctrl-C at the prompt. In JSON mode the guides are not printed
+   and each reply is one JSON line. */
+static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char *cli_user, const char *cli_system, int steps) {
     int text_mode = d->format == FORMAT_TEXT;
     char *system_prompt = cli_system ? strdup(cli_system) : read_line("Enter system prompt (optional): ", d->format);
-    int pos = 0, pending_end = -1; /* the last reply's end token, not yet in the cache */
-    Hypothesis *hyps = xcalloc((size_t)(d->beam.beams > 1 ? d->beam.beams : 1), sizeof(Hypothesis));
+    Conversation conv = {system_prompt, NULL, 0, steps};
+    int reserve = cap_new_tokens(d, steps / 4);
+    Decoding turn_decoding = *d; /* each turn's sampler goes on from where the last one stopped */
     if (!system_prompt && text_mode) printf("\n");
-    for (int turn = 0; system_prompt; turn++) {
-        char *user = (turn == 0 && cli_user) ? strdup(cli_user) : read_line("User: ", d->format);
+    for (int turn_index = 0; system_prompt; turn_index++) {
+        char *user = (turn_index == 0 && cli_user) ? strdup(cli_user) : read_line("User: ", d->format);
         if (!user) {
             if (text_mode) printf("\n");
             break;
         }
-        char *rendered = render_chat_turn(turn == 0 ? system_prompt : NULL, user);
+        Turn turn = conversation_new_turn(&conv, tok, user);
         free(user);
-        int room = steps - pos - (pending_end >= 0), n_prompt;
-        int *prompt = encode_prompt(tok, rendered, room, &n_prompt);
-        free(rendered);
-        if (!prompt) {
-            if (text_mode) printf("\n");
-            announce_full_context(steps);
-            break;
+        int dropped = conversation_make_room(&conv, tok, &turn, reserve);
+        if (dropped < 0) {
+            flush_output();
+            fprintf(stderr, "run: the message is %d tokens with the chat template, more than the %d positions of the context; "
+                    "send a shorter one\n", turn.n_prompt, steps);
+            free_turn(&turn);
+            continue;
         }
+        if (dropped > 0)
+            fprintf(stderr, "run: note: the context of %d positions is full: dropped the %d oldest turn%s, %d kept (%d tokens, read again)\n",
+                    steps, dropped, dropped > 1 ? "s" : "", conv.n_turns, conversation_length(&conv));
         if (text_mode) printf("Assistant: ");
         flush_output();
-        /* the previous reply's end token and this turn's prompt go in one batch */
-        int *feed = xcalloc((size_t)n_prompt + 1, sizeof(int)), n_feed = 0;
-        if (pending_end >= 0) feed[n_feed++] = pending_end;
-        memcpy(feed + n_feed, prompt, (size_t)n_prompt * sizeof(int));
-        n_feed += n_prompt;
-        int first_pos = pos + n_feed, stream = text_mode && d->beam.beams == 0;
-        int n_hyps = continue_sequence(t, tok, d, feed, n_feed, pos, steps - first_pos + 1, 1, stream, hyps, &stats);
-        Hypothesis *reply = &hyps[0];
-        if (d->beam.beams > 0) adopt_hypothesis_cache(t, reply, first_pos);
-        print_results(tok, d->format, reply, 1, prompt[n_prompt - 1], "", stream);
+        /* the prompt: the kept conversation, then this turn */
+        int n_kept = conversation_length(&conv), n_feed = n_kept + turn.n_prompt;
+        int *feed = xcalloc((size_t)n_feed, sizeof(int));
+        conversation_tokens(&conv, 0, feed);
+        memcpy(feed + n_kept, turn.tokens, (size_t)turn.n_prompt * sizeof(int));
+        int stream = text_mode && d->beam.beams == 0;
+        Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
+        r->on_text = stream ? stream_text : NULL;
+        engine_submit(e, r);
+        engine_run(e);
+        Hypothesis *reply = &r->hyps[0];
+        print_results(tok, d->format, reply, 1, turn.tokens[turn.n_prompt - 1], "", stream);
+        turn_decoding.seed = r->sampler.rng_state;
         flush_output();
-        int context_full = strcmp(reply->stop, "length") == 0;
-        pending_end = context_full ? -1 : (strcmp(reply->stop, "bos") == 0 ? TOKEN_BOS : TOKEN_EOS);
-        pos = first_pos + reply->n_tokens;
-        for (int i = 0; i < n_hyps; i++) free_hypothesis(&hyps[i]);
-        free(feed);
-        free(prompt);
-        if (context_full) {
-            announce_full_context(steps);
-            break;
-        }
+        turn_set_reply(&turn, reply->tokens, reply->n_tokens, reply_end_token(tok, reply));
+        conversation_append(&conv, turn);
+        clear_interrupt(); /* Ctrl-C ended this reply only */
+        request_free(r);
     }
     flush_output();
-    free(hyps);
+    free_conversation(&conv);
     free(system_prompt);
-    print_stats(&stats);
+    print_stats(e);
+}
+
+/* ---- Perplexity -------------------------------------------------------------
+   How well the model predicts a text: the text's tokens t_1..t_N (after the
+   BOS that the tokenizer puts first) are scored as
+     nll = -(1/N) sum_i log p(t_i | what precedes it),  perplexity = exp(nll)
+   A text longer than the context is cut into consecutive windows of
+   seq_len - 1 tokens; each window runs from position 0 as BOS + its tokens,
+   with nothing of the windows before it, so every token is predicted once,
+   from BOS and the earlier tokens of its own window. */
+
+typedef struct {
+    double nll_sum; /* sum of -log p over the predicted tokens */
+    long tokens;    /* tokens predicted */
+} Score;
+
+/* Adds to `sc` the scores of one window: window[0] is BOS, window[1..n-1]
+   the tokens to predict. It runs through the model (forward_rows) in chunks
+   of PREFILL_CHUNK rows at positions 0..n-2 of a block table of its own,
+   with the logits of every row: the row at position p predicts window[p + 1]. */
+static void score_window(Transformer *t, const int *window, int n, Score *sc) {
+    const int vocab = t->config.vocab_size;
+    BlockTable table = {0};
+    for (int done = 0; done < n - 1;) {
+        int rows = n - 1 - done < PREFILL_CHUNK ? n - 1 - done : PREFILL_CHUNK;
+        const float *logits = forward_rows(t, &table, window + done, rows, done, 1);
+        for (int r = 0; r < rows; r++) sc->nll_sum -= log_prob(logits + (size_t)r * vocab, vocab, window[done + r + 1]);
+        sc->tokens += rows;
+        done += rows;
+    }
+    table_free(&t->state.cache, &table);
+}
+
+/* Scores `text` (see above) and prints its perplexity; the state must hold
+   PREFILL_CHUNK rows and the cache seq_len positions (engine_setup for one
+   request of seq_len positions). Progress goes to stderr when that is a
+   terminal. */
+static void perplexity(Transformer *t, const Tokenizer *tok, const char *text, OutputFormat format) {
+    const int window = t->config.seq_len; /* positions per window, BOS included */
+    if (window < 2) die(EXIT_BAD_FILE, "the model's context of %d position cannot score a text", window);
+    int *tokens = xcalloc(strlen(text) + 3, sizeof(int)), bad_byte = 0;
+    int n = encode(tok, text, 1, 0, tokens, &bad_byte);
+    if (n < 0) die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the text", bad_byte);
+    if (n < 2) die(EXIT_BAD_FILE, "perplexity needs a text of at least one token; the text is empty");
+    Score sc = {0.0, 0};
+    int *buffer = xcalloc((size_t)window, sizeof(int));
+    int progress = isatty(STDERR_FILENO) && n > 4 * window;
+    buffer[0] = tok->bos;
+    for (int at = 1; at < n; at += window - 1) {
+        int count = n - at < window - 1 ? n - at : window - 1;
+        memcpy(buffer + 1, tokens + at, (size_t)count * sizeof(int));
+        score_window(t, buffer, count + 1, &sc);
+        if (progress) fprintf(stderr, "\rperplexity: %d of %d tokens", at + count - 1, n - 1);
+    }
+    if (progress) fputc('\n', stderr);
+    double nll = sc.nll_sum / (double)sc.tokens;
+    if (format == FORMAT_JSON) printf("{\"perplexity\":%.17g,\"tokens\":%ld,\"nll\":%.17g}\n", exp(nll), sc.tokens, nll);
+    else printf("perplexity %.4f over %ld tokens\n", exp(nll), sc.tokens);
+    flush_output();
+    free(buffer);
+    free(tokens);
 }
 
 /* ------------------------------------------------------------------------ */
-/* 8. The command line                                                      */
+/* 9. The command line                                                      */
 /* ------------------------------------------------------------------------ */
 
 typedef struct {
     const char *checkpoint;
     const char *tokenizer;
     const char *prompt;        /* NULL: empty */
+    const char *prompt_file;   /* -I: read the prompt from this file ("-": stdin); NULL: none */
     const char *system_prompt; /* NULL: asked for in chat */
     const char *mode;
     float temperature;
     float topp;
     uint64_t seed;             /* 0: from the clock */
     int steps;
+    int steps_given;           /* whether -n (or a batch line's "steps") was given */
+    int max_new_tokens;        /* --max-new-tokens; 0: no limit */
     OutputFormat format;
     int threads;               /* 0: all cores */
     int beams;                 /* 0: sampling */
@@ -1848,6 +5783,22 @@ typedef struct {
     EarlyStopping early_stopping;
     int n_return;
     int sampling_flags;        /* whether -t, -p or -s was given */
+    const char *batch_file;    /* --batch: JSON Lines requests; NULL: none */
+    int parallel;              /* --parallel: requests in flight at once */
+    int kv_mb;                 /* --kv-mb: cache cap in MiB; 0: enough for --parallel requests */
+    int kv_type;               /* --kv-type: KV_F32 (default), KV_F16 or KV_Q8_0 */
+    int keep;                  /* --keep: positions kept when generation goes past the context; -1: off */
+    int ordered;               /* --ordered: batch results in input order */
+    int format_given;          /* whether -f was given */
+    Controls controls;         /* --min-new-tokens ... --stop */
+    int chat_template;         /* --chat-template: CHAT_LLAMA2 or CHAT_LLAMA3; -1: the tokenizer's */
+    const char *draft_file;    /* --draft: the draft model's checkpoint; NULL: none */
+    int lookup;                /* --lookup: prompt lookup's N-gram size; 0: off */
+    int draft_max;             /* --draft-max: tokens drafted per step, at most */
+    const char *host;          /* -m serve: --host, --port, --api-key (NULL: none), --max-body-kb */
+    int port;
+    const char *api_key;
+    int max_body_kb;
 } Options;
 
 static const char *usage_text =
@@ -1857,10 +5808,15 @@ static const char *usage_text =
     "  -t <float>  temperature, >= 0; 0 is greedy (default 1.0)\n"
     "  -p <float>  top-p (nucleus) mass in [0, 1]; 0 or 1 samples from all tokens (default 0.9)\n"
     "  -s <int>    random seed, >= 0; 0 takes it from the clock (default 0)\n"
-    "  -n <int>    positions to run, prompt included; 0 or above the context = the context (default 256)\n"
+    "  -n <int>    positions to run, prompt included; 0 or above the context = the context\n"
+    "              (default 256; in chat or with --max-new-tokens: the context)\n"
     "  -i <string> prompt (default empty)\n"
+    "  -I <file>   read the prompt from a file, '-' for stdin, as is (no -i with it)\n"
     "  -z <string> tokenizer file (default tokenizer.bin)\n"
-    "  -m <string> mode: generate or chat (default generate)\n"
+    "  -m <string> mode: generate, chat, tokenize (print the prompt's tokens), perplexity or serve\n"
+    "              (default generate); perplexity scores the prompt text, in windows of the model's\n"
+    "              context (seq_len positions: BOS + seq_len - 1 tokens, each window from scratch;\n"
+    "              -n does not apply)\n"
     "  -y <string> system prompt in chat mode (default: asked for)\n"
     "  -f <string> output format: text or json (default text)\n"
     "  -b <int>    beam search with this many beams; 1 is greedy (default: off, sample)\n"
@@ -1868,129 +5824,1879 @@ static const char *usage_text =
     "  -e <string> beam search early stopping: 0 (heuristic), 1 or never (default 0)\n"
     "  -r <int>    beam search hypotheses to print, best first, 1..b (default 1)\n"
     "  -T <int>    threads, >= 1 (default: all cores; needs an OpenMP build)\n"
-    "  -h, --help  this help\n";
+    "  --min-new-tokens <int>        BOS and EOS cannot end the text before this many new tokens (default 0)\n"
+    "  --repetition-penalty <float>  > 0: scores of tokens already in the text are divided by it\n"
+    "                                (multiplied when negative); 1 is off (default 1)\n"
+    "  --no-repeat-ngram-size <int>  no n-gram of this size occurs twice (prompt included); 0 is off (default 0)\n"
+    "  --top-k <int>                 sampling: only the k likeliest tokens; 0 is off (default 0)\n"
+    "  --min-p <float>               sampling: only tokens at least this fraction as likely as the\n"
+    "                                likeliest, in [0, 1]; 0 is off (default 0)\n"
+    "  --stop <string>               end the text before this string (repeatable, up to 16)\n"
+    "  --max-new-tokens <int>  new tokens at most per reply (chat) or after the prompt (default: no limit)\n"
+    "  --chat-template <string>  llama2 or llama3 (default: the tokenizer file's)\n"
+    "  --draft <file>    speculative decoding with this draft model (same vocabulary): the same output\n"
+    "                    as without it, faster when the draft guesses right (generate, chat, --batch);\n"
+    "                    with -t > 0 each token is still drawn as without it (same seed, same text)\n"
+    "  --lookup <int>    speculative decoding by prompt lookup: drafts what followed the latest earlier\n"
+    "                    occurrence of the last <int> tokens\n"
+    "  --draft-max <int> tokens drafted per step at most, >= 1 (default 8)\n"
+    "  -m serve: an HTTP server with the OpenAI API (/v1/completions, /v1/chat/completions); the\n"
+    "            options above are the requests' defaults\n"
+    "  --host <string>       address to listen on (default 127.0.0.1)\n"
+    "  --port <int>          port, 0 for a free one (default 8080)\n"
+    "  --parallel <int>      requests run at once (default 8; also for --batch)\n"
+    "  --kv-mb <int>         key/value cache in MiB (default: enough for --parallel full requests)\n"
+    "  --api-key <string>    requests need 'Authorization: Bearer KEY' (default: none)\n"
+    "  --max-body-kb <int>   request bodies above this many KiB get 413 (default 1024)\n"
+    "  --kv-type <string>  key/value cache type: f32 (default; exact), f16 (half the memory;\n"
+    "                      pays at long contexts, where reading the cache costs as much as the\n"
+    "                      weights, and for many requests at once) or q8_0 (int8 in groups of 32:\n"
+    "                      about 28% of f32's memory; the most requests or positions per MB)\n"
+    "  --keep <int>  generate past the context (generate and --batch; not with -b, --draft, --lookup):\n"
+    "                when the cache is full, drop its oldest position after the first <int> (attention\n"
+    "                sinks, 0 .. context - 1; 4 is usual) for each new one; -n then counts steps and may\n"
+    "                exceed the context. Until the cache is full, the output is the same as without it.\n"
+    "  -h, --help  this help\n"
+    "  --version   the program's version, the checkpoint versions it reads and its kernels\n";
 
+/* A usage error is one line: what is wrong, and where the options are
+   listed (the whole usage would push the problem off the screen). */
 static void usage_error(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fputs("run: ", stderr);
     vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    fputs("; see 'run --help'\n", stderr);
     va_end(ap);
-    fputs(usage_text, stderr);
     leave(EXIT_USAGE);
 }
 
-static double parse_number(const char *flag, const char *text, double lo, double hi) {
+/* Reads `text` as a number in [lo, hi] into *v: returns 0, or 1 when it is
+   not a finite number, 2 when it is outside the range. */
+static int check_number(const char *text, double lo, double hi, double *v) {
     char *end;
     errno = 0;
-    double v = strtod(text, &end);
-    if (text[0] == '\0' || *end != '\0' || errno == ERANGE || !isfinite(v))
-        usage_error("%s needs a number, got '%s'", flag, text);
-    if (v < lo || v > hi) usage_error("%s is %s, outside [%g, %g]", flag, text, lo, hi);
+    *v = strtod(text, &end);
+    if (text[0] == '\0' || *end != '\0' || errno == ERANGE || !isfinite(*v)) return 1;
+    return *v < lo || *v > hi ? 2 : 0;
+}
+
+/* The same for a whole number in decimal. */
+static int check_integer(const char *text, long long lo, long long hi, long long *v) {
+    char *end;
+    errno = 0;
+    *v = strtoll(text, &end, 10);
+    if (text[0] == '\0' || *end != '\0' || errno == ERANGE) return 1;
+    return *v < lo || *v > hi ? 2 : 0;
+}
+
+static double parse_number(const char *flag, const char *text, double lo, double hi) {
+    double v;
+    int bad = check_number(text, lo, hi, &v);
+    if (bad == 1) usage_error("%s needs a number, got '%s'", flag, text);
+    if (bad == 2) usage_error("%s is %s, outside [%g, %g]", flag, text, lo, hi);
     return v;
 }
 
 static long long parse_integer(const char *flag, const char *text, long long lo, long long hi) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(text, &end, 10);
-    if (text[0] == '\0' || *end != '\0' || errno == ERANGE)
-        usage_error("%s needs an integer, got '%s'", flag, text);
-    if (v < lo || v > hi) usage_error("%s is %s, outside [%lld, %lld]", flag, text, lo, hi);
+    long long v;
+    int bad = check_integer(text, lo, hi, &v);
+    if (bad == 1) usage_error("%s needs an integer, got '%s'", flag, text);
+    if (bad == 2) usage_error("%s is %s, outside [%lld, %lld]", flag, text, lo, hi);
     return v;
 }
 
+/* The program's version, what it reads and how this build computes. */
+#define RUN_VERSION "0.4.0"
+
+static void print_version(void) {
+    printf("run %s\n", RUN_VERSION);
+    printf("checkpoints: versions 0 (llama2.c), 1 (float32), 2 (int8 Q8_0), 3 (4-bit), 4 (float32 or int8, RoPE theta and scaling, norm eps)\n");
+    printf("kernels: %s\n", KERNEL_NAME);
+#ifdef VF_CACHE_LOADS
+    printf("key/value cache types: f32, f16, q8_0 (f16 and q8_0 read with vector kernels)\n");
+#else
+    printf("key/value cache types: f32, f16, q8_0\n");
+#endif
+#ifdef _OPENMP
+    printf("openmp: yes (%d threads by default)\n", omp_get_max_threads());
+#else
+    printf("openmp: no\n");
+#endif
+}
+
+/* Whether argv[i] asks for the help or the version, which end the program
+   at once wherever they stand as a flag. */
+static void answer_help_or_version(const char *arg) {
+    if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
+        fputs(usage_text, stdout);
+        leave(0);
+    }
+    if (strcmp(arg, "--version") == 0) {
+        print_version();
+        leave(0);
+    }
+}
+
+/* The value after argv[i], which must be there. */
+static const char *option_value(int argc, char **argv, int i) {
+    if (i + 1 >= argc) usage_error("%s needs a value", argv[i]);
+    return argv[i + 1];
+}
+
+/* A repetition penalty: a number above 0 (float32, where it is applied). */
+static float parse_penalty(const char *flag, const char *text) {
+    float v = (float)parse_number(flag, text, 0.0, 1e30);
+    if (!(v > 0.0f)) usage_error("%s must be above 0, got '%s'", flag, text);
+    return v;
+}
+
+/* One more stop string (--stop, repeatable). */
+static void add_stop(Controls *c, const char *text) {
+    if (text[0] == '\0') usage_error("--stop needs a non-empty string");
+    if (c->n_stops == MAX_STOPS) usage_error("more than %d stop strings (--stop)", MAX_STOPS);
+    c->stops[c->n_stops++] = text;
+}
+
+/* --kv-type's value: one of kv_type_names. */
+static int parse_kv_type(const char *text) {
+    for (int type = KV_F32; type <= KV_Q8_0; type++)
+        if (strcmp(text, kv_type_names[type]) == 0) return type;
+    usage_error("--kv-type must be f32, f16 or q8_0, got '%s'", text);
+    return KV_F32;
+}
+
+/* A long option: `--name value`, or `--name` alone for a switch. Returns how
+   many arguments it took (1 or 2). Each option is one `if` here. */
+static int parse_long_option(Options *o, int argc, char **argv, int i) {
+    const char *flag = argv[i];
+    if (strcmp(flag, "--batch") == 0) { o->batch_file = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--parallel") == 0) { o->parallel = (int)parse_integer(flag, option_value(argc, argv, i), 1, 4096); return 2; }
+    if (strcmp(flag, "--kv-mb") == 0) { o->kv_mb = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1 << 24); return 2; }
+    if (strcmp(flag, "--ordered") == 0) { o->ordered = 1; return 1; }
+    if (strcmp(flag, "--kv-type") == 0) { o->kv_type = parse_kv_type(option_value(argc, argv, i)); return 2; }
+    if (strcmp(flag, "--keep") == 0) { o->keep = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX - 1); return 2; }
+    if (strcmp(flag, "--draft") == 0) { o->draft_file = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--lookup") == 0) { o->lookup = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1 << 20); return 2; }
+    if (strcmp(flag, "--draft-max") == 0) { o->draft_max = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1024); return 2; }
+    if (strcmp(flag, "--host") == 0) { o->host = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--port") == 0) { o->port = (int)parse_integer(flag, option_value(argc, argv, i), 0, 65535); return 2; }
+    if (strcmp(flag, "--api-key") == 0) { o->api_key = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--max-body-kb") == 0) { o->max_body_kb = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1 << 20); return 2; }
+    Controls *c = &o->controls;
+    if (strcmp(flag, "--min-new-tokens") == 0) { c->min_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX); return 2; }
+    if (strcmp(flag, "--repetition-penalty") == 0) { c->repetition_penalty = parse_penalty(flag, option_value(argc, argv, i)); return 2; }
+    if (strcmp(flag, "--no-repeat-ngram-size") == 0) { c->no_repeat_ngram_size = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX); return 2; }
+    if (strcmp(flag, "--top-k") == 0) { c->top_k = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX); return 2; }
+    if (strcmp(flag, "--min-p") == 0) { c->min_p = (float)parse_number(flag, option_value(argc, argv, i), 0.0, 1.0); return 2; }
+    if (strcmp(flag, "--stop") == 0) { add_stop(c, option_value(argc, argv, i)); return 2; }
+    if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
+    if (strcmp(flag, "--chat-template") == 0) {
+        const char *v = option_value(argc, argv, i);
+        if (strcmp(v, "llama2") == 0) o->chat_template = CHAT_LLAMA2;
+        else if (strcmp(v, "llama3") == 0) o->chat_template = CHAT_LLAMA3;
+        else usage_error("--chat-template must be llama2 or llama3, got '%s'", v);
+        return 2;
+    }
+    usage_error("unknown option '%s'", flag);
+    return 1;
+}
+
+/* Reads a short option and its value into o. */
+static void parse_short_option(Options *o, const char *flag, const char *val) {
+    switch (flag[1]) {
+    case 't': o->temperature = (float)parse_number(flag, val, 0.0, 1e30); break;
+    case 'p': o->topp = (float)parse_number(flag, val, 0.0, 1.0); break;
+    case 's': o->seed = (uint64_t)parse_integer(flag, val, 0, LLONG_MAX); break;
+    case 'n': o->steps = (int)parse_integer(flag, val, 0, INT_MAX); o->steps_given = 1; break;
+    case 'i': o->prompt = val; break;
+    case 'I': o->prompt_file = val; break;
+    case 'z': o->tokenizer = val; break;
+    case 'm':
+        if (strcmp(val, "generate") != 0 && strcmp(val, "chat") != 0 && strcmp(val, "tokenize") != 0 &&
+            strcmp(val, "perplexity") != 0 && strcmp(val, "serve") != 0)
+            usage_error("-m must be generate, chat, tokenize, perplexity or serve, got '%s'", val);
+        o->mode = val;
+        break;
+    case 'y': o->system_prompt = val; break;
+    case 'f':
+        o->format_given = 1;
+        if (strcmp(val, "text") == 0) o->format = FORMAT_TEXT;
+        else if (strcmp(val, "json") == 0) o->format = FORMAT_JSON;
+        else usage_error("-f must be text or json, got '%s'", val);
+        break;
+    case 'T': o->threads = (int)parse_integer(flag, val, 1, 1024); break;
+    case 'b': o->beams = (int)parse_integer(flag, val, 1, INT_MAX); break;
+    case 'l': o->length_penalty = (float)parse_number(flag, val, -1e30, 1e30); break;
+    case 'e':
+        if (strcmp(val, "0") == 0) o->early_stopping = STOP_HEURISTIC;
+        else if (strcmp(val, "1") == 0) o->early_stopping = STOP_EARLY;
+        else if (strcmp(val, "never") == 0) o->early_stopping = STOP_NEVER;
+        else usage_error("-e must be 0, 1 or never, got '%s'", val);
+        break;
+    case 'r': o->n_return = (int)parse_integer(flag, val, 1, INT_MAX); break;
+    }
+    if (strchr("tps", flag[1])) o->sampling_flags = 1;
+}
+
+/* Speculative decoding's limits: one source of drafts, in generate, chat
+   or --batch (whose beam-search requests do not speculate), no beam search
+   on the command line. */
+static void check_speculation(const Options *o) {
+    if (o->draft_file && o->lookup) usage_error("--draft and --lookup are two sources of drafts: use one");
+    if (o->beams > 0) usage_error("speculative decoding (--draft, --lookup) does not work with beam search (-b)");
+    if (o->keep >= 0) usage_error("speculative decoding (--draft, --lookup) does not work with --keep");
+    if (!o->batch_file && strcmp(o->mode, "generate") != 0 && strcmp(o->mode, "chat") != 0)
+        usage_error("speculative decoding (--draft, --lookup) applies to -m generate, chat and --batch only");
+}
+
+/* --keep's limits: generate and --batch only (a chat drops whole turns
+   instead; a server's requests end at the context), sampling only (beam
+   search and speculative decoding keep positions of their own). */
+static void check_keep(const Options *o) {
+    if (!o->batch_file && strcmp(o->mode, "generate") != 0)
+        usage_error("--keep applies to -m generate and --batch only (a chat drops whole turns when full)");
+    if (o->beams > 0) usage_error("--keep does not work with beam search (-b)");
+}
+
 static Options parse_options(int argc, char **argv) {
-    Options o = {NULL, "tokenizer.bin", NULL, NULL, "generate", 1.0f, 0.9f, 0, 256, FORMAT_TEXT, 0, 0, 1.0f, STOP_HEURISTIC, 1, 0};
-    /* -h or --help where a checkpoint or a flag is expected (not as a value) */
-    for (int i = 1; i < argc; i += (i == 1 ? 1 : 2))
-        if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
-            fputs(usage_text, stdout);
-            leave(0);
-        }
-    if (argc < 2) usage_error("missing the checkpoint file");
+    Options o = {.tokenizer = "tokenizer.bin", .mode = "generate", .temperature = 1.0f, .topp = 0.9f, .steps = 256,
+                 .format = FORMAT_TEXT, .length_penalty = 1.0f, .early_stopping = STOP_HEURISTIC, .n_return = 1, .parallel = 8,
+                 .chat_template = -1, .host = "127.0.0.1", .port = 8080, .max_body_kb = 1024, .draft_max = 8, .keep = -1};
+    if (argc < 2) { /* no arguments at all: a first try, shown everything */
+        fputs(usage_text, stderr);
+        leave(EXIT_USAGE);
+    }
+    answer_help_or_version(argv[1]);
     if (argv[1][0] == '-') usage_error("the first argument must be the checkpoint file, got '%s'", argv[1]);
     o.checkpoint = argv[1];
-    for (int i = 2; i < argc; i += 2) {
+    for (int i = 2; i < argc;) {
         const char *flag = argv[i];
-        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsnizmyfTbler", flag[1]))
+        answer_help_or_version(flag);
+        if (strncmp(flag, "--", 2) == 0 && flag[2] != '\0') {
+            i += parse_long_option(&o, argc, argv, i);
+            continue;
+        }
+        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsniIzmyfTbler", flag[1]))
             usage_error("unknown option '%s'", flag);
         if (i + 1 >= argc) usage_error("%s needs a value", flag);
-        const char *val = argv[i + 1];
-        switch (flag[1]) {
-        case 't': o.temperature = (float)parse_number(flag, val, 0.0, 1e30); break;
-        case 'p': o.topp = (float)parse_number(flag, val, 0.0, 1.0); break;
-        case 's': o.seed = (uint64_t)parse_integer(flag, val, 0, LLONG_MAX); break;
-        case 'n': o.steps = (int)parse_integer(flag, val, 0, INT_MAX); break;
-        case 'i': o.prompt = val; break;
-        case 'z': o.tokenizer = val; break;
-        case 'm':
-            if (strcmp(val, "generate") != 0 && strcmp(val, "chat") != 0)
-                usage_error("-m must be generate or chat, got '%s'", val);
-            o.mode = val;
-            break;
-        case 'y': o.system_prompt = val; break;
-        case 'f':
-            if (strcmp(val, "text") == 0) o.format = FORMAT_TEXT;
-            else if (strcmp(val, "json") == 0) o.format = FORMAT_JSON;
-            else usage_error("-f must be text or json, got '%s'", val);
-            break;
-        case 'T': o.threads = (int)parse_integer(flag, val, 1, 1024); break;
-        case 'b': o.beams = (int)parse_integer(flag, val, 1, INT_MAX); break;
-        case 'l': o.length_penalty = (float)parse_number(flag, val, -1e30, 1e30); break;
-        case 'e':
-            if (strcmp(val, "0") == 0) o.early_stopping = STOP_HEURISTIC;
-            else if (strcmp(val, "1") == 0) o.early_stopping = STOP_EARLY;
-            else if (strcmp(val, "never") == 0) o.early_stopping = STOP_NEVER;
-            else usage_error("-e must be 0, 1 or never, got '%s'", val);
-            break;
-        case 'r': o.n_return = (int)parse_integer(flag, val, 1, INT_MAX); break;
-        }
-        if (strchr("tps", flag[1])) o.sampling_flags = 1;
+        parse_short_option(&o, flag, argv[i + 1]);
+        i += 2;
     }
+    if (o.prompt && o.prompt_file) usage_error("-i and -I both give the prompt: use one");
+    if (o.batch_file && o.format_given && o.format != FORMAT_JSON)
+        usage_error("--batch writes JSON lines only (-f json)");
+    if (o.draft_file || o.lookup) check_speculation(&o);
+    if (o.keep >= 0) check_keep(&o);
     if (o.n_return > (o.beams > 0 ? o.beams : 1))
         usage_error("-r %d asks for more hypotheses than the %d beams (-b) keep", o.n_return, o.beams > 0 ? o.beams : 1);
     return o;
 }
 
-/* Rows pushed through the model at once while reading a prompt. */
-#define PROMPT_BLOCK_ROWS 64
+/* The whole of a file (- for stdin) as a NUL-terminated string of *len
+   bytes; the caller frees it. */
+static char *read_whole_file(const char *path, const char *kind, size_t *len) {
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
+    if (!f) die(EXIT_BAD_FILE, "%s: cannot open the %s: %s", path, kind, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_BAD_FILE, "%s: the %s is a directory", path, kind);
+    size_t cap = 4096, n = 0;
+    char *data = xcalloc(cap, 1);
+    for (;;) {
+        n += fread(data + n, 1, cap - n - 1, f);
+        if (ferror(f)) die(EXIT_BAD_FILE, "%s: cannot read the %s: %s", path, kind, strerror(errno));
+        if (feof(f)) break;
+        if (n + 1 == cap) {
+            char *bigger = realloc(data, cap * 2);
+            if (!bigger) die(EXIT_BAD_FILE, "%s: out of memory reading %s (%zu bytes)", path, kind, n);
+            data = bigger;
+            cap *= 2;
+        }
+    }
+    if (f != stdin) fclose(f);
+    data[n] = '\0';
+    *len = n;
+    return data;
+}
+
+/* The prompt text of -I FILE: its bytes as they are (a final newline
+   included); a NUL byte, which a C string cannot hold, is refused. */
+static char *read_text_file(const char *path) {
+    size_t len;
+    char *text = read_whole_file(path, "prompt file", &len);
+    if (strlen(text) != len) die(EXIT_BAD_FILE, "%s: the prompt file holds a NUL byte", path);
+    return text;
+}
+
+/* ------------------------------------------------------------------------ */
+/* 10. Batch requests: JSON Lines in, JSON lines out                        */
+/* ------------------------------------------------------------------------ */
+
+/* --batch FILE (- for stdin): JSON Lines, one request per line, a flat
+   object: "prompt" (string, required); optional "id" (string or number;
+   default: the line number), "steps" (as -n), "temperature", "top_p", "seed",
+   "beams", "length_penalty", "early_stopping" (0, 1 or "never"), "return"
+   (as -r); an absent field takes the command line's value. Blank lines are
+   skipped. Every line is checked before anything runs; results are printed
+   as JSON lines with the request's "id" as each request finishes, or in
+   input order with --ordered. */
+
+typedef enum { JSON_STRING, JSON_NUMBER, JSON_TRUE, JSON_FALSE, JSON_NULL, JSON_COMPOUND } JsonKind;
+
+/* A cursor over one line of JSON text; `where` names the line for errors. */
+typedef struct {
+    const char *p, *end;
+    const char *where;
+} JsonCursor;
+
+static void json_fail(const JsonCursor *j, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(error_text, sizeof(error_text), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "run: %s: %s\n", j->where, error_text);
+    leave(EXIT_USAGE);
+}
+
+static void json_space(JsonCursor *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\r' || *j->p == '\n')) j->p++;
+}
+
+static int hex_value(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
+/* The 4 hex digits of a \u escape at p (end: the line's end), or -1. */
+static long json_hex4(const char *p, const char *end) {
+    if (end - p < 4) return -1;
+    long v = 0;
+    for (int i = 0; i < 4; i++) {
+        int d = hex_value(p[i]);
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
+/* Appends code point cp as UTF-8 at o; returns the byte count. */
+static int put_utf8(char *o, long cp) {
+    if (cp < 0x80) { o[0] = (char)cp; return 1; }
+    if (cp < 0x800) { o[0] = (char)(0xC0 | cp >> 6); o[1] = (char)(0x80 | (cp & 0x3F)); return 2; }
+    if (cp < 0x10000) {
+        o[0] = (char)(0xE0 | cp >> 12); o[1] = (char)(0x80 | (cp >> 6 & 0x3F)); o[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    o[0] = (char)(0xF0 | cp >> 18); o[1] = (char)(0x80 | (cp >> 12 & 0x3F));
+    o[2] = (char)(0x80 | (cp >> 6 & 0x3F)); o[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* The string at the cursor (after its opening quote), unescaped; `what`
+   names it for errors. The caller frees it. */
+static char *json_string(JsonCursor *j, const char *what) {
+    char *out = xcalloc((size_t)(j->end - j->p) + 1, 1), *o = out;
+    for (;;) {
+        if (j->p >= j->end) { free(out); json_fail(j, "%s: the string has no closing quote", what); }
+        unsigned char c = (unsigned char)*j->p++;
+        if (c == '"') break;
+        if (c < 0x20) { free(out); json_fail(j, "%s: a control character (0x%02X) inside a string must be escaped", what, c); }
+        if (c != '\\') { *o++ = (char)c; continue; }
+        char e = j->p < j->end ? *j->p++ : '\0';
+        const char *plain = strchr("\"\\/bfnrt", e), *meaning = "\"\\/\b\f\n\r\t";
+        if (e != '\0' && e != 'u' && plain) { *o++ = meaning[plain - "\"\\/bfnrt"]; continue; }
+        if (e != 'u') { free(out); json_fail(j, "%s: bad escape in a string", what); }
+        long cp = json_hex4(j->p, j->end);
+        j->p += 4;
+        if (cp >= 0xD800 && cp <= 0xDBFF && j->end - j->p >= 6 && j->p[0] == '\\' && j->p[1] == 'u') {
+            long lo = json_hex4(j->p + 2, j->end);
+            if (lo >= 0xDC00 && lo <= 0xDFFF) {
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                j->p += 6;
+            }
+        }
+        if (cp <= 0 || (cp >= 0xD800 && cp <= 0xDFFF)) { free(out); json_fail(j, "%s: bad \\u escape (NUL, lone surrogate or not hex)", what); }
+        o += put_utf8(o, cp);
+    }
+    *o = '\0';
+    return out;
+}
+
+/* The length of the JSON number at the cursor (RFC 8259 grammar), or 0. */
+static size_t json_number_length(const JsonCursor *j) {
+    const char *p = j->p, *e = j->end;
+    if (p < e && *p == '-') p++;
+    if (p < e && *p == '0') p++;
+    else if (p < e && *p >= '1' && *p <= '9') while (p < e && isdigit((unsigned char)*p)) p++;
+    else return 0;
+    if (p < e && *p == '.') {
+        if (++p >= e || !isdigit((unsigned char)*p)) return 0;
+        while (p < e && isdigit((unsigned char)*p)) p++;
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) p++;
+        if (p >= e || !isdigit((unsigned char)*p)) return 0;
+        while (p < e && isdigit((unsigned char)*p)) p++;
+    }
+    return (size_t)(p - j->p);
+}
+
+/* Reads the value at the cursor: *text gets a string's contents or a
+   number's or literal's spelling (the caller frees it). Objects and arrays
+   are not read: no field takes one. */
+static JsonKind json_value(JsonCursor *j, const char *what, char **text) {
+    static const struct { const char *word; JsonKind kind; } literals[] = {{"true", JSON_TRUE}, {"false", JSON_FALSE}, {"null", JSON_NULL}};
+    *text = NULL;
+    if (j->p < j->end && *j->p == '"') {
+        j->p++;
+        *text = json_string(j, what);
+        return JSON_STRING;
+    }
+    if (j->p < j->end && (*j->p == '{' || *j->p == '[')) return JSON_COMPOUND;
+    for (size_t i = 0; i < sizeof(literals) / sizeof(literals[0]); i++) {
+        size_t n = strlen(literals[i].word);
+        if ((size_t)(j->end - j->p) >= n && memcmp(j->p, literals[i].word, n) == 0) {
+            j->p += n;
+            *text = strdup(literals[i].word);
+            return literals[i].kind;
+        }
+    }
+    size_t n = json_number_length(j);
+    if (n == 0) json_fail(j, "%s: not a JSON value", what);
+    *text = xcalloc(n + 1, 1);
+    memcpy(*text, j->p, n);
+    j->p += n;
+    return JSON_NUMBER;
+}
+
+/* One parsed line: the options it runs with (the command line's, with its
+   fields applied), its prompt and its id as JSON text. */
+typedef struct {
+    Options o;
+    char *prompt;
+    char *id;
+    char *stops[MAX_STOPS]; /* the texts o.controls.stops points to */
+} BatchLine;
+
+/* The strings a line's parse holds for a moment (field names, a value's
+   text). An error leaves the parse at once (longjmp in the tests that catch
+   it), so they live here, where the next parse frees them, not in locals. */
+typedef struct {
+    char *names[16];    /* (n_names) the fields seen so far */
+    int n_names;
+    char *text;         /* the value being applied */
+} JsonTemps;
+
+static void json_temps_free(JsonTemps *t) {
+    for (int i = 0; i < t->n_names; i++) free(t->names[i]);
+    free(t->text);
+    memset(t, 0, sizeof(*t));
+}
+
+/* The positions a run of `steps` (-n) may use: 0 or more than the context
+   means the context. */
+static int resolve_steps(int steps, int seq_len) { return steps == 0 || steps > seq_len ? seq_len : steps; }
+
+/* The value of a number field, checked as check_number does. */
+static double number_field(const JsonCursor *j, const char *name, JsonKind kind, const char *text, double lo, double hi) {
+    double v = 0;
+    int bad = kind != JSON_NUMBER ? 1 : check_number(text, lo, hi, &v);
+    if (bad == 1) json_fail(j, "field '%s': must be a number", name);
+    if (bad == 2) json_fail(j, "field '%s': %s is outside [%g, %g]", name, text, lo, hi);
+    return v;
+}
+
+static long long integer_field(const JsonCursor *j, const char *name, JsonKind kind, const char *text, long long lo, long long hi) {
+    long long v = 0;
+    int bad = kind != JSON_NUMBER ? 1 : check_integer(text, lo, hi, &v);
+    if (bad == 1) json_fail(j, "field '%s': must be an integer", name);
+    if (bad == 2) json_fail(j, "field '%s': %s is outside [%lld, %lld]", name, text, lo, hi);
+    return v;
+}
+
+/* One more stop string of a batch line (field "stop"). */
+static void add_batch_stop(const JsonCursor *j, BatchLine *line, const char *text) {
+    Controls *c = &line->o.controls;
+    if (text[0] == '\0') json_fail(j, "field 'stop': an empty string");
+    if (c->n_stops == MAX_STOPS) json_fail(j, "field 'stop': more than %d strings", MAX_STOPS);
+    line->stops[c->n_stops] = strdup(text);
+    c->stops[c->n_stops] = line->stops[c->n_stops];
+    c->n_stops++;
+}
+
+/* Applies field `name` with value (kind, text) to the line. */
+static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, JsonKind kind, const char *text, int vocab) {
+    Options *o = &line->o;
+    if (strcmp(name, "prompt") == 0) {
+        if (kind != JSON_STRING) json_fail(j, "field 'prompt': must be a string");
+        line->prompt = strdup(text);
+    } else if (strcmp(name, "id") == 0) {
+        if (kind != JSON_STRING && kind != JSON_NUMBER) json_fail(j, "field 'id': must be a string or a number");
+        line->id = kind == JSON_STRING ? json_quote(text) : strdup(text);
+    } else if (strcmp(name, "steps") == 0) {
+        o->steps = (int)integer_field(j, name, kind, text, 0, INT_MAX);
+        o->steps_given = 1;
+    } else if (strcmp(name, "max_new_tokens") == 0) o->max_new_tokens = (int)integer_field(j, name, kind, text, 1, INT_MAX);
+    else if (strcmp(name, "temperature") == 0) o->temperature = (float)number_field(j, name, kind, text, 0.0, 1e30);
+    else if (strcmp(name, "top_p") == 0) o->topp = (float)number_field(j, name, kind, text, 0.0, 1.0);
+    else if (strcmp(name, "seed") == 0) o->seed = (uint64_t)integer_field(j, name, kind, text, 0, LLONG_MAX);
+    else if (strcmp(name, "beams") == 0) o->beams = (int)integer_field(j, name, kind, text, 1, vocab);
+    else if (strcmp(name, "length_penalty") == 0) o->length_penalty = (float)number_field(j, name, kind, text, -1e30, 1e30);
+    else if (strcmp(name, "return") == 0) o->n_return = (int)integer_field(j, name, kind, text, 1, INT_MAX);
+    else if (strcmp(name, "min_new_tokens") == 0) o->controls.min_new_tokens = (int)integer_field(j, name, kind, text, 0, INT_MAX);
+    else if (strcmp(name, "no_repeat_ngram_size") == 0) o->controls.no_repeat_ngram_size = (int)integer_field(j, name, kind, text, 0, INT_MAX);
+    else if (strcmp(name, "top_k") == 0) o->controls.top_k = (int)integer_field(j, name, kind, text, 0, vocab);
+    else if (strcmp(name, "min_p") == 0) o->controls.min_p = (float)number_field(j, name, kind, text, 0.0, 1.0);
+    else if (strcmp(name, "repetition_penalty") == 0) {
+        o->controls.repetition_penalty = (float)number_field(j, name, kind, text, 0.0, 1e30);
+        if (!(o->controls.repetition_penalty > 0.0f)) json_fail(j, "field 'repetition_penalty': must be above 0");
+    } else if (strcmp(name, "stop") == 0) {
+        if (kind != JSON_STRING) json_fail(j, "field 'stop': must be a string or a list of strings");
+        add_batch_stop(j, line, text);
+    }
+    else if (strcmp(name, "early_stopping") == 0) {
+        if (kind == JSON_STRING && strcmp(text, "never") == 0) o->early_stopping = STOP_NEVER;
+        else if (kind == JSON_NUMBER && strcmp(text, "0") == 0) o->early_stopping = STOP_HEURISTIC;
+        else if (kind == JSON_NUMBER && strcmp(text, "1") == 0) o->early_stopping = STOP_EARLY;
+        else json_fail(j, "field 'early_stopping': must be 0, 1 or \"never\"");
+    } else {
+        json_fail(j, "unknown field '%s'", name);
+    }
+}
+
+/* The value of "stop" when it is a list: each string is a stop string.
+   *text holds the one being read (the caller frees it after an error). */
+static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
+    j->p++; /* [ */
+    json_space(j);
+    for (int first = 1; !(j->p < j->end && *j->p == ']'); first = 0) {
+        if (!first) {
+            if (j->p >= j->end || *j->p != ',') json_fail(j, "field 'stop': expected ',' or ']' in the list");
+            j->p++;
+            json_space(j);
+        }
+        if (j->p >= j->end || *j->p != '"') json_fail(j, "field 'stop': must be a string or a list of strings");
+        j->p++;
+        *text = json_string(j, "stop");
+        add_batch_stop(j, line, *text);
+        free(*text);
+        *text = NULL;
+        json_space(j);
+    }
+    j->p++; /* ] */
+}
+
+/* Parses one line (a flat JSON object) over the defaults in line->o. */
+static int run_positions(const Options *o, int seq_len);
+
+static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int vocab, int seq_len) {
+    json_temps_free(tmp);
+    json_space(j);
+    if (j->p >= j->end || *j->p != '{') json_fail(j, "not a JSON object");
+    j->p++;
+    json_space(j);
+    int first = 1;
+    while (!(j->p < j->end && *j->p == '}')) {
+        if (!first) {
+            if (j->p >= j->end || *j->p != ',') json_fail(j, "expected ',' or '}' after a field");
+            j->p++;
+            json_space(j);
+        }
+        first = 0;
+        if (j->p >= j->end || *j->p != '"') json_fail(j, "expected a field name in quotes");
+        j->p++;
+        if (tmp->n_names == 16) json_fail(j, "too many fields");
+        char *name = tmp->names[tmp->n_names++] = json_string(j, "field name");
+        json_space(j);
+        if (j->p >= j->end || *j->p != ':') json_fail(j, "expected ':' after field '%s'", name);
+        j->p++;
+        json_space(j);
+        for (int i = 0; i < tmp->n_names - 1; i++)
+            if (strcmp(tmp->names[i], name) == 0) json_fail(j, "field '%s' appears twice", name);
+        if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
+            parse_stop_list(j, line, &tmp->text);
+        } else {
+            JsonKind kind = json_value(j, name, &tmp->text);
+            apply_field(j, line, name, kind, tmp->text, vocab);
+            free(tmp->text);
+            tmp->text = NULL;
+        }
+        json_space(j);
+    }
+    j->p++;
+    json_space(j);
+    if (j->p < j->end) json_fail(j, "text after the object");
+    json_temps_free(tmp);
+    if (!line->prompt) json_fail(j, "missing field 'prompt'");
+    int positions = line->o.keep >= 0 ? run_positions(&line->o, seq_len) : resolve_steps(line->o.steps, seq_len);
+    if (line->o.controls.min_new_tokens > positions)
+        json_fail(j, "field 'min_new_tokens': %d is more than the %d positions to run (steps)", line->o.controls.min_new_tokens,
+                  positions);
+    if (line->o.n_return > (line->o.beams > 0 ? line->o.beams : 1))
+        json_fail(j, "field 'return': %d is more hypotheses than the %d beams keep", line->o.n_return, line->o.beams > 0 ? line->o.beams : 1);
+}
+
+/* Every line of the batch file, parsed; the run stops at the first bad one
+   before anything runs. */
+/* What read_batch_file holds while it reads. A bad line ends the program;
+   in the tests that catch that error, the next call frees what was left,
+   so that millions of bad inputs do not add up. */
+static struct {
+    char *data, *where; /* the file; the name of the line being read */
+    BatchLine *lines;   /* (n) read so far */
+    int n;
+    JsonTemps temps;    /* the line being parsed */
+} batch_reading;
+
+static void free_batch_lines(BatchLine *lines, int n) {
+    for (int i = 0; i < n; i++) {
+        free(lines[i].prompt);
+        free(lines[i].id);
+        for (int k = 0; k < lines[i].o.controls.n_stops; k++) free(lines[i].stops[k]);
+    }
+    free(lines);
+}
+
+static BatchLine *read_batch_file(const Options *defaults, int vocab, int seq_len, int *n_lines) {
+    free(batch_reading.data);
+    free(batch_reading.where);
+    free_batch_lines(batch_reading.lines, batch_reading.n);
+    json_temps_free(&batch_reading.temps);
+    memset(&batch_reading, 0, sizeof(batch_reading));
+    size_t size;
+    char *data = batch_reading.data = read_whole_file(defaults->batch_file, "batch file", &size);
+    int cap = 0, line_no = 0;
+    size_t where_size = strlen(defaults->batch_file) + 24;
+    batch_reading.where = xcalloc(where_size, 1);
+    for (char *p = data; p < data + size;) {
+        char *nl = memchr(p, '\n', (size_t)(data + size - p)), *end = nl ? nl : data + size;
+        line_no++;
+        snprintf(batch_reading.where, where_size, "%s:%d", defaults->batch_file, line_no);
+        JsonCursor j = {p, end, batch_reading.where};
+        json_space(&j);
+        if (j.p < j.end) {
+            if (batch_reading.n == cap) {
+                cap = cap ? 2 * cap : 16;
+                BatchLine *grown = realloc(batch_reading.lines, (size_t)cap * sizeof(BatchLine));
+                if (!grown) die(EXIT_BAD_FILE, "out of memory (%d batch requests)", cap);
+                batch_reading.lines = grown;
+            }
+            BatchLine *line = &batch_reading.lines[batch_reading.n++];
+            *line = (BatchLine){.o = *defaults};
+            parse_batch_line(&j, line, &batch_reading.temps, vocab, seq_len);
+            if (!line->id) {
+                line->id = xcalloc(16, 1);
+                snprintf(line->id, 16, "%d", line_no);
+            }
+        }
+        p = end + 1;
+    }
+    if (batch_reading.n == 0) die(EXIT_USAGE, "%s: no requests (the batch file has no line with a JSON object)", defaults->batch_file);
+    BatchLine *lines = batch_reading.lines;
+    *n_lines = batch_reading.n;
+    free(batch_reading.data);
+    free(batch_reading.where);
+    memset(&batch_reading, 0, sizeof(batch_reading)); /* the lines are the caller's now */
+    return lines;
+}
+
+/* How a request with options o continues its prompt; seed 0 takes the
+   run's clock seed. */
+static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
+    /* one beam is greedy search, as in the library: it stops at the first
+       end token whatever -e says */
+    EarlyStopping early = o->beams == 1 ? STOP_EARLY : o->early_stopping;
+    return (Decoding){o->temperature, o->topp, o->seed ? o->seed : clock_seed, {o->beams, o->length_penalty, early},
+                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0};
+}
+
+/* The positions a run may use: -n (0 or above the context: the context), as
+   in llama2.c; without -n, 256 for generate, as llama2.c, but the whole
+   context for a chat and for --max-new-tokens, which set their own limits. */
+static int context_positions(const Options *o, int seq_len) {
+    int steps = o->steps;
+    if (!o->steps_given && (strcmp(o->mode, "chat") == 0 || o->max_new_tokens > 0)) steps = 0;
+    return (steps == 0 || steps > seq_len) ? seq_len : steps;
+}
+
+/* The positions a run counts: context_positions(), but with --keep, which
+   goes past the context, -n is not capped by it (0 is still the context),
+   and without -n --max-new-tokens alone bounds the run. */
+static int run_positions(const Options *o, int seq_len) {
+    if (o->keep < 0) return context_positions(o, seq_len);
+    if (o->steps_given) return o->steps > 0 ? o->steps : seq_len;
+    return o->max_new_tokens > 0 ? INT_MAX : o->steps;
+}
+
+
+/* The results of the batch, printed as requests finish (or in input order). */
+typedef struct {
+    const Tokenizer *tok;
+    Request **requests; /* (n) in input order; NULL once printed */
+    int n, next_in_order, ordered, failed;
+    int done, progress; /* requests done; whether to show that on stderr (a terminal) */
+} BatchOutput;
+
+static void print_request(BatchOutput *out, Request *r) {
+    if (r->error) {
+        printf("{\"id\":%s,\"error\":", r->id);
+        print_json_string(r->error);
+        printf("}\n");
+        out->failed++;
+    } else {
+        int n_show = r->n_hyps < r->d.n_return ? r->n_hyps : r->d.n_return;
+        for (int i = 0; i < n_show; i++) print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
+    }
+    flush_output();
+    out->requests[r->index] = NULL;
+    request_free(r);
+}
+
+/* The engine's callback when a request is done. */
+static void batch_request_done(Request *r, void *user) {
+    BatchOutput *out = user;
+    if (out->progress) fprintf(stderr, "\rbatch: %d of %d requests done", ++out->done, out->n);
+    if (!out->ordered) {
+        print_request(out, r);
+        return;
+    }
+    while (out->next_in_order < out->n && out->requests[out->next_in_order]->state == REQUEST_DONE)
+        print_request(out, out->requests[out->next_in_order++]);
+}
+
+/* Runs every line as a request of one engine (set up for them) and prints
+   the results; returns how many failed. */
+static int run_batch(Engine *e, const Tokenizer *tok, BatchLine *lines, int n, uint64_t clock_seed, int ordered) {
+    const int seq_len = e->t->config.seq_len;
+    BatchOutput out = {tok, xcalloc((size_t)n, sizeof(Request *)), n, 0, ordered, 0, 0, isatty(STDERR_FILENO)};
+    for (int i = 0; i < n; i++) {
+        int steps = run_positions(&lines[i].o, seq_len), n_prompt = 0;
+        int *prompt = encode_prompt(tok, lines[i].prompt, seq_len, &n_prompt);
+        Decoding d = decoding_of(&lines[i].o, clock_seed);
+        d.format = FORMAT_JSON;
+        Request *r = out.requests[i] = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0,
+                                                   tok->eos_ends_generate, &d);
+        r->index = i;
+        r->id = lines[i].id;
+        free(lines[i].prompt);
+        if (!prompt) {
+            r->error = "the prompt does not fit the model's context";
+            r->state = REQUEST_DONE;
+        } else if (d.rolling && d.beam.beams > 0) {
+            r->error = "--keep does not work with beam search (beams)";
+            r->state = REQUEST_DONE;
+        } else if (steps < n_prompt) { /* nothing to generate, as a lone run with this -n */
+            r->hyps[0] = make_hypothesis(NULL, 0, "length");
+            r->n_hyps = 1;
+            r->state = REQUEST_DONE;
+        }
+    }
+    e->on_done = batch_request_done;
+    e->user = &out;
+    for (int i = 0; i < n; i++) {
+        Request *r = out.requests[i];
+        if (r->state == REQUEST_DONE) batch_request_done(r, &out);
+        else engine_submit(e, r);
+    }
+    engine_run(e);
+    if (out.progress) fputc('\n', stderr);
+    free(out.requests);
+    return out.failed;
+}
+
+/* ------------------------------------------------------------------------ */
+/* 11. Serving: HTTP on the engine                                          */
+/* ------------------------------------------------------------------------ */
+
+/* -m serve: an HTTP/1.1 server with the OpenAI API's completions and chat
+   completions, on one thread. Its loop waits on the sockets (without waiting
+   while requests are in flight), reads what arrived, and runs one engine
+   step; a request that arrives while others run joins the next step's batch.
+   Each request is built as --batch builds it, so its text is the command
+   line's for the same prompt, settings and seed. Connections are
+   persistent (HTTP/1.1 keep-alive): after an answer the next request is
+   read from the same connection, unless the client sent "Connection:
+   close", spoke HTTP/1.0, or its request could not be parsed; a streamed
+   answer is Server-Sent Events in chunked transfer coding, so that its end
+   is marked without closing. Limits come before memory: a header over
+   HTTP_MAX_HEADER bytes or a body over --max-body-kb is refused before it
+   is stored, a client silent for SERVE_TIMEOUT seconds in the middle of a
+   request is dropped, as is one idle between requests for
+   SERVE_IDLE_TIMEOUT; at most SERVE_MAX_IDLE connections are kept open
+   between requests (an answer beyond that closes its connection), a new
+   connection when all SERVE_MAX_CONNS are taken pushes out the one idle the
+   longest, and gets 503 when none is idle. A client that goes away cancels
+   its request. */
+
+#define HTTP_MAX_HEADER 16384
+#define SERVE_MAX_CONNS 64
+#define SERVE_MAX_IDLE 32
+#define SERVE_TIMEOUT 10.0
+#define SERVE_IDLE_TIMEOUT 5.0
+#define SERVE_MAX_BEAMS 4 /* num_beams at most, unless -b is more */
+
+/* A growing byte buffer, NUL-terminated. */
+typedef struct {
+    char *data;
+    size_t n, cap;
+} ByteBuf;
+
+static void buf_add(ByteBuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->data, cap);
+        if (!p) die(EXIT_BAD_FILE, "out of memory (a buffer of %zu bytes)", cap);
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->n, s, n);
+    b->n += n;
+    b->data[b->n] = '\0';
+}
+
+static void buf_str(ByteBuf *b, const char *s) { buf_add(b, s, strlen(s)); }
+
+static void buf_printf(ByteBuf *b, const char *fmt, ...) {
+    char small[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof(small), fmt, ap);
+    va_end(ap);
+    if (n < (int)sizeof(small)) { buf_add(b, small, (size_t)n); return; }
+    char *big = xcalloc((size_t)n + 1, 1);
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    buf_add(b, big, (size_t)n);
+    free(big);
+}
+
+/* s as a JSON string (see json_quote). */
+static void buf_json(ByteBuf *b, const char *s) {
+    char *q = json_quote(s);
+    buf_add(b, q, strlen(q));
+    free(q);
+}
+
+static void buf_free(ByteBuf *b) {
+    free(b->data);
+    memset(b, 0, sizeof(*b));
+}
+
+/* ---- HTTP requests ------------------------------------------------------- */
+
+/* A parsed request: the method and path (query cut off), the body and the
+   Authorization header's value (pointers into the received bytes). */
+typedef struct {
+    char method[8];
+    char path[128];
+    size_t header_len, body_len;
+    const char *body;
+    const char *auth;
+    size_t auth_len;
+    int expect_continue;   /* "Expect: 100-continue": the client waits for a go-ahead before the body */
+    int close;             /* HTTP/1.0, or "Connection: close": the connection ends after the answer */
+} HttpRequest;
+
+/* Whether header line [p, end) is `name:` (any case); *value gets its value
+   with the spaces around it cut. */
+static int http_header_is(const char *p, const char *end, const char *name, const char **value, size_t *len) {
+    size_t n = strlen(name);
+    if ((size_t)(end - p) <= n || p[n] != ':') return 0;
+    for (size_t i = 0; i < n; i++)
+        if (tolower((unsigned char)p[i]) != name[i]) return 0;
+    const char *v = p + n + 1;
+    while (v < end && (*v == ' ' || *v == '\t')) v++;
+    while (end > v && (end[-1] == ' ' || end[-1] == '\t')) end--;
+    *value = v;
+    *len = (size_t)(end - v);
+    return 1;
+}
+
+/* Whether the comma-separated header value [v, v + len) has `token` (any
+   case) among its items. */
+static int http_has_token(const char *v, size_t len, const char *token) {
+    size_t n = strlen(token);
+    for (size_t i = 0; i < len;) {
+        while (i < len && (v[i] == ' ' || v[i] == '\t' || v[i] == ',')) i++;
+        size_t start = i;
+        while (i < len && v[i] != ',') i++;
+        size_t end = i;
+        while (end > start && (v[end - 1] == ' ' || v[end - 1] == '\t')) end--;
+        int same = end - start == n;
+        for (size_t k = 0; same && k < n; k++) same = tolower((unsigned char)v[start + k]) == token[k];
+        if (same) return 1;
+    }
+    return 0;
+}
+
+/* Parses the n bytes received so far. Returns 0 when more are needed, 1
+   when the request is whole (h filled), or the HTTP status that refuses it:
+   400 (malformed), 413 (body over max_body), 431 (header too large), 501
+   (a body not sent with Content-Length). */
+static int http_parse(const char *buf, size_t n, size_t max_body, HttpRequest *h) {
+    memset(h, 0, sizeof(*h));
+    size_t scan = n < HTTP_MAX_HEADER ? n : HTTP_MAX_HEADER;
+    const char *head_end = NULL;
+    for (size_t i = 0; i + 4 <= scan; i++)
+        if (memcmp(buf + i, "\r\n\r\n", 4) == 0) { head_end = buf + i; break; }
+    if (!head_end) return n >= HTTP_MAX_HEADER ? 431 : 0;
+    h->header_len = (size_t)(head_end - buf) + 4;
+    /* the request line: METHOD SP target SP HTTP/1.x */
+    const char *p = buf, *line_end = memchr(buf, '\r', (size_t)(head_end - buf) + 1);
+    size_t m = 0;
+    while (p < line_end && *p >= 'A' && *p <= 'Z' && m < sizeof(h->method) - 1) h->method[m++] = *p++;
+    if (m == 0 || p >= line_end || *p++ != ' ') return 400;
+    size_t t = 0;
+    if (p >= line_end || *p != '/') return 400;
+    while (p < line_end && *p != ' ') {
+        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f) return 400;
+        if (t == sizeof(h->path) - 1) return 400;
+        h->path[t++] = *p++;
+    }
+    char *query = strchr(h->path, '?');
+    if (query) *query = '\0';
+    if (line_end - p != 9 || (memcmp(p, " HTTP/1.1", 9) != 0 && memcmp(p, " HTTP/1.0", 9) != 0)) return 400;
+    h->close = p[8] == '0';
+    /* the header fields */
+    int has_length = 0;
+    for (p = line_end + 2; p < head_end + 2;) {
+        const char *end = memchr(p, '\r', (size_t)(head_end + 2 - p));
+        if (!end || end[1] != '\n') return 400;
+        const char *v;
+        size_t len;
+        if (end == p || *p == ' ' || *p == '\t' || !memchr(p, ':', (size_t)(end - p))) return 400;
+        if (http_header_is(p, end, "content-length", &v, &len)) {
+            if (len == 0 || len > 12) return 400;
+            size_t value = 0;
+            for (size_t i = 0; i < len; i++) {
+                if (!isdigit((unsigned char)v[i])) return 400;
+                value = value * 10 + (size_t)(v[i] - '0');
+            }
+            if (has_length && value != h->body_len) return 400;
+            has_length = 1;
+            h->body_len = value;
+        } else if (http_header_is(p, end, "transfer-encoding", &v, &len)) {
+            return 501;
+        } else if (http_header_is(p, end, "expect", &v, &len)) {
+            h->expect_continue = len == 12 && strncmp(v, "100-continue", 12) == 0;
+        } else if (http_header_is(p, end, "connection", &v, &len)) {
+            h->close |= http_has_token(v, len, "close");
+        } else if (http_header_is(p, end, "authorization", &v, &len)) {
+            h->auth = v;
+            h->auth_len = len;
+        }
+        p = end + 2;
+    }
+    if (h->body_len > max_body) return 413;
+    if (n < h->header_len + h->body_len) return 0;
+    h->body = buf + h->header_len;
+    return 1;
+}
+
+/* ---- The request JSON ------------------------------------------------------ */
+
+/* A completion's fields as read from its JSON body: the options (the
+   command line's, with the fields applied, as a --batch line), the prompt or
+   the messages, and whether to stream. Owns every string. */
+typedef struct {
+    BatchLine line;
+    int stream, chat;
+    int vocab;
+    int max_tokens;          /* 0: not given */
+    char **roles, **contents; /* (n_messages) chat */
+    int n_messages;
+    char *name, *text;       /* the field being read (freed on any exit) */
+    char *member;            /* the name of the message field being read (the same) */
+} ServeFields;
+
+static void free_serve_fields(ServeFields *f) {
+    free(f->line.prompt);
+    for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
+    for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
+    free(f->roles);
+    free(f->contents);
+    free(f->name);
+    free(f->text);
+    free(f->member);
+    memset(f, 0, sizeof(*f));
+}
+
+/* Skips any JSON value (objects and arrays included, to `depth` levels). */
+static void json_skip(JsonCursor *j, int depth) {
+    if (depth > 32) json_fail(j, "nested too deeply");
+    json_space(j);
+    if (j->p < j->end && (*j->p == '{' || *j->p == '[')) {
+        char close = *j->p == '{' ? '}' : ']';
+        int object = close == '}';
+        j->p++;
+        json_space(j);
+        for (int first = 1; !(j->p < j->end && *j->p == close); first = 0) {
+            if (!first) {
+                if (j->p >= j->end || *j->p != ',') json_fail(j, "expected ',' or '%c'", close);
+                j->p++;
+                json_space(j);
+            }
+            if (object) {
+                if (j->p >= j->end || *j->p != '"') json_fail(j, "expected a field name in quotes");
+                j->p++;
+                free(json_string(j, "field name"));
+                json_space(j);
+                if (j->p >= j->end || *j->p != ':') json_fail(j, "expected ':'");
+                j->p++;
+            }
+            json_skip(j, depth + 1);
+            json_space(j);
+        }
+        j->p++;
+        return;
+    }
+    char *text;
+    json_value(j, "value", &text);
+    free(text);
+}
+
+/* Calls field(j, f, name) for each field of the object at the cursor; the
+   callback reads the value. */
+static void json_object(JsonCursor *j, ServeFields *f, void (*field)(JsonCursor *, ServeFields *, char *)) {
+    json_space(j);
+    if (j->p >= j->end || *j->p != '{') json_fail(j, "expected a JSON object");
+    j->p++;
+    json_space(j);
+    for (int first = 1; !(j->p < j->end && *j->p == '}'); first = 0) {
+        if (!first) {
+            if (j->p >= j->end || *j->p != ',') json_fail(j, "expected ',' or '}' after a field");
+            j->p++;
+            json_space(j);
+        }
+        if (j->p >= j->end || *j->p != '"') json_fail(j, "expected a field name in quotes");
+        j->p++;
+        char *name = json_string(j, "field name");
+        json_space(j);
+        if (j->p >= j->end || *j->p != ':') { free(name); json_fail(j, "expected ':' after a field name"); }
+        j->p++;
+        json_space(j);
+        field(j, f, name);
+        json_space(j);
+    }
+    j->p++;
+}
+
+/* One field of a message: "role" and "content" (strings); others ignored. */
+static void message_field(JsonCursor *j, ServeFields *f, char *name) {
+    f->member = name;
+    int i = f->n_messages - 1;
+    if (strcmp(name, "role") == 0 || strcmp(name, "content") == 0) {
+        JsonKind kind = json_value(j, name, &f->text);
+        if (kind != JSON_STRING) json_fail(j, "field 'messages': '%s' must be a string", name);
+        char **slot = name[0] == 'r' ? &f->roles[i] : &f->contents[i];
+        free(*slot);
+        *slot = f->text;
+        f->text = NULL;
+    } else {
+        json_skip(j, 1);
+    }
+    free(f->member);
+    f->member = NULL;
+}
+
+/* "messages": a list of {"role", "content"} objects. */
+static void parse_messages(JsonCursor *j, ServeFields *f) {
+    if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages': must be a list of objects");
+    j->p++;
+    json_space(j);
+    for (int first = 1; !(j->p < j->end && *j->p == ']'); first = 0) {
+        if (!first) {
+            if (j->p >= j->end || *j->p != ',') json_fail(j, "field 'messages': expected ',' or ']'");
+            j->p++;
+            json_space(j);
+        }
+        f->roles = realloc(f->roles, (size_t)(f->n_messages + 1) * sizeof(char *));
+        f->contents = realloc(f->contents, (size_t)(f->n_messages + 1) * sizeof(char *));
+        if (!f->roles || !f->contents) die(EXIT_BAD_FILE, "out of memory");
+        f->roles[f->n_messages] = f->contents[f->n_messages] = NULL;
+        f->n_messages++;
+        json_object(j, f, message_field);
+        int i = f->n_messages - 1;
+        if (!f->roles[i] || !f->contents[i]) json_fail(j, "field 'messages': each needs a 'role' and a 'content' string");
+        json_space(j);
+    }
+    j->p++;
+}
+
+/* Fields of the OpenAI API that change the result in ways run does not do:
+   refused unless they hold their harmless value (null, false, 0, 1, {}). */
+static const char *const refused_fields[] = {"n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "presence_penalty",
+                                             "frequency_penalty", "logit_bias", "tools", "tool_choice", "functions",
+                                             "function_call", "response_format"};
+
+/* Whether the value at the cursor is harmless for a refused field. */
+static int harmless_value(JsonCursor *j, ServeFields *f) {
+    const char *start = j->p;
+    json_skip(j, 0);
+    size_t n = (size_t)(j->p - start);
+    char *v = xcalloc(n + 1, 1), *o = v;
+    for (size_t i = 0; i < n; i++)
+        if (!isspace((unsigned char)start[i])) *o++ = start[i];
+    f->text = v;
+    return strcmp(v, "null") == 0 || strcmp(v, "false") == 0 || strcmp(v, "0") == 0 || strcmp(v, "1") == 0 ||
+           strcmp(v, "{}") == 0 || strcmp(v, "0.0") == 0 || strcmp(v, "1.0") == 0 || strcmp(v, "[]") == 0;
+}
+
+/* One field of the request body. The fields that --batch has go through
+   its apply_field; null stands for an absent field; unknown ones are
+   ignored. */
+static void request_field(JsonCursor *j, ServeFields *f, char *name) {
+    static const char *const batch_fields[] = {"temperature", "top_p", "seed", "min_new_tokens", "top_k", "min_p",
+                                               "repetition_penalty", "no_repeat_ngram_size", "length_penalty"};
+    f->name = name;
+    if (strcmp(name, "messages") == 0 && f->chat) {
+        parse_messages(j, f);
+    } else if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
+        parse_stop_list(j, &f->line, &f->text);
+    } else {
+        int refused = 0, known = 0;
+        for (size_t i = 0; i < sizeof(refused_fields) / sizeof(refused_fields[0]); i++)
+            if (strcmp(name, refused_fields[i]) == 0) refused = 1;
+        if (refused) {
+            if (!harmless_value(j, f)) json_fail(j, "field '%s' is not supported (only its default value)", name);
+        } else {
+            int compound = j->p < j->end && (*j->p == '{' || *j->p == '[');
+            JsonKind kind = compound ? JSON_COMPOUND : JSON_NULL;
+            if (compound) {
+                if (strcmp(name, "prompt") == 0 && !f->chat) json_fail(j, "field 'prompt': must be a string");
+                json_skip(j, 0);
+            } else {
+                kind = json_value(j, name, &f->text);
+            }
+            for (size_t i = 0; i < sizeof(batch_fields) / sizeof(batch_fields[0]); i++)
+                if (strcmp(name, batch_fields[i]) == 0) known = 1;
+            if (kind == JSON_NULL) {
+            } else if ((strcmp(name, "prompt") == 0 && !f->chat) || strcmp(name, "stop") == 0 || known) {
+                if (kind == JSON_COMPOUND) json_fail(j, "field '%s': wrong type", name);
+                if (strcmp(name, "prompt") == 0) { /* a repeated field: the last one counts */
+                    free(f->line.prompt);
+                    f->line.prompt = NULL;
+                }
+                apply_field(j, &f->line, name, kind, f->text, f->vocab);
+            } else if (strcmp(name, "max_tokens") == 0 || strcmp(name, "max_completion_tokens") == 0) {
+                f->max_tokens = (int)integer_field(j, name, kind, f->text, 1, INT_MAX);
+            } else if (strcmp(name, "num_beams") == 0) {
+                f->line.o.beams = (int)integer_field(j, name, kind, f->text, 1, INT_MAX);
+            } else if (strcmp(name, "stream") == 0) {
+                if (kind != JSON_TRUE && kind != JSON_FALSE) json_fail(j, "field 'stream': must be true or false");
+                f->stream = kind == JSON_TRUE;
+            }
+        }
+    }
+    free(f->name);
+    free(f->text);
+    f->name = f->text = NULL;
+}
+
+/* Reads a request body (n bytes) into f (whose line.o holds the defaults);
+   a bad one fails through json_fail. */
+static void parse_request_body(ServeFields *f, const char *body, size_t n) {
+    JsonCursor j = {body, body + n, "request"};
+    json_object(&j, f, request_field);
+    json_space(&j);
+    if (j.p < j.end) json_fail(&j, "text after the object");
+    if (f->chat && f->n_messages == 0) json_fail(&j, "missing field 'messages'");
+    if (!f->chat && !f->line.prompt) json_fail(&j, "missing field 'prompt'");
+}
+
+/* The tokens of a whole conversation in the tokenizer's chat template, as
+   chat() feeds them: an optional first "system" message, then user turns
+   (rendered as chat_turn_tokens renders them, the system prompt in the first
+   one), each earlier reply followed by its end token; the last message is
+   the user's, and the assistant's reply follows. NULL (and *why set) for a
+   list that is not such a conversation or needs more than `room` positions. */
+static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **contents, int n, int room, int *n_tokens,
+                                 const char **why) {
+    int i = 0, count = 0;
+    const char *system_prompt = NULL;
+    if (n > 0 && strcmp(roles[0], "system") == 0) system_prompt = contents[i++];
+    *why = "the last message must be the user's";
+    if (n == i || strcmp(roles[n - 1], "user") != 0) return NULL;
+    int *out = xcalloc((size_t)room + 1, sizeof(int));
+    for (int first = 1; i < n; i++) {
+        if (strcmp(roles[i], "user") == 0) {
+            int nt = 0;
+            int *turn = chat_turn_tokens(tok, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
+            first = 0;
+            if (!turn) break;
+            memcpy(out + count, turn, (size_t)nt * sizeof(int));
+            count += nt;
+            free(turn);
+        } else if (strcmp(roles[i], "assistant") == 0 && i > 0 && strcmp(roles[i - 1], "user") == 0) {
+            if (!append_text_tokens(tok, contents[i], out, &count, room) || count + 1 > room) break;
+            out[count++] = tok->end_of_turn;
+        } else {
+            *why = "messages must be an optional system message, then user and assistant messages in turn";
+            free(out);
+            return NULL;
+        }
+    }
+    if (i < n) {
+        *why = "the messages do not fit the model's context";
+        free(out);
+        return NULL;
+    }
+    *n_tokens = count;
+    return out;
+}
+
+/* ---- Connections ------------------------------------------------------------ */
+
+typedef enum { CONN_FREE, CONN_READING, CONN_RUNNING, CONN_WRITING } ConnPhase;
+
+/* One client connection: the bytes received (at most HTTP_MAX_HEADER plus
+   --max-body-kb; those of the request being answered are dropped once it is
+   read, so what follows is the client's next request), the answer still to
+   send, and its request while it runs. */
+typedef struct {
+    Socket s;
+    ConnPhase phase;
+    char *in;
+    size_t n_in, cap_in;
+    ByteBuf out;
+    size_t sent;
+    double last;          /* when it last moved bytes */
+    int gone;             /* the client went away: closed after the engine step */
+    int continued;        /* "100 Continue" was sent */
+    int may_keep;         /* the request allows the connection to persist (see conn_keeps) */
+    int keep;             /* the answer's head said keep-alive: the next request is read once it is sent */
+    int chunked;          /* the answer's body is in chunked transfer coding (a stream) */
+    long long served;     /* answers sent in full on this connection */
+    Request *req;
+    int chat, stream, first_chunk;
+    ByteBuf held;             /* streamed text not yet sent: an incomplete UTF-8 character */
+    char *stops[MAX_STOPS]; /* the request's stop strings */
+    char id[40];
+    long long created;
+    double started;
+} Conn;
+
+typedef struct {
+    Engine *e;
+    const Tokenizer *tok;
+    const Options *o;
+    uint64_t clock_seed;
+    char model[256];         /* the checkpoint's file name */
+    size_t max_body;
+    int steps, beams;        /* positions per request and beams the engine was set up for */
+    Conn conns[SERVE_MAX_CONNS];
+    long long n_requests, n_failed, next_id;
+} Server;
+
+static const char *status_text(int status) {
+    switch (status) {
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 413: return "Payload Too Large";
+    case 431: return "Request Header Fields Too Large";
+    case 501: return "Not Implemented";
+    default: return "Service Unavailable";
+    }
+}
+
+/* Whether c, between requests, waits for the next one. */
+static int conn_idle(const Conn *c) { return c->phase == CONN_READING && c->served > 0 && c->n_in == 0; }
+
+/* Whether c's answer may keep the connection open: the request allows it,
+   the server is not stopping, and fewer than SERVE_MAX_IDLE other
+   connections are idle or have been promised to stay. */
+static int conn_keeps(const Server *srv, const Conn *c) {
+    if (!c->may_keep || interrupted()) return 0;
+    int kept = 0;
+    for (int i = 0; i < SERVE_MAX_CONNS; i++) {
+        const Conn *o = &srv->conns[i];
+        if (o != c && o->phase != CONN_FREE && (o->keep || conn_idle(o))) kept++;
+    }
+    return kept < SERVE_MAX_IDLE;
+}
+
+/* Queues a whole answer; the connection waits for the next request once it
+   is sent, or closes (see conn_keeps). */
+static void conn_answer(Server *srv, Conn *c, int status, const char *type, const char *body) {
+    c->keep = conn_keeps(srv, c);
+    buf_printf(&c->out, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: %s\r\n\r\n", status,
+               status_text(status), type, strlen(body), c->keep ? "keep-alive" : "close");
+    buf_add(&c->out, body, strlen(body));
+    c->phase = CONN_WRITING;
+}
+
+/* Queues n bytes of a streamed body, as one chunk when it is chunked. */
+static void conn_body(Conn *c, const char *s, size_t n) {
+    if (c->chunked) buf_printf(&c->out, "%zx\r\n", n);
+    buf_add(&c->out, s, n);
+    if (c->chunked) buf_str(&c->out, "\r\n");
+}
+
+/* Ends a streamed body: the last chunk, and the answer is complete. */
+static void conn_end_stream(Conn *c) {
+    if (c->chunked) buf_str(&c->out, "0\r\n\r\n");
+    c->phase = CONN_WRITING;
+}
+
+/* An answer in the OpenAI API's error shape. */
+static void conn_error(Server *srv, Conn *c, int status, const char *message) {
+    const char *type = status == 401 ? "authentication_error" : status >= 500 ? "server_error" : "invalid_request_error";
+    ByteBuf b = {0};
+    buf_str(&b, "{\"error\":{\"message\":");
+    buf_json(&b, message);
+    buf_printf(&b, ",\"type\":\"%s\",\"code\":%d}}", type, status);
+    conn_answer(srv, c, status, "application/json", b.data);
+    buf_free(&b);
+    srv->n_failed++;
+    fprintf(stderr, "run: serve: %d %s\n", status, message);
+}
+
+static void conn_close(Server *srv, Conn *c) {
+    if (c->req) {
+        engine_cancel(srv->e, c->req);
+        fprintf(stderr, "run: serve: %s cancelled (the client went away)\n", c->id);
+        request_free(c->req);
+    }
+    if (c->s != NO_SOCKET) net_close(c->s);
+    for (int k = 0; k < MAX_STOPS; k++) free(c->stops[k]);
+    free(c->in);
+    buf_free(&c->out);
+    buf_free(&c->held);
+    memset(c, 0, sizeof(*c));
+    c->s = NO_SOCKET;
+}
+
+static void conn_parse(Server *srv, Conn *c);
+
+/* Sends what it can of the queued answer; an answer sent in full closes the
+   connection, or, kept, readies it for the next request (which may have
+   arrived already: it is served now). */
+static void conn_flush(Server *srv, Conn *c, double now) {
+    while (c->sent < c->out.n) {
+        ptrdiff_t k = net_send(c->s, c->out.data + c->sent, c->out.n - c->sent);
+        if (k == -2) return;
+        if (k <= 0) { conn_close(srv, c); return; }
+        c->sent += (size_t)k;
+        c->last = now;
+    }
+    buf_free(&c->out);
+    c->sent = 0;
+    if (c->phase != CONN_WRITING) return;
+    if (!c->keep || interrupted()) { conn_close(srv, c); return; }
+    c->phase = CONN_READING;
+    c->served++;
+    c->last = now;
+    c->continued = c->keep = c->chunked = c->may_keep = 0;
+    if (c->n_in > 0) conn_parse(srv, c);
+}
+
+/* ---- Completions ------------------------------------------------------------ */
+
+/* The opening of every completion object: id, object, created, model. */
+static void completion_head(Server *srv, Conn *c, ByteBuf *b, const char *object) {
+    buf_printf(b, "{\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", c->id, object, c->created);
+    buf_json(b, srv->model);
+}
+
+/* One Server-Sent Event with the text delta `text` (NULL: the last one,
+   with the finish reason). */
+static void send_chunk(Server *srv, Conn *c, const char *text, const char *finish) {
+    ByteBuf b = {0};
+    buf_str(&b, "data: ");
+    completion_head(srv, c, &b, c->chat ? "chat.completion.chunk" : "text_completion");
+    buf_str(&b, ",\"choices\":[{\"index\":0,");
+    if (c->chat) {
+        buf_str(&b, "\"delta\":{");
+        if (c->first_chunk) buf_str(&b, "\"role\":\"assistant\"");
+        if (text) {
+            if (c->first_chunk) buf_str(&b, ",");
+            buf_str(&b, "\"content\":");
+            buf_json(&b, text);
+        }
+        buf_str(&b, "},");
+    } else {
+        buf_str(&b, "\"text\":");
+        buf_json(&b, text ? text : "");
+        buf_str(&b, ",");
+    }
+    c->first_chunk = 0;
+    if (finish) buf_printf(&b, "\"finish_reason\":\"%s\"}]}\n\n", finish);
+    else buf_str(&b, "\"finish_reason\":null}]}\n\n");
+    conn_body(c, b.data, b.n);
+    buf_free(&b);
+}
+
+/* The length of the leading part of s (n bytes) that ends on a whole UTF-8
+   character. */
+static size_t utf8_whole(const char *s, size_t n) {
+    size_t i = n;
+    for (int back = 1; back <= 3 && i > 0; back++) {
+        unsigned char c = (unsigned char)s[i - 1];
+        if ((c & 0xC0) == 0x80) { i--; continue; }
+        int need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+        return need > back ? i - 1 : n;
+    }
+    return n;
+}
+
+/* The engine's on_text: a streamed request's next text, as one event per
+   token (a character split between tokens waits for its end). */
+static void serve_on_text(Request *r, const char *text, size_t n) {
+    Server *srv = r->owner;
+    Conn *c = &srv->conns[r->index];
+    if (!c->stream || c->gone) return;
+    buf_add(&c->held, text, n);
+    size_t whole = utf8_whole(c->held.data, c->held.n);
+    if (whole == 0) return;
+    char *piece = xcalloc(whole + 1, 1);
+    memcpy(piece, c->held.data, whole);
+    memmove(c->held.data, c->held.data + whole, c->held.n - whole + 1);
+    c->held.n -= whole;
+    send_chunk(srv, c, piece, NULL);
+    free(piece);
+}
+
+static const char *finish_reason(const Hypothesis *h) { return strcmp(h->stop, "length") == 0 ? "length" : "stop"; }
+
+/* The engine's on_done: the answer (or the stream's last events), a log
+   line, and the request is freed. */
+static void serve_on_done(Request *r, void *user) {
+    Server *srv = user;
+    Conn *c = &srv->conns[r->index];
+    const Hypothesis *h = r->n_hyps > 0 ? &r->hyps[0] : NULL;
+    if (r->error || !h) {
+        conn_error(srv, c, 503, r->error ? r->error : "the request produced nothing");
+    } else if (c->stream) {
+        if (c->held.n > 0) send_chunk(srv, c, c->held.data, NULL);
+        send_chunk(srv, c, NULL, finish_reason(h));
+        conn_body(c, "data: [DONE]\n\n", 14);
+        conn_end_stream(c);
+    } else {
+        char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+        ByteBuf b = {0};
+        completion_head(srv, c, &b, c->chat ? "chat.completion" : "text_completion");
+        buf_str(&b, ",\"choices\":[{\"index\":0,");
+        if (c->chat) {
+            buf_str(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
+            buf_json(&b, text);
+            buf_str(&b, "},");
+        } else {
+            buf_str(&b, "\"text\":");
+            buf_json(&b, text);
+            buf_str(&b, ",");
+        }
+        buf_printf(&b, "\"finish_reason\":\"%s\"}],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}}",
+                   finish_reason(h), r->n_prompt, h->n_tokens, r->n_prompt + h->n_tokens);
+        conn_answer(srv, c, 200, "application/json", b.data);
+        buf_free(&b);
+        free(text);
+    }
+    if (h) fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s\n", c->id, r->n_prompt, h->n_tokens,
+                   now_seconds() - c->started, h->stop);
+    c->req = NULL;
+    request_free(r);
+    for (int k = 0; k < MAX_STOPS; k++) { free(c->stops[k]); c->stops[k] = NULL; }
+}
+
+/* Whether the Authorization header is "Bearer KEY", compared in a time that
+   does not depend on where they differ. */
+static int authorized(const char *key, const HttpRequest *h) {
+    size_t n = strlen(key);
+    if (!h->auth || h->auth_len != n + 7 || memcmp(h->auth, "Bearer ", 7) != 0) return 0;
+    unsigned char diff = 0;
+    for (size_t i = 0; i < n; i++) diff |= (unsigned char)(h->auth[7 + i] ^ key[i]);
+    return diff == 0;
+}
+
+/* Starts a completion (chat or not) from the request body: the fields are
+   read over the command line's options and the request is built as
+   run_batch builds one; a streamed answer's head goes out at once. */
+static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int chat) {
+    ServeFields *f = xcalloc(1, sizeof(ServeFields));
+    f->line.o = *srv->o;
+    f->chat = chat;
+    f->vocab = srv->e->t->config.vocab_size;
+    jmp_buf trap;
+    error_trap = &trap;
+    if (setjmp(trap)) {
+        error_trap = NULL;
+        free_serve_fields(f);
+        free(f);
+        conn_error(srv, c, 400, error_text);
+        return;
+    }
+    parse_request_body(f, h->body, h->body_len);
+    Options *o = &f->line.o;
+    if (f->max_tokens > 0) o->max_new_tokens = f->max_tokens;
+    const char *refusal = NULL;
+    if (o->beams > srv->beams) refusal = "num_beams is more than the server allows (4, or -b when it is more)";
+    else if (o->beams > 0 && f->stream) refusal = "num_beams cannot be streamed: ask with stream false";
+    int n_prompt = 0, *prompt = NULL;
+    const char *why = "the prompt does not fit the model's context";
+    if (!refusal && chat) prompt = chat_messages_tokens(srv->tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt, &why);
+    else if (!refusal) prompt = encode_prompt(srv->tok, f->line.prompt, srv->steps, &n_prompt);
+    error_trap = NULL;
+    if (!refusal && !prompt) refusal = why;
+    if (refusal) {
+        free_serve_fields(f);
+        free(f);
+        conn_error(srv, c, 400, refusal);
+        return;
+    }
+    Decoding d = decoding_of(o, srv->clock_seed);
+    d.n_return = 1;
+    Request *r = request_new(prompt, n_prompt, cap_new_tokens(&d, srv->steps - n_prompt + 1), chat || srv->tok->eos_ends_generate, &d);
+    r->index = (int)(c - srv->conns);
+    r->owner = srv;
+    r->on_text = serve_on_text;
+    /* the request's stop strings are f's: the connection keeps them */
+    for (int k = 0; k < d.controls.n_stops; k++) c->stops[k] = f->line.stops[k];
+    f->line.o.controls.n_stops = 0;
+    c->req = r;
+    c->chat = chat;
+    c->stream = f->stream;
+    free_serve_fields(f);
+    free(f);
+    c->first_chunk = 1;
+    c->phase = CONN_RUNNING;
+    c->created = (long long)time(NULL);
+    c->started = now_seconds();
+    snprintf(c->id, sizeof(c->id), "%s-%lld", chat ? "chatcmpl" : "cmpl", ++srv->next_id);
+    srv->n_requests++;
+    if (c->stream) {
+        c->keep = conn_keeps(srv, c);
+        c->chunked = 1;
+        buf_printf(&c->out, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                   "Transfer-Encoding: chunked\r\nConnection: %s\r\n\r\n", c->keep ? "keep-alive" : "close");
+    }
+    engine_submit(srv->e, r);
+}
+
+/* GET /metrics: Prometheus text. */
+static void answer_metrics(Server *srv, Conn *c) {
+    const Engine *e = srv->e;
+    ByteBuf b = {0};
+    buf_printf(&b, "# TYPE run_requests_total counter\nrun_requests_total %lld\n", srv->n_requests);
+    buf_printf(&b, "# TYPE run_requests_failed_total counter\nrun_requests_failed_total %lld\n", srv->n_failed);
+    buf_printf(&b, "# TYPE run_generated_tokens_total counter\nrun_generated_tokens_total %d\n", e->stats.generated_tokens);
+    buf_printf(&b, "# TYPE run_prompt_tokens_total counter\nrun_prompt_tokens_total %d\n", e->stats.prompt_tokens);
+    buf_printf(&b, "# TYPE run_prompt_tokens_reused_total counter\nrun_prompt_tokens_reused_total %d\n", e->stats.reused_tokens);
+    buf_printf(&b, "# TYPE run_queue_length gauge\nrun_queue_length %d\n", e->n_queue - e->next_waiting);
+    buf_printf(&b, "# TYPE run_running_requests gauge\nrun_running_requests %d\n", e->n_running);
+    conn_answer(srv, c, 200, "text/plain; version=0.0.4", b.data);
+    buf_free(&b);
+}
+
+/* Answers (or starts) a whole request. */
+static void serve_request(Server *srv, Conn *c, const HttpRequest *h) {
+    static const struct { const char *path, *method; } routes[] = {
+        {"/health", "GET"}, {"/metrics", "GET"}, {"/v1/models", "GET"}, {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}};
+    int route = -1;
+    for (int i = 0; i < (int)(sizeof(routes) / sizeof(routes[0])); i++)
+        if (strcmp(h->path, routes[i].path) == 0) route = i;
+    if (route < 0) { conn_error(srv, c, 404, "unknown path"); return; }
+    if (strcmp(h->method, routes[route].method) != 0) { conn_error(srv, c, 405, "wrong method for this path"); return; }
+    if (route > 0 && srv->o->api_key && !authorized(srv->o->api_key, h)) {
+        conn_error(srv, c, 401, "a valid API key is needed (Authorization: Bearer KEY)");
+        return;
+    }
+    if (route == 0) { conn_answer(srv, c, 200, "application/json", "{\"status\":\"ok\"}"); return; }
+    if (route == 1) { answer_metrics(srv, c); return; }
+    if (route == 2) {
+        ByteBuf b = {0};
+        buf_str(&b, "{\"object\":\"list\",\"data\":[{\"id\":");
+        buf_json(&b, srv->model);
+        buf_str(&b, ",\"object\":\"model\",\"created\":0,\"owned_by\":\"run\"}]}");
+        conn_answer(srv, c, 200, "application/json", b.data);
+        buf_free(&b);
+        return;
+    }
+    start_completion(srv, c, h, route == 4);
+}
+
+/* The most bytes a connection holds received. */
+static size_t conn_limit(const Server *srv) { return HTTP_MAX_HEADER + srv->max_body; }
+
+/* Serves the request at the start of what c has received, if it is whole;
+   its bytes are then dropped (what follows is the next request). A request
+   that cannot be parsed is refused and ends the connection. */
+static void conn_parse(Server *srv, Conn *c) {
+    HttpRequest h;
+    int status = http_parse(c->in, c->n_in, srv->max_body, &h);
+    if (status == 0 && c->n_in == conn_limit(srv)) status = 413;
+    if (status == 0 && h.expect_continue && !c->continued) {
+        buf_str(&c->out, "HTTP/1.1 100 Continue\r\n\r\n");
+        c->continued = 1;
+    }
+    if (status == 0) return;
+    c->may_keep = status == 1 && !h.close;
+    if (status != 1) {
+        conn_error(srv, c, status, status == 413 ? "the body is over --max-body-kb" : status == 431 ? "the header is too large" :
+                                   status == 501 ? "only bodies with a Content-Length are read" : "malformed HTTP request");
+        return;
+    }
+    serve_request(srv, c, &h);
+    size_t used = h.header_len + h.body_len;
+    memmove(c->in, c->in + used, c->n_in - used);
+    c->n_in -= used;
+}
+
+/* Reads what has arrived on a connection into its buffer, which grows only
+   as far as the limits allow; between requests, a whole request is served,
+   a bad one refused. While a request runs, what arrives waits (the client's
+   next request), and the end of the connection marks it gone. */
+static void conn_read(Server *srv, Conn *c, double now) {
+    size_t limit = conn_limit(srv);
+    if (c->n_in == c->cap_in) {
+        size_t cap = c->cap_in ? 2 * c->cap_in : 4096;
+        if (cap > limit) cap = limit;
+        char *p = realloc(c->in, cap + 1);
+        if (!p) { conn_close(srv, c); return; }
+        c->in = p;
+        c->cap_in = cap;
+    }
+    if (c->n_in == c->cap_in) return; /* full while a request runs: the rest waits */
+    ptrdiff_t k = net_recv(c->s, c->in + c->n_in, c->cap_in - c->n_in);
+    if (k == -2) return;
+    if (k <= 0) {
+        if (c->phase == CONN_READING) conn_close(srv, c);
+        else c->gone = 1;
+        return;
+    }
+    c->n_in += (size_t)k;
+    c->last = now;
+    if (c->phase == CONN_READING) conn_parse(srv, c);
+}
+
+/* A connection beyond SERVE_MAX_CONNS: 503 at once, as far as one send
+   takes it, and closed. */
+static void refuse_busy(Socket s) {
+    static const char body[] = "{\"error\":{\"message\":\"too many connections\",\"type\":\"server_error\",\"code\":503}}";
+    char answer[512];
+    int n = snprintf(answer, sizeof(answer), "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\nConnection: close\r\n\r\n%s", sizeof(body) - 1, body);
+    (void)net_send(s, answer, (size_t)n);
+    net_close(s);
+}
+
+/* A free connection for a new client: an unused one, or else the one idle
+   the longest between requests, closed; NULL when every one is busy. */
+static Conn *conn_slot(Server *srv) {
+    Conn *idlest = NULL;
+    for (int i = 0; i < SERVE_MAX_CONNS; i++) {
+        Conn *c = &srv->conns[i];
+        if (c->phase == CONN_FREE) return c;
+        if (conn_idle(c) && (!idlest || c->last < idlest->last)) idlest = c;
+    }
+    if (idlest) conn_close(srv, idlest);
+    return idlest;
+}
+
+/* The checkpoint's file name, the model's name in answers. */
+static void model_name(char *out, size_t size, const char *path) {
+    const char *base = path;
+    for (const char *p = path; *p; p++)
+        if (*p == '/' || *p == '\\') base = p + 1;
+    snprintf(out, size, "%s", base);
+}
+
+/* -m serve: listens until SIGTERM or SIGINT, then stops accepting, lets the
+   running requests end (they stop at their next token), answers 503 to the
+   waiting ones, and returns 0. */
+static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clock_seed) {
+    Server *srv = xcalloc(1, sizeof(Server));
+    *srv = (Server){.e = e, .tok = tok, .o = o, .clock_seed = clock_seed, .max_body = (size_t)o->max_body_kb * 1024};
+    srv->steps = o->steps_given ? resolve_steps(o->steps, e->t->config.seq_len) : e->t->config.seq_len;
+    srv->beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS;
+    model_name(srv->model, sizeof(srv->model), o->checkpoint);
+    for (int i = 0; i < SERVE_MAX_CONNS; i++) srv->conns[i].s = NO_SOCKET;
+    e->on_done = serve_on_done;
+    e->user = srv;
+    int port;
+    Socket listener = net_listen(o->host, o->port, &port);
+    on_sigterm(on_interrupt);
+    fprintf(stderr, "listening on http://%s:%d\n", o->host, port);
+    NetWait w[SERVE_MAX_CONNS + 1];
+    for (;;) {
+        double now = now_seconds();
+        if (interrupted() && listener != NO_SOCKET) {
+            net_close(listener);
+            listener = NO_SOCKET;
+            for (int i = 0; i < SERVE_MAX_CONNS; i++) {
+                Conn *c = &srv->conns[i];
+                if (c->phase == CONN_READING) conn_close(srv, c);
+                else if (c->req && c->req->state == REQUEST_WAITING) {
+                    engine_cancel(e, c->req);
+                    request_free(c->req);
+                    c->req = NULL;
+                    if (c->stream) conn_end_stream(c);
+                    else conn_error(srv, c, 503, "the server is stopping");
+                }
+            }
+        }
+        int busy = e->n_running > 0 || e->next_waiting < e->n_queue, n = 0, open = 0;
+        if (listener != NO_SOCKET) w[n++] = (NetWait){listener, 1, 0, 0, 0};
+        for (int i = 0; i < SERVE_MAX_CONNS; i++) {
+            Conn *c = &srv->conns[i];
+            if (c->phase == CONN_FREE) continue;
+            open++;
+            /* a full buffer is not read while its request runs */
+            w[n++] = (NetWait){c->s, c->phase == CONN_READING || c->n_in < conn_limit(srv), c->sent < c->out.n, 0, 0};
+        }
+        if (listener == NO_SOCKET && open == 0) break;
+        net_wait(w, n, busy ? 0 : 100);
+        int k = 0;
+        if (listener != NO_SOCKET && w[k++].can_read) {
+            for (Socket s; (s = net_accept(listener)) != NO_SOCKET;) {
+                Conn *c = conn_slot(srv);
+                if (!c) {
+                    refuse_busy(s);
+                    continue;
+                }
+                *c = (Conn){.s = s, .phase = CONN_READING, .last = now};
+            }
+        }
+        for (int i = 0; i < SERVE_MAX_CONNS; i++) {
+            Conn *c = &srv->conns[i];
+            if (c->phase == CONN_FREE) continue;
+            int can_read = w[k].can_read, can_write = w[k].can_write;
+            k++;
+            if (can_read) conn_read(srv, c, now);
+            if (c->phase != CONN_FREE && c->gone) conn_close(srv, c);
+            if (c->phase != CONN_FREE && (can_write || c->out.n > c->sent)) conn_flush(srv, c, now);
+            if (c->phase == CONN_READING && now - c->last > (conn_idle(c) ? SERVE_IDLE_TIMEOUT : SERVE_TIMEOUT)) conn_close(srv, c);
+            else if (c->phase == CONN_WRITING && c->out.n > c->sent && now - c->last > SERVE_TIMEOUT) conn_close(srv, c);
+        }
+        if (busy) engine_step(e);
+        for (int i = 0; i < SERVE_MAX_CONNS; i++) {
+            Conn *c = &srv->conns[i];
+            if (c->phase != CONN_FREE && c->out.n > c->sent) conn_flush(srv, c, now_seconds());
+        }
+    }
+    free(srv);
+    clear_interrupt();
+    fprintf(stderr, "run: serve: stopped\n");
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* 12. main                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* Names the seed that -s 0 (the default) stands for, the clock's as in
+   llama2.c, so that `-s N` replays the run. */
+static void name_clock_seed(uint64_t clock_seed) { fprintf(stderr, "run: seed %llu\n", (unsigned long long)clock_seed); }
+
+/* Runs what the options ask for with a loaded model and tokenizer, on the
+   engine e (zeroed; the caller frees it and t->state, also after an error).
+   Returns the exit status. */
+static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Options *o, uint64_t clock_seed, Speculator *spec) {
+    const Config *p = &t->config;
+    if (o->keep >= p->seq_len) /* the ring after the sinks needs a slot */
+        usage_error("--keep %d is not smaller than the model's context of %d positions", o->keep, p->seq_len);
+    if (o->batch_file) {
+        int n_lines, beams = 1, context = 1;
+        BatchLine *lines = read_batch_file(o, p->vocab_size, p->seq_len, &n_lines);
+        for (int i = 0; i < n_lines; i++)
+            if (lines[i].o.seed == 0) { name_clock_seed(clock_seed); break; }
+        for (int i = 0; i < n_lines; i++) {
+            if (lines[i].o.beams > beams) beams = lines[i].o.beams;
+            int steps = context_positions(&lines[i].o, p->seq_len);
+            if (steps > context) context = steps;
+        }
+        engine_setup(e, t, tok, o->parallel, beams, context, o->kv_mb, o->kv_type, spec);
+        e->stats.keeping = o->keep >= 0;
+        int failed = run_batch(e, tok, lines, n_lines, clock_seed, o->ordered);
+        for (int i = 0; i < n_lines; i++)
+            for (int k = 0; k < lines[i].o.controls.n_stops; k++) free(lines[i].stops[k]);
+        free(lines);
+        print_stats(e);
+        if (failed) fprintf(stderr, "run: %d of %d requests failed\n", failed, n_lines);
+        return failed ? EXIT_BAD_FILE : 0;
+    }
+    if (strcmp(o->mode, "serve") == 0) {
+        /* rows for requests of up to SERVE_MAX_BEAMS beams (or -b), a cache
+           for --parallel sampled ones at full length unless --kv-mb says */
+        int steps = o->steps_given ? resolve_steps(o->steps, p->seq_len) : p->seq_len;
+        int beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS, kv_mb = o->kv_mb;
+        double block_bytes = 2.0 * sizeof(float) * p->n_layers * KV_BLOCK * (p->dim / p->n_heads * p->n_kv_heads);
+        if (kv_mb == 0) kv_mb = (int)ceil(o->parallel * ((steps + KV_BLOCK - 1) / KV_BLOCK + 1.0) * block_bytes / 1048576.0);
+        engine_setup(e, t, tok, o->parallel, beams, steps, kv_mb, o->kv_type, NULL);
+        if (o->seed == 0) name_clock_seed(clock_seed);
+        return serve(e, tok, o, clock_seed);
+    }
+    if (strcmp(o->mode, "tokenize") == 0) {
+        print_tokens(tok, o->prompt ? o->prompt : "", o->format);
+        return 0;
+    }
+    if (strcmp(o->mode, "perplexity") == 0) {
+        engine_setup(e, t, tok, 1, 1, p->seq_len, o->kv_mb, o->kv_type, NULL); /* windows of the whole context */
+        perplexity(t, tok, o->prompt ? o->prompt : "", o->format);
+        return 0;
+    }
+    int steps = context_positions(o, p->seq_len);
+    engine_setup(e, t, tok, 1, o->beams > 1 ? o->beams : 1, steps, o->kv_mb, o->kv_type, spec);
+    Decoding d = decoding_of(o, clock_seed);
+    e->stats.keeping = d.rolling;
+    if (o->seed == 0) name_clock_seed(clock_seed);
+    if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
+    else generate(e, tok, &d, o->prompt ? o->prompt : "", run_positions(o, p->seq_len));
+    return 0;
+}
 
 #ifndef TESTING
 int main(int argc, char **argv) {
+    platform_setup(&argc, &argv);
     Options o = parse_options(argc, argv);
-    signal(SIGPIPE, SIG_IGN); /* a closed stdout becomes a write error, reported by flush_output */
+    catch_interrupts(1);
 #ifdef _OPENMP
     if (o.threads > 0) omp_set_num_threads(o.threads);
 #else
     if (o.threads > 1) fprintf(stderr, "run: note: -T needs an OpenMP build (make runomp); running on one thread\n");
 #endif
+    char *prompt_text = o.prompt_file ? read_text_file(o.prompt_file) : NULL;
+    if (prompt_text) o.prompt = prompt_text;
     Transformer t;
     load_checkpoint(&t, o.checkpoint);
     const Config *p = &t.config;
-    int steps = (o.steps == 0 || o.steps > p->seq_len) ? p->seq_len : o.steps;
     if (o.beams > p->vocab_size)
         usage_error("-b %d is more beams than the %d tokens of the vocabulary", o.beams, p->vocab_size);
     if (o.beams > 1 && o.sampling_flags)
         fprintf(stderr, "run: note: -t, -p and -s do not apply to beam search (-b %d)\n", o.beams);
+    if (o.beams > 0 && (o.controls.top_k > 0 || o.controls.min_p > 0))
+        fprintf(stderr, "run: note: --top-k and --min-p do not apply to beam search (-b %d)\n", o.beams);
+    if (o.controls.top_k > p->vocab_size)
+        usage_error("--top-k %d is more than the %d tokens of the vocabulary", o.controls.top_k, p->vocab_size);
+    int positions = o.keep >= 0 ? run_positions(&o, p->seq_len) : resolve_steps(o.steps, p->seq_len);
+    if (o.controls.min_new_tokens > positions)
+        usage_error("--min-new-tokens %d is more than the %d positions to run (-n)", o.controls.min_new_tokens, positions);
     Tokenizer tok;
     load_tokenizer(&tok, o.tokenizer, p->vocab_size);
-    int n_slots = o.beams > 1 ? o.beams : 1;
-    alloc_run_state(&t.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots, steps);
-    Sampler sampler;
-    init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : (uint64_t)time(NULL));
-    /* one beam is greedy search, as in the library: it stops at the first end
-       token whatever -e says */
-    EarlyStopping early = o.beams == 1 ? STOP_EARLY : o.early_stopping;
-    Decoding d = {&sampler, {o.beams, o.length_penalty, early}, o.n_return, o.format};
-
-    if (strcmp(o.mode, "chat") == 0) chat(&t, &tok, &d, o.prompt, o.system_prompt, steps);
-    else generate(&t, &tok, &d, o.prompt ? o.prompt : "", steps);
-
-    free_sampler(&sampler);
+    if (o.chat_template >= 0) tok.chat_template = o.chat_template;
+    Transformer draft;
+    Speculator *spec = NULL;
+    if (o.draft_file) {
+        load_checkpoint(&draft, o.draft_file);
+        if (draft.config.vocab_size != p->vocab_size)
+            die(EXIT_BAD_FILE, "%s: the draft's vocabulary has %d tokens, the model's %d", o.draft_file, draft.config.vocab_size,
+                p->vocab_size);
+    }
+    if (o.draft_file || o.lookup) spec = speculator_new(o.lookup, o.draft_max, o.draft_file ? &draft : NULL);
+    Engine e;
+    memset(&e, 0, sizeof(e));
+    int status = run_program(&e, &t, &tok, &o, (uint64_t)time(NULL), spec);
+    engine_free(&e);
+    speculator_free(spec);
+    if (o.draft_file) free_transformer(&draft);
+    free_run_state(&t.state);
     free_tokenizer(&tok);
     free_transformer(&t);
-    return 0;
+    free(prompt_text);
+    return interrupted() ? EXIT_INTERRUPTED : status;
 }
 #endif

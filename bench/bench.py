@@ -5,18 +5,23 @@ bandwidth (`make bench` runs it).
 Decoding one token reads every weight once, so tokens/s x weight bytes per
 token ("effective GB/s") is compared with a streaming read of a large buffer
 (bench/bandwidth.c). For random checkpoints shaped like stories15M and
-stories110M, in float32 and int8, with 1 and 2 threads, it measures (medians
-of --runs runs, greedy):
+stories110M, in float32 and int8 (stories110M also in 4-bit, version 3),
+with 1 and 2 threads, it measures (medians of --runs runs, greedy):
   decode   tok/s generating 128 tokens after a 16-token prompt
   prefill  tok/s reading a 128-token prompt
   peak RSS of the process, against checkpoint + key/value cache + 10%
 and, with 2 threads, the time of a beam search step with 4 and 8 beams
-relative to a greedy step (same 16-token prompt, 64 steps).
+relative to a greedy step (same 16-token prompt, 64 steps). bench/peak.c
+measures the machine's peak float32 multiply-add rate and the matmul
+kernels' rate on 64 rows; float32 prefill is reported as a fraction of it.
+bench/batch.py adds the batching benchmark and bench/serve.py the serving one
+(-m serve with 1, 4 and 16 clients at once).
 The table goes to stdout and to bench/results.md.
 
 Environment / options: RUN (binary, default ./runomp), MODELS_DIR (for
 tokenizer.bin), PYTHON; --runs N, --cache DIR (checkpoints, default
-build/bench), --bandwidth BIN (the compiled probe), --out FILE.
+build/bench), --bandwidth BIN (the compiled probe), --peak BIN (the
+compiled bench/peak.c), --out FILE.
 """
 import argparse
 import datetime
@@ -28,6 +33,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from batch import batch_bench  # noqa: E402
+from speculative import speculative_bench  # noqa: E402
+from serve import serve_bench  # noqa: E402
 
 # A story to cut prompts from; the prompt of N tokens is its longest prefix of
 # whole words with at most N tokens (BOS included), padded with " a".
@@ -50,9 +59,10 @@ MODELS = [  # label, export.py shape, version
     ("stories15M int8", "stories15M", 2),
     ("stories110M f32", "stories110M", 1),
     ("stories110M int8", "stories110M", 2),
+    ("stories110M 4-bit", "stories110M", 3),
 ]
 
-STATS_RE = re.compile(r"stats: prompt (\d+) tokens, ([\d.]+) tok/s; generated (\d+) tokens, ([\d.]+) tok/s")
+STATS_RE = re.compile(r"stats: prompt (\d+) tokens, \d+ reused, ([\d.]+) tok/s; generated (\d+) tokens, ([\d.]+) tok/s")
 
 
 def stats_of(cmd):
@@ -80,21 +90,22 @@ def read_header(path):
     if magic != 0x616B3432:
         sys.exit("bench: %s is not an ak42 checkpoint" % path)
     dims = struct.unpack_from("<7i", h, 8)
-    gs = struct.unpack_from("<i", h, 37)[0] if version == 2 else 0
-    return dims + (h[36] != 0, gs)
+    gs = struct.unpack_from("<i", h, 37)[0] if version in (2, 3) else 0
+    return dims + (h[36] != 0, gs, version)
 
 
 def weight_bytes_per_token(path):
     """Bytes of the matrices read for one token: every layer matrix and the
-    classifier (an int8 value costs 1 byte plus 4 / group_size of scale)."""
-    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs = read_header(path)
+    classifier (an int8 value costs 1 byte plus 4 / group_size of scale, a
+    4-bit value half a byte plus the same)."""
+    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs, version = read_header(path)
     kv_dim = dim // heads * kv_heads
     values = layers * (2 * dim * dim + 2 * kv_dim * dim + 3 * dim * hidden) + vocab * dim
-    return values * (1 + 4 / gs if gs else 4)
+    return values * ((0.5 if version == 3 else 1) + 4 / gs if gs else 4)
 
 
 def kv_cache_bytes(path):
-    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs = read_header(path)
+    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs, _version = read_header(path)
     return 2 * layers * seq * (dim // heads * kv_heads) * 4
 
 
@@ -160,6 +171,21 @@ def measure(jobs, runs, probe):
             {threads: statistics.median(v) for threads, v in probes.items()})
 
 
+def probe_peak(binary):
+    """{threads: (peak GFLOP/s, f32 matmul GFLOP/s, int8 matmul GOP/s)}"""
+    out = subprocess.run([binary], check=True, stdout=subprocess.PIPE).stdout.decode()
+    pat = r"threads (\d+): peak ([\d.]+) GFLOP/s, f32 ([\d.]+) GFLOP/s, int8 ([\d.]+) GOP/s"
+    return {int(m.group(1)): tuple(float(m.group(k)) for k in (2, 3, 4)) for m in re.finditer(pat, out)}
+
+
+def flops_per_token(path):
+    """Multiply-adds x 2 of the layer matrices for one prompt token (the
+    classifier runs for the last token only; attention is left out)."""
+    dim, hidden, layers, heads, kv_heads, vocab, seq, shared, gs, _version = read_header(path)
+    kv_dim = dim // heads * kv_heads
+    return 2 * layers * (2 * dim * dim + 2 * kv_dim * dim + 3 * dim * hidden)
+
+
 def machine():
     name, cores = "unknown", str(os.cpu_count())
     try:
@@ -178,6 +204,7 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench"))
     ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
+    ap.add_argument("--peak", default=os.path.join(ROOT, "build", "bench", "peak"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results.md"))
     args = ap.parse_args()
     runbin = os.environ.get("RUN", "./runomp")
@@ -189,6 +216,7 @@ def main():
     paths = make_models(python, args.cache)
     first = paths[MODELS[0][0]]
     p16, p128 = make_prompt(runbin, first, tok, 16), make_prompt(runbin, first, tok, 128)
+    p256 = make_prompt(runbin, first, tok, 256)
 
     jobs = {}
     for label, _, _ in MODELS:
@@ -203,6 +231,12 @@ def main():
         for beams in (4, 8):
             jobs[(label, beams, "beam")] = (base + ["-b", str(beams), "-e", "never"], 3)
     got, bw = measure(jobs, args.runs, args.bandwidth)
+    peak = probe_peak(args.peak)
+    batch_lines, batch_checks = batch_bench(runbin, paths["stories110M f32"], tok, p16, p256, args.cache, args.runs)
+    spec_lines, spec_checks = speculative_bench(runbin, paths["stories110M f32"], paths["stories110M int8"], tok, args.runs)
+    batch_lines, batch_checks = batch_lines + [""] + spec_lines, batch_checks + spec_checks
+    p64 = make_prompt(runbin, first, tok, 64)
+    serve_lines, serve_checks = serve_bench(runbin, paths["stories110M f32"], tok, (p16, p64, p128), args.runs)
 
     rows, results = [], {}
     for label, _, _ in MODELS:
@@ -223,14 +257,16 @@ def main():
         beam_rows.append("| %s | %.1f | %.2fx | %.2fx |" % (
             label, greedy, greedy / got[(label, 4, "beam")][0], greedy / got[(label, 8, "beam")][0]))
 
-    f32, q8 = results[("stories110M f32", 2)], results[("stories110M int8", 2)]
+    f32, q8, q4 = results[("stories110M f32", 2)], results[("stories110M int8", 2)], results[("stories110M 4-bit", 2)]
     s15 = (results[("stories15M f32", 1)], results[("stories15M f32", 2)])
     s15q = (results[("stories15M int8", 1)], results[("stories15M int8", 2)])
     eff = weight_bytes_per_token(paths["stories110M f32"]) * f32[0] / 1e9 / bw[2]
     big = [r for (label, _), r in results.items() if label.startswith("stories110M")]
+    prefill_peak = f32[1] * flops_per_token(paths["stories110M f32"]) / 1e9 / peak[2][0]
     checks = [
         ("float32 decode >= 85% of the 2-thread read bandwidth", eff >= 0.85, "%.0f%%" % (100 * eff)),
         ("int8 decode >= 3x float32 decode", q8[0] >= 3 * f32[0], "%.2fx" % (q8[0] / f32[0])),
+        ("version 3 (4-bit) decode >= 1.6x int8 decode", q4[0] >= 1.6 * q8[0], "%.2fx" % (q4[0] / q8[0])),
         ("prefill (128 tokens) >= 8x decode, float32", f32[1] >= 8 * f32[0], "%.1fx" % (f32[1] / f32[0])),
         ("peak RSS <= checkpoint + KV cache + 10%, stories110M", all(r[2] <= r[3] for r in big),
          "at most %.0f%% of the budget" % max(100 * r[2] / r[3] for r in big)),
@@ -246,9 +282,16 @@ def main():
         "",
         "Streaming read bandwidth (bench/bandwidth.c, median of one probe per round): %s." % ", ".join(
             "%.1f GB/s with %d thread%s" % (v, k, "s" if k > 1 else "") for k, v in sorted(bw.items())),
-        "Random checkpoints (export.py random, seed 1): float32 = version 1, int8 = version 2 (Q8_0).",
+        "Random checkpoints (export.py random, seed 1): float32 = version 1, int8 = version 2 (Q8_0), "
+        "4-bit = version 3 (group size 32).",
         "Decode: 128 tokens after a 16-token prompt. Prefill: a 128-token prompt.",
         "Effective GB/s = weight bytes read per token x decode tok/s; % of the probe with as many threads.",
+        "Peak float32 multiply-add rate (bench/peak.c, FMA loop): %s; matmul kernels on 64 rows of a "
+        "stories110M layer: %s. float32 prefill (2 threads) runs at %.0f%% of the 2-thread peak." % (
+            ", ".join("%.0f GFLOP/s with %d thread%s" % (v[0], k, "s" if k > 1 else "") for k, v in sorted(peak.items())),
+            ", ".join("float32 %.0f GFLOP/s (%.0f%% of peak), int8 %.0f GOP/s with %d thread%s" % (
+                v[1], 100 * v[1] / v[0], v[2], k, "s" if k > 1 else "") for k, v in sorted(peak.items())),
+            100 * prefill_peak),
         "",
         "| model | threads | weights MB/token | decode tok/s | prefill tok/s | prefill/decode | effective GB/s "
         "| % of read bandwidth | peak RSS MB | RSS budget MB |",
@@ -260,11 +303,11 @@ def main():
         "",
         "| model | greedy tok/s | B=4 step / greedy | B=8 step / greedy |",
         "| --- | --- | --- | --- |",
-    ] + beam_rows + [
+    ] + beam_rows + [""] + batch_lines + [""] + serve_lines + [
         "",
         "| target | met | measured |",
         "| --- | --- | --- |",
-    ] + ["| %s | %s | %s |" % (name, "yes" if ok else "NO", value) for name, ok, value in checks]
+    ] + ["| %s | %s | %s |" % (name, "yes" if ok else "NO", value) for name, ok, value in checks + batch_checks + serve_checks]
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     with open(args.out, "w") as f:

@@ -10,6 +10,12 @@
    candidates, process() / BeamHypotheses / finalize()).  Both must agree on
    tokens, scores and stop reasons over many random configurations.
 2. LlamaBatchStepper must give bitwise the logits of ref_llama.Model.forward.
+3. The same toy comparison with the generation controls of issue 12: the
+   literal transcription applies HF-style processor objects (written here
+   again, apart from tests/ref_controls.py) to each row of input_ids and its
+   log-softmax scores (or to the logits, for greedy search) at the place the
+   library calls logits_processor, and ends a beam on a stop string (in the
+   toy's text: token t is the letter 'a' + t) as the issue's rule says.
 
 Usage: python3 tests/beam_selfcheck.py [N_CONFIGS]   (exit 0 when all agree)
 Also imported by tests/test_beam.py.
@@ -113,9 +119,84 @@ def _full_logits(model, seq):
     return out
 
 
+class LiteralRepetitionPenalty:
+    def __init__(self, penalty):
+        self.penalty = penalty
+
+    def __call__(self, input_ids, scores):
+        for i in range(scores.shape[0]):
+            for tok in set(int(x) for x in input_ids[i]):
+                sc = scores[i, tok]
+                scores[i, tok] = sc * self.penalty if sc < 0 else sc / self.penalty
+        return scores
+
+
+class LiteralNoRepeatNGram:
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, input_ids, scores):
+        cur_len = input_ids.shape[1]
+        if cur_len + 1 < self.n:
+            return scores
+        for i in range(scores.shape[0]):
+            row = [int(x) for x in input_ids[i]]
+            gens = {}
+            for ng in zip(*[row[j:] for j in range(self.n)]):
+                gens[tuple(ng[:-1])] = gens.get(tuple(ng[:-1]), []) + [ng[-1]]
+            key = tuple(row[cur_len + 1 - self.n:cur_len])
+            for tok in gens.get(key, []):
+                scores[i, tok] = -np.inf
+        return scores
+
+
+class LiteralMinNewTokens:
+    def __init__(self, prompt_len, min_new, eos):
+        self.prompt_len, self.min_new, self.eos = prompt_len, min_new, eos
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[-1] - self.prompt_len < self.min_new:
+            for e in self.eos:
+                scores[:, e] = -np.inf
+        return scores
+
+
+def literal_processors(controls, prompt_len, eos=(1, 2)):
+    procs = []
+    if not controls:
+        return procs
+    if controls.get('repetition_penalty', 1.0) != 1.0:
+        procs.append(LiteralRepetitionPenalty(np.float32(controls['repetition_penalty'])))
+    if controls.get('no_repeat_ngram_size'):
+        procs.append(LiteralNoRepeatNGram(controls['no_repeat_ngram_size']))
+    if controls.get('min_new_tokens'):
+        procs.append(LiteralMinNewTokens(prompt_len, controls['min_new_tokens'], eos))
+    return procs
+
+
+def apply_all(procs, input_ids, scores):
+    for p in procs:
+        scores = p(input_ids, scores)
+    return scores
+
+
+def toy_text(tokens):
+    return bytes(ord('a') + t % 26 for t in tokens)
+
+
+def toy_stop(stops, tokens):
+    """The stop string the toy text of tokens holds (earliest; first listed
+    among equals), or None."""
+    text = toy_text(tokens)
+    hits = [(text.find(s), k, s) for k, s in enumerate(stops or ()) if text.find(s) >= 0]
+    return min(hits)[2] if hits else None
+
+
 def literal_hf_beam_search(model, prompt, max_new, num_beams, length_penalty,
-                           early_stopping, num_return, eos=(1, 2)):
+                           early_stopping, num_return, eos=(1, 2), controls=None):
     """Returns list of (score, generated tokens without end, stop)."""
+    procs = literal_processors(controls, len(prompt), eos)
+    stops = (controls or {}).get('stops')
     B = num_beams
     P = len(prompt)
     max_length = P + max_new
@@ -126,10 +207,10 @@ def literal_hf_beam_search(model, prompt, max_new, num_beams, length_penalty,
     done = False
     while True:
         logits = np.stack([_full_logits(model, row) for row in input_ids])
-        scores = ref_beam.log_softmax64(logits) + beam_scores[:, None]
+        scores = apply_all(procs, input_ids, ref_beam.log_softmax64(logits)) + beam_scores[:, None]
         V = scores.shape[1]
         flat = scores.reshape(-1)
-        k = max(2, 1 + len(eos)) * B
+        k = max(2, 1 + len(eos)) * B if not stops else flat.size
         order = np.lexsort((np.arange(flat.size), -flat))[:k]
         next_scores = flat[order]
         next_tokens = order % V
@@ -141,11 +222,16 @@ def literal_hf_beam_search(model, prompt, max_new, num_beams, length_penalty,
         nb_idx = np.zeros(B, dtype=np.int64)
         beam_idx = 0
         for rank, (tok, sc, ind) in enumerate(zip(next_tokens, next_scores, next_indices)):
+            stop = None if int(tok) in eos else toy_stop(stops, [int(x) for x in input_ids[ind][P:]] + [int(tok)])
             if int(tok) in eos:
                 if rank >= B:
                     continue
                 hyps.add(input_ids[ind].copy(), float(sc), cur_len - P,
                          'bos' if int(tok) == 1 else 'eos')
+            elif stop is not None:
+                if rank >= B:
+                    continue
+                hyps.add(np.append(input_ids[ind], tok), float(sc), cur_len - P, 'string')
             else:
                 nb_scores[beam_idx] = sc
                 nb_tokens[beam_idx] = tok
@@ -170,20 +256,42 @@ def literal_hf_beam_search(model, prompt, max_new, num_beams, length_penalty,
     return out
 
 
-def literal_greedy(model, prompt, max_new, length_penalty):
+def literal_greedy(model, prompt, max_new, length_penalty, controls=None):
+    procs = literal_processors(controls, len(prompt))
+    stops = (controls or {}).get('stops')
     seq = list(prompt)
     total = 0.0
     for t in range(1, max_new + 1):
         logits = _full_logits(model, seq)
+        logits = apply_all(procs, np.asarray([seq]), logits[None, :].copy())[0]
         tok = int(np.argmax(logits))
         total += float(ref_beam.log_softmax64(logits)[tok])
         if tok in (1, 2):
             return [(total / t ** length_penalty, seq[len(prompt):], 'bos' if tok == 1 else 'eos')]
         seq.append(tok)
+        if toy_stop(stops, seq[len(prompt):]) is not None:
+            return [(total / t ** length_penalty, seq[len(prompt):], 'string')]
     return [(total / max_new ** length_penalty, seq[len(prompt):], 'length')]
 
 
-def compare_toy(n_configs=150, seed=1234, verbose=False):
+def random_controls(rng, V):
+    """Generation controls for a toy config: each one on or off at random."""
+    c = {}
+    if rng.random() < 0.5:
+        c['repetition_penalty'] = float(rng.choice([1.3, 2.0, 0.7]))
+    if rng.random() < 0.4:
+        # (size 1 on a toy vocabulary soon bans every token: all scores
+        # -inf, where the order among equal candidates is all that decides)
+        c['no_repeat_ngram_size'] = int(rng.integers(2, 4))
+    if rng.random() < 0.4:
+        c['min_new_tokens'] = int(rng.integers(1, 8))
+    if rng.random() < 0.4:
+        c['stops'] = [toy_text([int(x) for x in rng.integers(3, V, size=int(rng.integers(1, 3)))])
+                      for _ in range(int(rng.integers(1, 3)))]
+    return c
+
+
+def compare_toy(n_configs=150, seed=1234, verbose=False, with_controls=False):
     """Returns (n_compared, list of mismatch descriptions)."""
     rng = np.random.default_rng(seed)
     bad = []
@@ -202,19 +310,22 @@ def compare_toy(n_configs=150, seed=1234, verbose=False):
         es = [False, True, 'never'][int(rng.integers(3))]
         n = int(rng.integers(P, S + 1))
         mx = ref_beam.max_new_tokens(n, S, P)
-        res = ref_beam.beam_search(ref_beam.GenericStepper(model), prompt, mx, B, lp, es, R)
+        ctl = random_controls(rng, V) if with_controls else None
+        stop_fn = (lambda toks, c=ctl: toy_stop(c['stops'], toks)) if ctl and ctl.get('stops') else None
+        res = ref_beam.beam_search(ref_beam.GenericStepper(model), prompt, mx, B, lp, es, R,
+                                   controls=ctl, stop_fn=stop_fn)
         got = [(h.score, h.tokens, h.stop) for h in res.hyps]
         if B == 1:
-            exp = literal_greedy(model, prompt, mx, lp)
+            exp = literal_greedy(model, prompt, mx, lp, ctl)
         else:
-            exp = literal_hf_beam_search(model, prompt, mx, B, lp, es, R)
+            exp = literal_hf_beam_search(model, prompt, mx, B, lp, es, R, controls=ctl)
         ok = len(got) == len(exp) and all(
-            g[1] == e[1] and g[2] == e[2] and abs(g[0] - e[0]) <= 1e-9 * max(1, abs(e[0]))
+            g[1] == e[1] and g[2] == e[2] and (g[0] == e[0] or abs(g[0] - e[0]) <= 1e-9 * max(1, abs(e[0])))
             for g, e in zip(got, exp))
         done += 1
         if not ok:
-            bad.append('config %d (V=%d S=%d P=%d n=%d B=%d R=%d lp=%s es=%s): ref %s literal %s' % (
-                ci, V, S, P, n, B, R, lp, es, got, exp))
+            bad.append('config %d (V=%d S=%d P=%d n=%d B=%d R=%d lp=%s es=%s controls=%s): ref %s literal %s' % (
+                ci, V, S, P, n, B, R, lp, es, ctl, got, exp))
         elif verbose:
             print('ok', ci, B, es, lp, [(round(s, 4), t, st) for s, t, st in got])
     return done, bad
@@ -244,7 +355,8 @@ def check_batch_stepper(model, prompt_tokens, steps=6, beams=3, seed=5):
 if __name__ == '__main__':
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 150
     cnt, bad = compare_toy(n, verbose='-v' in sys.argv)
-    for b in bad:
+    cnt2, bad2 = compare_toy(n, seed=4321, verbose='-v' in sys.argv, with_controls=True)
+    for b in bad + bad2:
         print('MISMATCH', b)
-    print('%d configs compared, %d mismatches' % (cnt, len(bad)))
-    sys.exit(1 if bad else 0)
+    print('%d configs compared, %d mismatches; with controls %d, %d mismatches' % (cnt, len(bad), cnt2, len(bad2)))
+    sys.exit(1 if bad or bad2 else 0)

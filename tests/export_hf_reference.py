@@ -1,15 +1,33 @@
 """A numpy forward pass of a Hugging Face Llama model, following HF's
 conventions on the ORIGINAL (un-permuted) weights: rotate-half RoPE
-(dimension i paired with i + head_dim/2), RMSNorm with the config's
-rms_norm_eps, SwiGLU MLP (down(silu(gate(x)) * up(x))), grouped-query
+(dimension i paired with i + head_dim/2) with the config's rope_theta and,
+for rope_scaling of type "llama3", Llama 3.1's rescaled inverse frequencies,
+RMSNorm with the config's rms_norm_eps, SwiGLU MLP (down(silu(gate(x)) * up(x))), grouped-query
 attention with each key/value head shared by n_heads / n_kv_heads
 consecutive query heads, and lm_head (or the tied embedding) on top.
 
-Used by tests/test_export.py to check that export.py's un-permutation of
+Used by tests/test_export.py and tests/test_llama3.py to check that export.py's un-permutation of
 q_proj/k_proj makes run.c's adjacent-pair RoPE compute the same function.
 """
 
 import numpy as np
+
+
+def llama3_inv_freq(inv_freq, sc):
+    """Llama 3.1's RoPE frequency rescaling (transformers'
+    _compute_llama3_parameters): long wavelengths (beyond the original
+    context / low_freq_factor) are slowed by `factor`, short ones (below
+    original context / high_freq_factor) kept, and those between
+    interpolated linearly in original_context / wavelength."""
+    assert sc.get("rope_type", sc.get("type")) == "llama3"
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    ctx = sc["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv_freq
+    slow = wavelen > ctx / low
+    fast = wavelen < ctx / high
+    smooth = (ctx / wavelen - low) / (high - low)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return np.where(slow, inv_freq / factor, np.where(fast, inv_freq, between))
 
 
 def hf_forward(config, sd, tokens):
@@ -30,6 +48,9 @@ def hf_forward(config, sd, tokens):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
     inv_freq = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    scaling = config.get("rope_scaling")
+    if scaling:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = np.outer(np.arange(T), inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)  # (T, hd)
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]

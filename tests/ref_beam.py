@@ -70,6 +70,19 @@ Semantics (each point says where it comes from):
   argmax), stop at the first end token or after max_new tokens.  Its score is
   reported as sum / generated_len ** lp with the same length convention
   (HF greedy has no sequence score; the test only checks tokens/stop for B=1).
+* Generation controls (issue 12; tests/ref_controls.py states them):
+  `controls` holds the logits processors (repetition penalty, no-repeat
+  n-grams, min new tokens).  HF 4.38 `_beam_search` applies them to
+  log_softmax(logits) of each beam row (input_ids = prompt + the beam's
+  tokens) and adds the processed scores to the beam scores, so the sums,
+  the done test and the returned scores all use processed values; greedy
+  search applies them to the raw logits before the argmax (the greedy score
+  here is then the log-softmax of the processed logits).  `stop_fn(tokens)`
+  (stop strings, not in 4.38) names the stop string the text of a beam's
+  tokens contains, or None: a non-end candidate whose text would contain
+  one is walked like an end token (a finished hypothesis with stop "string"
+  when ranked below B, its token kept and counted in its length; dropped
+  otherwise).
 
 Python API:
     res = beam_search(stepper, prompt_tokens, max_new, num_beams,
@@ -157,14 +170,15 @@ def _rel_gap(a, b):
 
 
 class Hyp:
-    __slots__ = ('score', 'sum_logprobs', 'tokens', 'gen_len', 'stop')
+    __slots__ = ('score', 'sum_logprobs', 'tokens', 'gen_len', 'stop', 'stop_string')
 
-    def __init__(self, score, sum_logprobs, tokens, gen_len, stop):
+    def __init__(self, score, sum_logprobs, tokens, gen_len, stop, stop_string=None):
         self.score = score
         self.sum_logprobs = sum_logprobs
         self.tokens = list(tokens)
         self.gen_len = gen_len
         self.stop = stop
+        self.stop_string = stop_string
 
     def __repr__(self):
         return 'Hyp(score=%.6f, sum=%.6f, len=%d, stop=%s, tokens=%s)' % (
@@ -225,7 +239,7 @@ class Pool:
     def normalise(self, sum_logprobs, gen_len):
         return sum_logprobs / (gen_len ** self.length_penalty)
 
-    def add(self, tokens, sum_logprobs, gen_len, stop, step):
+    def add(self, tokens, sum_logprobs, gen_len, stop, step, stop_string=None):
         score = self.normalise(sum_logprobs, gen_len)
         if len(self.entries) >= self.num_beams:
             self.res.pool_event(score, self.worst_score,
@@ -233,7 +247,7 @@ class Pool:
         if not (len(self.entries) < self.num_beams or score > self.worst_score):
             self.res.events['pool_rejected'] += 1
         if len(self.entries) < self.num_beams or score > self.worst_score:
-            self.entries.append(Hyp(score, sum_logprobs, tokens, gen_len, stop))
+            self.entries.append(Hyp(score, sum_logprobs, tokens, gen_len, stop, stop_string))
             if len(self.entries) > self.num_beams:
                 order = sorted(range(len(self.entries)),
                                key=lambda i: (self.entries[i].score, i))
@@ -456,7 +470,14 @@ class LlamaBatchStepper:
 # ----------------------------------------------------------------------------
 # the searches
 
-def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0, precision='float64'):
+def _process(controls, prompt_tokens, tokens, row):
+    if not controls:
+        return row
+    import ref_controls
+    return ref_controls.process(controls, list(prompt_tokens) + list(tokens), len(tokens), row)
+
+
+def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0, precision='float64', controls=None, stop_fn=None):
     res = Result()
     if max_new <= 0:
         return res
@@ -465,10 +486,11 @@ def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0, precision='float
     tokens = []
     total = 0.0
     stop = 'length'
+    stop_string = None
     gen_len = max_new
     for t in range(1, max_new + 1):
         res.steps = t
-        row = np.asarray(logits[0], dtype=np.float32)
+        row = _process(controls, prompt_tokens, tokens, np.asarray(logits[0], dtype=np.float32))
         tok = int(np.argmax(row))
         srt = np.sort(row)
         if srt.size > 1:
@@ -483,18 +505,24 @@ def greedy(stepper, prompt_tokens, max_new, length_penalty=1.0, precision='float
             gen_len = t
             break
         tokens.append(tok)
+        stop_string = stop_fn(tokens) if stop_fn else None
+        if stop_string is not None:
+            stop = 'string'
+            gen_len = t
+            break
         if t == max_new:
             break
         state, logits = stepper.step(state, [0], [tok], P - 1 + t)
     score = total / (gen_len ** float(length_penalty))
-    res.hyps = [Hyp(score, total, tokens, gen_len, stop)]
+    res.hyps = [Hyp(score, total, tokens, gen_len, stop, stop_string)]
     res.done_early = stop != 'length'
     res.forwards = stepper.forwards
     return res
 
 
 def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
-                early_stopping=False, num_return=1, precision='float64', greedy_for_one=True):
+                early_stopping=False, num_return=1, precision='float64', greedy_for_one=True,
+                controls=None, stop_fn=None):
     """HF 4.38 beam search for one prompt; see the module docstring.
 
     greedy_for_one=False runs the beam machinery even for B=1 (not what HF or
@@ -510,7 +538,7 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
     if num_return > B:
         raise ValueError('num_return must be <= num_beams')
     if B == 1 and greedy_for_one:
-        return greedy(stepper, prompt_tokens, max_new, length_penalty, precision)
+        return greedy(stepper, prompt_tokens, max_new, length_penalty, precision, controls, stop_fn)
     res = Result()
     if max_new <= 0:
         return res
@@ -533,6 +561,8 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
         res.steps = t
         lsm = lsm_fn(logits)                               # (rows, V)
         lsm = lsm[np.asarray(beam_parent_state)]           # (B, V)
+        if controls:
+            lsm = np.stack([_process(controls, prompt_tokens, beam_tokens[b], lsm[b]) for b in range(B)])
         with np.errstate(invalid='ignore'):
             cand = beam_scores[:, None] + lsm              # (B, V)
         flat = cand.reshape(-1)
@@ -547,12 +577,16 @@ def beam_search(stepper, prompt_tokens, max_new, num_beams, length_penalty=1.0,
             b, v = divmod(fi, V)
             s = float(flat[fi])
             last_rank = rank
+            stop_string = None if v in END_TOKENS or stop_fn is None else stop_fn(beam_tokens[b] + [v])
             if v in END_TOKENS:
                 if rank >= B:
                     res.events['end_dropped_rank_ge_B'] += 1
                     continue
                 res.events['end_hyp'] += 1
                 pool.add(beam_tokens[b], s, t, STOP_NAMES[v], t)
+            elif stop_string is not None:
+                if rank < B:
+                    pool.add(beam_tokens[b] + [v], s, t, 'string', t, stop_string)
             else:
                 chosen.append((b, v, s))
                 if len(chosen) == B:
@@ -617,7 +651,7 @@ def decode_tokens(tok, prev, tokens):
 
 
 def reference(model, tok, prompt, n, num_beams, length_penalty=1.0, early_stopping=False,
-              num_return=1, stepper=None, precision='float64'):
+              num_return=1, stepper=None, precision='float64', controls=None):
     """Expected hypotheses of `run model -z tok -i prompt -n n -b B -l lp -e E -r R -f json`.
 
     Returns (lines, result): lines is a list of dicts with rank, score,
@@ -630,13 +664,20 @@ def reference(model, tok, prompt, n, num_beams, length_penalty=1.0, early_stoppi
     mx = max_new_tokens(n, seq_len, len(prompt_tokens))
     if stepper is None:
         stepper = LlamaBatchStepper(model)
+    stop_fn = None
+    if controls and controls.get('stops'):
+        import ref_controls
+        stop_fn = ref_controls.stop_checker(tok, prompt_tokens[-1], controls['stops'])
     res = beam_search(stepper, prompt_tokens, mx, num_beams, length_penalty,
-                      early_stopping, num_return, precision)
+                      early_stopping, num_return, precision, controls=controls, stop_fn=stop_fn)
     lines = []
     for i, h in enumerate(res.hyps):
         raw, safe = decode_tokens(tok, prompt_tokens[-1], h.tokens)
+        if h.stop_string is not None:
+            import ref_controls
+            raw, safe = ref_controls.cut_text(raw, h.stop_string), ref_controls.cut_text(safe, h.stop_string)
         lines.append({'rank': i + 1, 'score': h.score, 'tokens': h.tokens, 'stop': h.stop,
-                      'text_bytes': raw, 'text_safe': safe})
+                      'stop_string': h.stop_string, 'text_bytes': raw, 'text_safe': safe})
     res.prompt_tokens = prompt_tokens
     res.max_new = mx
     return lines, res

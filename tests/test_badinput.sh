@@ -4,7 +4,8 @@
 #     odd but acceptable; never death by a signal (status >= 128) or a hang
 #     (each run is under `timeout 10`);
 #   - stderr: exactly one line "run: ..." for a file error; for a usage error
-#     a first line "run: ..." naming the problem, then the usage text.
+#     exactly one line "run: <the problem>; see 'run --help'" (the whole usage
+#     only for no arguments at all, and for -h on stdout).
 # Malformed files are made here (a tiny valid model and tokenizer written by
 # $PYTHON, then damaged); the cases that need the real stories260K model SKIP
 # when MODELS_DIR does not have it.
@@ -62,7 +63,8 @@ fail() { echo "FAIL badinput $1: $2"; failures=$((failures + 1)); }
 
 # check NAME WANT_STATUS KIND -- ARGS...   (stdin from /dev/null)
 #   KIND: file  - stderr is exactly one line starting with "run: "
-#         usage - first stderr line starts with "run: ", the usage text follows
+#         usage - stderr is one line "run: ...; see 'run --help'"
+#         fullusage - stderr is the usage text
 #         line  - first stderr line starts with "run: "
 #         ok    - no "run: " error on stderr
 #         any   - stderr not checked
@@ -88,13 +90,17 @@ check() {
             fail "$name" "stderr is not one line 'run: ...': $(head -c 300 "$err" | tr '\n' '|')"; return
         fi ;;
     usage)
-        if [[ "$first" != "run: "* ]] || ! grep -q '^Usage:' "$err"; then
-            fail "$name" "stderr is not 'run: ...' then the usage: $(head -c 300 "$err" | tr '\n' '|')"; return
+        if [ "$lines" -ne 1 ] || [ "$(wc -c <"$err")" -ne $((${#first} + 1)) ] || [[ "$first" != "run: "*"; see 'run --help'" ]]; then
+            fail "$name" "stderr is not one line 'run: ...; see 'run --help'': $(head -c 300 "$err" | tr '\n' '|')"; return
+        fi ;;
+    fullusage)
+        if ! head -n 1 "$err" | grep -q '^Usage:' || ! grep -q -- '-t <float>' "$err"; then
+            fail "$name" "stderr is not the usage: $(head -c 300 "$err" | tr '\n' '|')"; return
         fi ;;
     line)
         if [[ "$first" != "run: "* ]]; then fail "$name" "first stderr line: $first"; return; fi ;;
     ok)
-        if grep -q '^run: ' "$err" && ! grep -q '^run: note:' "$err"; then
+        if grep '^run: ' "$err" | grep -qv '^run: \(note:\|seed \)'; then
             fail "$name" "error on stderr: $(grep '^run: ' "$err" | head -n 1)"; return
         fi ;;
     esac
@@ -140,8 +146,8 @@ else
     echo "SKIP badinput stories260K with the 32000-token tokenizer: models not found in $M"
 fi
 
-# --- bad usage (exit 2, "run: ..." then the usage) -------------------------
-check "no arguments" 2 usage --
+# --- bad usage (exit 2, one line "run: ...; see 'run --help'") --------------
+check "no arguments" 2 fullusage --
 check "flag before the checkpoint" 2 usage -- -t 1 "$MODEL"
 for flag in -t -p -s -n -i -z -m -y -f -T -b -l -e -r; do
     check "$flag without a value" 2 usage -- "$MODEL" -z "$TOK" "$flag"
@@ -169,10 +175,47 @@ check "-m foo" 2 usage -- "$MODEL" -z "$TOK" -m foo
 check "-f xml" 2 usage -- "$MODEL" -z "$TOK" -f xml
 check "-e sometimes" 2 usage -- "$MODEL" -z "$TOK" -e sometimes
 check "unknown flag -x" 2 usage -- "$MODEL" -z "$TOK" -x 1
+# --keep N: 0 .. context - 1 (the tiny model's context is 32), generate and --batch only, sampling only
+check "--keep without a value" 2 usage -- "$MODEL" -z "$TOK" --keep
+for v in -1 abc "" 1.5 32 99 99999999999999999999; do
+    check "--keep '$v'" 2 usage -- "$MODEL" -z "$TOK" --keep "$v" -n 40
+done
+check "--keep in chat" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -m chat -y s
+check "--keep with serve" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -m serve
+check "--keep with -m perplexity" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -m perplexity -i a
+check "--keep with beams" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -b 2
+check "--keep with --lookup" 2 usage -- "$MODEL" -z "$TOK" --keep 4 --lookup 2 -t 0
+check "--keep with a prompt longer than the context" 2 file -- "$MODEL" -z "$TOK" --keep 4 -n 100 -s 1 -i "$(printf 'a%.0s' $(seq 1 40))"
+check "--keep 4 past the context" 0 ok -- "$MODEL" -z "$TOK" --keep 4 -n 100 -s 1
+check "--keep 31: a ring of one slot" 0 ok -- "$MODEL" -z "$TOK" --keep 31 -n 70 -s 1 -f json
+check "--keep 0 with a prompt of the whole context" 0 ok -- "$MODEL" -z "$TOK" --keep 0 -n 70 -s 1 -i "$(printf 'a%.0s' $(seq 1 30))"
 check "unknown flag --foo" 2 usage -- "$MODEL" -z "$TOK" --foo
 check "unknown flag -tt" 2 usage -- "$MODEL" -z "$TOK" -tt 1
 check "stray argument" 2 usage -- "$MODEL" -z "$TOK" extra
 check "lone dash" 2 usage -- "$MODEL" -z "$TOK" -
+# the generation controls (tiny.bin: vocabulary 260, context 32)
+for flag in --min-new-tokens --repetition-penalty --no-repeat-ngram-size --top-k --min-p --stop; do
+    check "$flag without a value" 2 usage -- "$MODEL" -z "$TOK" "$flag"
+done
+check "--top-k -1" 2 usage -- "$MODEL" -z "$TOK" --top-k -1
+check "--top-k abc" 2 usage -- "$MODEL" -z "$TOK" --top-k abc
+check "--top-k above the vocabulary" 2 usage -- "$MODEL" -z "$TOK" --top-k 261
+check "--min-p -0.1" 2 usage -- "$MODEL" -z "$TOK" --min-p -0.1
+check "--min-p 1.5" 2 usage -- "$MODEL" -z "$TOK" --min-p 1.5
+check "--min-p nan" 2 usage -- "$MODEL" -z "$TOK" --min-p nan
+check "--repetition-penalty 0" 2 usage -- "$MODEL" -z "$TOK" --repetition-penalty 0
+check "--repetition-penalty -1" 2 usage -- "$MODEL" -z "$TOK" --repetition-penalty -1
+check "--repetition-penalty x" 2 usage -- "$MODEL" -z "$TOK" --repetition-penalty x
+check "--no-repeat-ngram-size -2" 2 usage -- "$MODEL" -z "$TOK" --no-repeat-ngram-size -2
+check "--no-repeat-ngram-size 1.5" 2 usage -- "$MODEL" -z "$TOK" --no-repeat-ngram-size 1.5
+check "--min-new-tokens -1" 2 usage -- "$MODEL" -z "$TOK" --min-new-tokens -1
+check "--min-new-tokens above the steps" 2 usage -- "$MODEL" -z "$TOK" -n 16 --min-new-tokens 17
+check "--min-new-tokens above the context" 2 usage -- "$MODEL" -z "$TOK" --min-new-tokens 33
+check "--stop empty" 2 usage -- "$MODEL" -z "$TOK" --stop ""
+stops=()
+for i in $(seq 17); do stops+=(--stop "s$i"); done
+check "17 stop strings" 2 usage -- "$MODEL" -z "$TOK" "${stops[@]}"
+check "-m tokenize with a bad -f" 2 usage -- "$MODEL" -z "$TOK" -m tokenize -f xml
 
 # --- help --------------------------------------------------------------------
 for h in -h --help; do
@@ -195,13 +238,16 @@ S="$M/stories260K.bin"
 T="$M/tok512.bin"
 
 long_prompt=$(for i in $(seq 3000); do printf 'hello '; done)
-check "prompt longer than the context" 2 line -- "$S" -z "$T" -i "$long_prompt"
+# llama2.c prints what fits; run does the same and warns (tests/test_firsthour.sh checks the text)
+check "prompt longer than the context" 0 any -- "$S" -z "$T" -i "$long_prompt"
+if grep -q '^run: warning: the prompt is [0-9]* tokens' "$TMP/err"; then pass "prompt longer than the context: warned"
+else fail "prompt longer than the context: warned" "stderr: $(head -c 200 "$TMP/err")"; fi
 # a long prompt that does fit the context must run
 check "long prompt that fits" 0 ok -- "$S" -z "$T" -i "$(for i in $(seq 60); do printf 'the cat '; done)" -n 0 -s 1
 check "invalid UTF-8 prompt" 0 ok -- "$S" -z "$T" -i "$(printf '\xff\xfe\x80abc')" -n 32 -s 1
 check "empty prompt" 0 ok -- "$S" -z "$T" -i "" -n 32 -s 1
 check "control bytes in the prompt" 0 ok -- "$S" -z "$T" -i "$(printf 'a\001\002\033[0m b\tc\r\n')" -n 32 -t 0
-check "-n 1 (shorter than the prompt)" 0 ok -- "$S" -z "$T" -i "Once upon a time" -n 1 -s 1
+check "-n 1 (shorter than the prompt; a warning)" 0 any -- "$S" -z "$T" -i "Once upon a time" -n 1 -s 1
 check "-p 0 and -p 1 sample from all tokens" 0 ok -- "$S" -z "$T" -p 0 -n 16 -s 1
 check "-p 1" 0 ok -- "$S" -z "$T" -p 1 -n 16 -s 1
 check "huge temperature" 0 ok -- "$S" -z "$T" -t 1e30 -p 0.001 -n 16 -s 1
@@ -209,6 +255,58 @@ check "chat with stdin closed at once" 0 ok -- "$S" -z "$T" -m chat -n 64 -s 1
 check "chat with -y and -i, then end of input" 0 any -- "$S" -z "$T" -m chat -y "Be kind." -i "Hi" -n 128 -s 1
 check "chat whose first turn fills the context" 0 line -- "$S" -z "$T" -m chat -y "" -i "$(for i in $(seq 40); do printf 'hello '; done)" -n 16 -s 1
 check "json output" 0 ok -- "$S" -z "$T" -f json -n 16 -s 1
+
+# --- version 3 (4-bit) checkpoints, -I, -m perplexity ------------------------
+# A tiny valid version 3 model (group size 4) and damaged copies.
+"$PY" - "$TMP" <<'EOF' || { echo "FAIL badinput: cannot write the version 3 files with $PY"; exit 1; }
+import struct, sys
+d = sys.argv[1]
+dim, hidden, layers, heads, kv, vocab, seq, gs = 8, 16, 1, 2, 2, 260, 32, 4
+def header(group):
+    h = struct.pack("<Ii7iBi", 0x616b3432, 3, dim, hidden, layers, heads, kv, vocab, seq, 1, group)
+    return h + bytes(256 - len(h))
+def matrix(rows, cols, i):
+    n = rows * cols
+    return bytes(((i + k) * 37) % 256 for k in range(n // 2)) + struct.pack("<%df" % (n // gs), *[0.01] * (n // gs))
+norms = struct.pack("<%df" % ((2 * layers + 1) * dim), *[1.0] * ((2 * layers + 1) * dim))
+body = norms + matrix(vocab, dim, 0) + b"".join(matrix(r, c, i) for i, (r, c) in
+       enumerate([(dim, dim), (dim, dim), (dim, dim), (dim, dim), (hidden, dim), (dim, hidden), (hidden, dim)]))
+open(d + "/v3.bin", "wb").write(header(gs) + body)
+open(d + "/v3_gs_odd.bin", "wb").write(header(1) + body)
+open(d + "/v3_gs_not_dividing.bin", "wb").write(header(6) + body)
+open(d + "/v3_gs_zero.bin", "wb").write(header(0) + body)
+open(d + "/v3_gs_huge.bin", "wb").write(header(1 << 30) + body)
+open(d + "/v3_truncated_scales.bin", "wb").write((header(gs) + body)[:-6])
+open(d + "/v3_no_scales.bin", "wb").write((header(gs) + body)[:-(hidden * dim // gs * 4)])
+open(d + "/empty.txt", "wb").write(b"")
+open(d + "/story.txt", "wb").write(b"a b a b a b\n" * 20)
+open(d + "/short.txt", "wb").write(b"a b\n")
+EOF
+V3="$TMP/v3.bin"
+check "sanity: the tiny version 3 model runs" 0 ok -- "$V3" -z "$TOK" -n 8 -s 1
+check "version 3: odd group size" 1 file -- "$TMP/v3_gs_odd.bin" -z "$TOK"
+check "version 3: group size not dividing dim" 1 file -- "$TMP/v3_gs_not_dividing.bin" -z "$TOK"
+check "version 3: group size 0" 1 file -- "$TMP/v3_gs_zero.bin" -z "$TOK"
+check "version 3: group size 2^30" 1 file -- "$TMP/v3_gs_huge.bin" -z "$TOK"
+check "version 3: truncated scales" 1 file -- "$TMP/v3_truncated_scales.bin" -z "$TOK"
+check "version 3: last matrix without scales" 1 file -- "$TMP/v3_no_scales.bin" -z "$TOK"
+if timeout 10 "$RUN" "$TMP/v3_truncated_scales.bin" -z "$TOK" 2>&1 | grep -q "scales"; then
+    pass "version 3: the truncation error names the scales"
+else
+    fail "version 3: the truncation error names the scales" "$(timeout 10 "$RUN" "$TMP/v3_truncated_scales.bin" -z "$TOK" 2>&1 | head -n 1)"
+fi
+check "-I of a missing file" 1 file -- "$MODEL" -z "$TOK" -I "$TMP/no-such-prompt.txt"
+check "-I of a directory" 1 file -- "$MODEL" -z "$TOK" -I "$TMP"
+check "-I with -i" 2 usage -- "$MODEL" -z "$TOK" -I "$TMP/story.txt" -i "hello"
+check "-I without its value" 2 usage -- "$MODEL" -z "$TOK" -I
+check "-I of a file" 0 ok -- "$MODEL" -z "$TOK" -I "$TMP/short.txt" -n 8 -s 1
+check "-I - reads stdin (here empty)" 0 ok -- "$MODEL" -z "$TOK" -I - -n 8 -s 1
+check "perplexity of an empty text (-I)" 1 file -- "$MODEL" -z "$TOK" -m perplexity -I "$TMP/empty.txt"
+check "perplexity without a text" 1 file -- "$MODEL" -z "$TOK" -m perplexity
+check "perplexity of an empty stdin" 1 file -- "$MODEL" -z "$TOK" -m perplexity -I -
+check "perplexity, version 3, text longer than the context" 0 ok -- "$V3" -z "$TOK" -m perplexity -I "$TMP/story.txt"
+check "perplexity, json" 0 ok -- "$V3" -z "$TOK" -m perplexity -I "$TMP/story.txt" -f json
+check "-m with an unknown mode" 2 usage -- "$MODEL" -z "$TOK" -m perplexitee
 
 # stdout closed early: the reader goes away after 5 bytes; run must end
 # promptly (by a write error, by SIGPIPE, or by finishing first)

@@ -44,14 +44,11 @@ RUN_TIMEOUT = 60
 # of the runner can be declared here; the reference then follows it:
 #   STOP_ON_EOS: llama2.c stops generating only when BOS (id 1) is sampled and
 #     prints a sampled EOS (id 2) as its piece "\n</s>\n", then continues.
-#   LONG_PROMPT: llama2.c accepts a prompt of more tokens than the context and
-#     prints its first `steps` tokens; False skips that case.
 #   V2_Q8_ACTIVATIONS: for int8 "ak42" version 2 files, False = the weights
 #     are dequantised and the forward pass is float32 as for version 1; True =
 #     llama2.c runq.c semantics (activations quantised per group before each
 #     matmul).  The v2 cases SKIP while the runner says v2 is not supported.
 STOP_ON_EOS = False
-LONG_PROMPT = False
 V2_Q8_ACTIVATIONS = True
 
 from verdicts import COUNTS, Skip, case, verdict  # noqa: E402
@@ -384,13 +381,25 @@ def suite_random():
                     ref.Model.q8_activations = False
             case('rand_%s_%s' % (name, mode), v2case)
 
-    # a prompt of more tokens than the context (llama2.c: first seq_len tokens printed)
-    def long_prompt():
-        if not LONG_PROMPT:
-            raise Skip('LONG_PROMPT is off')
-        text = ' '.join(['the happy dog played outside in the park'] * 40)
-        compare(paths['mqa'][0], own_tok, '0', '0.9', 1, 0, text)
-    case('rand_mqa_prompt_longer_than_seq_len', long_prompt)
+    # a prompt of more tokens than -n allows: llama2.c prints the first
+    # `steps` of them and generates nothing; run prints the same and warns once
+    def long_prompt(steps):
+        def fn():
+            text = ' '.join(['the happy dog played outside in the park'] * 40)
+            compare(paths['mqa'][0], own_tok, '0', '0.9', 1, steps, text)
+            args = [paths['mqa'][0], '-z', own_tok, '-t', '0', '-n', str(steps), '-i', text]
+            err = subprocess.run([RUN] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 timeout=RUN_TIMEOUT).stderr.decode('utf-8', 'replace').splitlines()
+            warnings = [l for l in err if l.startswith('run: warning:')]
+            shown = steps if steps else 64  # -n 0: the context, seq_len 64
+            if len(warnings) != 1 or ('-n allows %d positions' % shown) not in warnings[0]:
+                raise AssertionError('want one "run: warning: ... -n allows %d positions" line, got %r'
+                                     % (shown, err))
+            if not any(l.startswith('stats: prompt %d tokens' % shown) for l in err):
+                raise AssertionError('the stats line does not count the %d positions read: %r' % (shown, err))
+        return fn
+    case('rand_mqa_prompt_longer_than_seq_len', long_prompt(0))
+    case('rand_mqa_prompt_longer_than_n', long_prompt(20))
 
     # the real 512-token tokenizer with a random model
     def with_tok512(T, P, S, N, prompt):

@@ -88,8 +88,49 @@ if [ -f "$M/stories260K.bin" ] && [ -f "$M/tok512.bin" ]; then
     fi
     check "json sampled" 0 "$ASAN_RUN" "${MODEL[@]}" -f json -n 30 -s 5 -i $'caf\xc3\xa9 \xff "quoted"' &&
         pass "json sampled"
+    # a batch: shared prefixes, beams, a request that waits for cache room,
+    # one that never fits, one with no room for its prompt
+    {
+        printf '{"prompt":"Once upon a time, there was a little girl named Lily. She loved to play","id":"a"}\n'
+        printf '{"prompt":"Once upon a time, there was a little girl named Lily. She loved to swim","seed":3}\n'
+        printf '{"prompt":"One day","beams":3,"return":2,"steps":60}\n'
+        printf '{"prompt":"The cat \\u00e9\\ud83d\\ude00","steps":4}\n'
+        printf '{"prompt":"big","beams":8,"steps":512}\n'
+    } >"$T/batch.jsonl"
+    check "batch --parallel 3 --kv-mb 1" 1 "$ASAN_RUN" "${MODEL[@]}" --batch "$T/batch.jsonl" --parallel 3 --kv-mb 1 -n 100 &&
+        if [ "$(grep -c '"error"' "$LAST_OUT")" -eq 1 ] && [ "$(grep -c '"rank"' "$LAST_OUT")" -eq 5 ]; then
+            pass "batch --parallel 3 --kv-mb 1"
+        else echo "FAIL asan batch: want 5 results and 1 error: $(head -c 300 "$LAST_OUT")"; fi
+    check "generation controls, sampled" 0 "$ASAN_RUN" "${MODEL[@]}" -n 120 -s 3 --top-k 9 --min-p 0.05 \
+        --repetition-penalty 1.2 --no-repeat-ngram-size 3 --min-new-tokens 20 --stop "Lily" --stop "." &&
+        pass "generation controls, sampled"
+    check "generation controls, beams" 0 "$ASAN_RUN" "${MODEL[@]}" -n 120 -b 4 -r 4 -f json --stop "," \
+        --stop "the" --repetition-penalty 1.2 --no-repeat-ngram-size 2 &&
+        pass "generation controls, beams"
+    check "tokenize" 0 "$ASAN_RUN" "${MODEL[@]}" -m tokenize -f json -i $'caf\xc3\xa9 \xff "quoted"' &&
+        pass "tokenize"
     check "prompt longer than -n" 0 "$ASAN_RUN" "${MODEL[@]}" -n 3 -i "Once upon a time there was" &&
         pass "prompt longer than -n"
+    # every cache type: generate, beams, chat and a batch that waits for room
+    for kv in f32 f16 q8_0; do
+        check "--kv-type $kv generate" 0 "$ASAN_RUN" "${MODEL[@]}" --kv-type $kv -n 200 -s 2 -i "Once upon a time" &&
+            pass "--kv-type $kv generate"
+        check "--kv-type $kv beams" 0 "$ASAN_RUN" "${MODEL[@]}" --kv-type $kv -b 3 -r 2 -n 60 -f json -i "One day" &&
+            pass "--kv-type $kv beams"
+        STDIN="$T/chat.in"
+        check "--kv-type $kv chat" 0 "$ASAN_RUN" "${MODEL[@]}" --kv-type $kv -m chat -y sys -n 120 && pass "--kv-type $kv chat"
+        STDIN=/dev/null
+        check "--kv-type $kv batch" 1 "$ASAN_RUN" "${MODEL[@]}" --kv-type $kv --batch "$T/batch.jsonl" --parallel 3 --kv-mb 1 -n 100 &&
+            pass "--kv-type $kv batch"
+    done
+    # --keep past the context (512 positions): two requests share the blocks
+    # of a 288-token prompt, and their rings copy them before writing
+    P=$(for i in $(seq 1 48); do printf 'the cat sat. '; done)
+    printf '{"prompt":"%s","seed":1,"id":"a"}\n{"prompt":"%s","seed":2,"id":"b"}\n' "$P" "$P" >"$T/keep.jsonl"
+    check "--keep batch past the context" 0 "$ASAN_RUN" "${MODEL[@]}" --keep 4 --kv-type q8_0 --batch "$T/keep.jsonl" -n 620 \
+        --min-new-tokens 300 && if grep -q "positions dropped" "$LAST_ERR" && [ "$(grep -c '"id"' "$LAST_OUT")" -eq 2 ]; then
+            pass "--keep batch past the context"
+        else echo "FAIL asan --keep batch: want 2 results and dropped positions: $(tail -c 300 "$LAST_ERR")"; fi
 else
     echo "SKIP asan real model: $M/stories260K.bin or tok512.bin not found (set MODELS_DIR)"
 fi
@@ -113,11 +154,29 @@ done
 tail -c +3 tests/fuzz/corpus/tokenizer/v300 >"$T/tok300.bin"
 printf 'hi\nmore\nand more\n' >"$T/chat3.in"
 STDIN="$T/chat3.in"
-for opts in "-s 1" "-t 0" "-b 3" "-b 2 -f json"; do
+for opts in "-s 1" "-t 0" "-b 3" "-b 2 -f json" "-s 2 --stop e --top-k 5 --repetition-penalty 1.3" \
+    "-b 3 --stop a --stop the --no-repeat-ngram-size 2 --min-new-tokens 3 -f json"; do
     # shellcheck disable=SC2086
     check "tiny chat, 3 turns, $opts" 0 "$ASAN_RUN" "$SEEDS/v1-chat-v300" -z "$T/tok300.bin" -m chat -y sys -n 200 $opts &&
         pass "tiny chat, 3 turns, $opts"
 done
+STDIN=/dev/null
+# a byte-level BPE (tk42) tokenizer with a version 4 model of its vocabulary
+tail -c +3 tests/fuzz/corpus/tokenizer/tk42-v298 >"$T/tok298.tk42"
+if "${PYTHON:-python3}" export.py random "$T/v4-298.bin" --shape "t=16,32,1,2,1,298,64" --seed 2 --version 4 \
+    --encoding int8 --group-size 16 >/dev/null 2>&1; then
+    TK=("$T/v4-298.bin" -z "$T/tok298.tk42")
+    check "tk42 sampled" 0 "$ASAN_RUN" "${TK[@]}" -n 30 -s 3 -i $'the theand 123456 \xc3\xa9t\xff\r\n' && pass "tk42 sampled"
+    check "tk42 beams json" 0 "$ASAN_RUN" "${TK[@]}" -n 20 -b 3 -r 2 -f json -i "and the" && pass "tk42 beams json"
+    STDIN="$T/chat3.in"
+    check "tk42 chat (llama2 template)" 0 "$ASAN_RUN" "${TK[@]}" -m chat -y sys -n 60 --chat-template llama2 &&
+        pass "tk42 chat (llama2 template)"
+    check "tk42 chat, llama3 template without its tokens" 2 "$ASAN_RUN" "${TK[@]}" -m chat -y sys -n 60 &&
+        pass "tk42 chat, llama3 template without its tokens"
+    STDIN=/dev/null
+else
+    echo "FAIL asan tk42: export.py random failed (PYTHON=${PYTHON:-python3} needs numpy)"
+fi
 STDIN=/dev/null
 # regression: an int8 model with a NaN norm weight (its NaN activations were
 # converted to int16, undefined behaviour)
@@ -150,7 +209,10 @@ bad "truncated tokenizer" 1 "$TINY" -z "$T/tok-truncated.bin"
 bad "missing tokenizer" 1 "$TINY" -z "$T/none.bin"
 if [ -f "$M/tok512.bin" ]; then bad "wrong tokenizer" 1 "$TINY" -z "$M/tok512.bin"; fi
 bad "byte without a token" 1 "$TINY" -z "$T/tok32.bin" -i "x"
-bad "no arguments" 2
+if check "bad input: no arguments" 2 "$ASAN_RUN"; then
+    if head -n 1 "$LAST_ERR" | grep -q '^Usage:'; then pass "bad input: no arguments (the usage)"
+    else echo "FAIL asan bad input: no arguments: stderr is not the usage: $(head -c 200 "$LAST_ERR")"; fi
+fi
 bad "flag first" 2 -t 1
 bad "unknown flag" 2 "$TINY" -q 1
 bad "flag without value" 2 "$TINY" -n
@@ -162,4 +224,8 @@ bad "bad format" 2 "$TINY" -f xml
 bad "-r above -b" 2 "$TINY" -b 2 -r 3
 bad "more beams than tokens" 2 "$TINY" -z "$T/tok32.bin" -b 33
 bad "seed overflow" 2 "$TINY" -s 99999999999999999999
-bad "prompt beyond the context" 2 "$TINY" -z "$T/tok32.bin" -n 16 -i "$(printf '\001%.0s' $(seq 40))"
+# a prompt beyond -n: what fits is printed, with a warning
+if check "prompt beyond the context" 0 "$ASAN_RUN" "$TINY" -z "$T/tok32.bin" -n 16 -i "$(printf '\001%.0s' $(seq 40))"; then
+    if grep -q '^run: warning: the prompt is' "$LAST_ERR"; then pass "prompt beyond the context (a warning)"
+    else echo "FAIL asan prompt beyond the context: no warning: $(head -c 200 "$LAST_ERR")"; fi
+fi

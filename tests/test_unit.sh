@@ -11,9 +11,18 @@ fi
 export MODELS_DIR="${MODELS_DIR:-../shared/models}"
 export TEST_TMP="${TEST_TMP:-/tmp}"
 mkdir -p "$TEST_TMP"
-timeout 120 "$BIN"
-status=$?
-if [ $status -ge 124 ]; then
-    echo "FAIL unit: $BIN ended with status $status (timeout or signal)"
-fi
+status=0
+# tests/.bin/unit_native: the same tests built as ./runomp (vector kernels)
+for bin in "$BIN" tests/.bin/unit_native; do
+    if [ "$bin" != "$BIN" ] && [ ! -x "$bin" ]; then
+        echo "SKIP unit native: $bin is missing (build it with: make $bin)"
+        continue
+    fi
+    timeout 120 "$bin"
+    s=$?
+    if [ $s -ge 124 ]; then
+        echo "FAIL unit: $bin ended with status $s (timeout or signal)"
+    fi
+    [ $s -ne 0 ] && status=$s
+done
 exit $status

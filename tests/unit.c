@@ -24,6 +24,7 @@
 #pragma GCC diagnostic pop
 
 #include <dirent.h>
+#include <float.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 
@@ -328,11 +329,11 @@ static void test_decode(void) {
     expect(all_ok, "some byte token does not decode to its byte");
     end();
     begin("piece_is_printable");
-    expect(!piece_is_printable(""), "empty");
-    expect(!piece_is_printable("\x01"), "control byte");
-    expect(!piece_is_printable("\xe2"), "lone UTF-8 lead byte");
-    expect(piece_is_printable("a") && piece_is_printable("\n") && piece_is_printable(" "), "a, newline, space");
-    expect(piece_is_printable("\xe2\x82\xac") && piece_is_printable("ab"), "multi-byte pieces");
+    expect(!piece_is_printable(t, ""), "empty");
+    expect(!piece_is_printable(t, "\x01"), "control byte");
+    expect(!piece_is_printable(t, "\xe2"), "lone UTF-8 lead byte");
+    expect(piece_is_printable(t, "a") && piece_is_printable(t, "\n") && piece_is_printable(t, " "), "a, newline, space");
+    expect(piece_is_printable(t, "\xe2\x82\xac") && piece_is_printable(t, "ab"), "multi-byte pieces");
     end();
 }
 
@@ -715,7 +716,7 @@ static void test_samplers(void) {
     /* sorted: 0.5 (1), 0.25 (3), 0.2 (2), 0.05 (0). topp 0.7: the nucleus is
        {1, 3} (mass 0.75 > 0.7); coin scales to r = coin * 0.75. */
     const float q[4] = {0.05f, 0.5f, 0.2f, 0.25f};
-    ProbIndex pi[4];
+    ProbIndex pi[8]; /* room for 2n: the tokens and the sort's scratch */
     struct { float coin; int want; } tc[] = {{0.0f, 1}, {0.5f, 1}, {0.66f, 1}, {0.67f, 3}, {0.7f, 3}, {0.9999f, 3}};
     for (size_t i = 0; i < sizeof(tc) / sizeof(tc[0]); i++) {
         int got = sample_topp(q, 4, 0.7f, pi, tc[i].coin);
@@ -737,7 +738,7 @@ static void test_samplers(void) {
        before it so that a read of probindex[-1] is caught, not undefined. */
     begin("sample_topp with topp below 1/n on a flat distribution");
     {
-        ProbIndex guard[3] = {{-1.0f, -12345}, {0, 0}, {0, 0}};
+        ProbIndex guard[5] = {{-1.0f, -12345}, {0, 0}, {0, 0}, {0, 0}, {0, 0}};
         int got = sample_topp((const float[]){0.5f, 0.5f}, 2, 0.01f, guard + 1, 0.3f);
         expect(got == 0 || got == 1, "returned %d (read before the buffer: no token passed the cutoff)", got);
     }
@@ -845,7 +846,7 @@ static void test_kernels(void) {
         double ss = 0;
         for (int i = 0; i < size; i++) ss += (double)x[i] * x[i];
         double scale = 1.0 / sqrt(ss / size + 1e-5);
-        rmsnorm(o, x, w, size);
+        rmsnorm(o, x, w, size, 1e-5f);
         for (int i = 0; i < size; i++) {
             double ref = w[i] * scale * x[i];
             if (!expect(fabs(o[i] - ref) <= 1e-5 * (fabs(ref) + 1e-3), "size %d [%d]: %.9g vs %.9g", size, i, o[i], ref)) break;
@@ -853,14 +854,14 @@ static void test_kernels(void) {
     }
     {
         float x[4] = {0, 0, 0, 0}, w[4] = {1, 1, 1, 1}, o[4];
-        rmsnorm(o, x, w, 4);
+        rmsnorm(o, x, w, 4, 1e-5f);
         expect(o[0] == 0 && isfinite(o[3]), "zero input gives zero (eps)");
     }
     {
         float x[4] = {3, 4, 5, 6}, w[4] = {1, 2, 3, 4};
         float ref[4];
-        rmsnorm(ref, x, w, 4);
-        rmsnorm(x, x, w, 4); /* the final norm is done in place */
+        rmsnorm(ref, x, w, 4, 1e-5f);
+        rmsnorm(x, x, w, 4, 1e-5f); /* the final norm is done in place */
         expect(memcmp(ref, x, sizeof(ref)) == 0, "in place differs");
     }
     end();
@@ -918,6 +919,78 @@ static void test_kernels(void) {
     }
     end();
 
+    /* batch independence: every output row of an n-row matmul is bitwise the
+       row computed alone, for n = 1..70 and shapes whose rows are no multiple
+       of the kernels' blocks (tails of columns and groups included) */
+    {
+        const int shapes[][3] = {/* rows, cols, group size (0: float32) */
+                                 {37, 64, 0},  {50, 48, 0},  {5, 288, 0},  {13, 100, 0},  {23, 64, 32},  {37, 96, 32},
+                                 {9, 288, 32}, {30, 128, 64}, {11, 256, 128}, {7, 48, 16}, {19, 192, 96}, {6, 20, 4}};
+        enum { MAXN = 70 };
+        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+            const int R = shapes[si][0], C = shapes[si][1], gs = shapes[si][2];
+            begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d, n = 1..%d", KERNEL_NAME, R, C, gs, MAXN);
+            float *w = xcalloc((size_t)R * C, sizeof(float)), *scales = xcalloc((size_t)R * C, sizeof(float));
+            int8_t *q = xcalloc((size_t)R * C, 1);
+            float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
+            for (int i = 0; i < R * C; i++) { w[i] = rand_uniform(-1, 1); q[i] = (int8_t)(rand_uniform(0, 255) - 127); }
+            for (int i = 0; gs && i < R * C / gs; i++) scales[i] = rand_uniform(0.001f, 0.02f);
+            for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 7 == 0 ? 10 : 1);
+            Matrix m = gs ? (Matrix){.q = q, .scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs}
+                          : (Matrix){.w = w, .rows = R, .cols = C};
+            for (int n = 1; n <= MAXN && !case_failed; n++) {
+                int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
+                for (int i = 0; i < n * R; i++) out[i] = NAN;
+                matmul(out, x + (size_t)off * C, &m, n);
+                for (int b = 0; b < n && !case_failed; b++) {
+                    matmul(one, x + (size_t)(off + b) * C, &m, 1);
+                    if (memcmp(one, out + (size_t)b * R, (size_t)R * sizeof(float)) != 0) {
+                        int i = 0;
+                        while (one[i] == out[(size_t)b * R + i]) i++;
+                        expect(0, "n %d, row %d, output %d: batched %.9g, alone %.9g", n, b, i, out[(size_t)b * R + i], one[i]);
+                    }
+                }
+            }
+            /* and the outputs are the products: against double sums of the
+               weights' values times the inputs (int8: as quantised) */
+            int n = MAXN;
+            matmul(out, x, &m, n);
+            int16_t *xq = xcalloc((size_t)n * C, sizeof(int16_t));
+            float *xs = xcalloc((size_t)n * C, sizeof(float));
+            if (gs) quantize_groups(xq, xs, x, (size_t)n * C, gs);
+            for (int b = 0; b < n && !case_failed; b++)
+                for (int i = 0; i < R && !case_failed; i++) {
+                    double ref = 0, mag = 0;
+                    for (int j = 0; j < C; j++) {
+                        size_t wj = (size_t)i * C + j, xj = (size_t)b * C + j;
+                        double v = gs ? (double)q[wj] * scales[wj / gs] * xq[xj] * xs[xj / gs] : (double)w[wj] * x[xj];
+                        ref += v;
+                        mag += fabs(v);
+                    }
+                    expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
+                }
+            free(xq); free(xs); free(w); free(scales); free(q); free(x); free(out); free(one);
+            end();
+        }
+    }
+#ifdef SIMD_WIDTH
+    begin("vf_sums: lane q is vf_sum of vector q, bitwise");
+    for (int trial = 0; trial < 200 && !case_failed; trial++) {
+        float v[SIMD_WIDTH][SIMD_WIDTH], lanes[SIMD_WIDTH];
+        vfloat vs[SIMD_WIDTH];
+        for (int a = 0; a < SIMD_WIDTH; a++) {
+            for (int k = 0; k < SIMD_WIDTH; k++) v[a][k] = rand_uniform(-1, 1) * powf(10.0f, rand_uniform(-6, 6));
+            vs[a] = vf_load(v[a]);
+        }
+        vf_store(lanes, vf_sums(vs));
+        for (int a = 0; a < SIMD_WIDTH; a++) {
+            float one = vf_sum(vs[a]);
+            expect(memcmp(&one, &lanes[a], sizeof(float)) == 0, "vector %d: %.9g vs %.9g", a, lanes[a], one);
+        }
+    }
+    end();
+#endif
+
     begin("rope vs naive formula");
     {
         const int configs[][3] = {{64, 32, 8}, {64, 64, 16}, {48, 12, 12}, {8, 8, 2}}; /* dim, kv_dim, head_size */
@@ -928,7 +1001,7 @@ static void test_kernels(void) {
                 int pos = positions[pi];
                 float q[64], k[64], q0[64], k0[64];
                 for (int i = 0; i < dim; i++) { q0[i] = q[i] = rand_uniform(-1, 1); k0[i] = k[i] = rand_uniform(-1, 1); }
-                rope(q, k, pos, dim, kv_dim, hs);
+                rope(q, k, pos, dim, kv_dim, hs, NULL);
                 for (int i = 0; i < dim; i += 2) {
                     int j = (i % hs) / 2; /* pair index inside the head */
                     double theta = pos * pow(10000.0, -2.0 * j / hs);
@@ -950,6 +1023,398 @@ static void test_kernels(void) {
     end();
 }
 
+/* Quantised matmul (int8 version 2, 4-bit version 3) against a plain double
+   reference written here from the documented formulas: inputs quantised per
+   group (xs = max|x| / 127, xq = round half away from zero of x / xs), exact
+   integer group sums, out = sum_g isum * ws * xs. Odd shapes: rows that are
+   not a multiple of the kernels' block of rows, and every group size the
+   format allows for the columns (every divisor; even ones for 4 bits). Each
+   row of a batch must equal, bit for bit, the same row computed alone. */
+static void test_quantised_matmul(void) {
+    const int col_sizes[] = {2, 12, 32, 64, 96, 128, 160, 192};
+    const int row_sizes[] = {1, 3, 6, 13};
+    enum { MAXR = 13, MAXC = 192, N = 5 };
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        begin("%s matmul vs double reference, every group size, n = 1..5", bits == 4 ? "4-bit" : "int8");
+        int cases = 0;
+        for (size_t ci = 0; ci < sizeof(col_sizes) / sizeof(col_sizes[0]); ci++)
+            for (size_t ri = 0; ri < sizeof(row_sizes) / sizeof(row_sizes[0]); ri++)
+                for (int gs = 1; gs <= col_sizes[ci]; gs++) {
+                    const int C = col_sizes[ci], R = row_sizes[ri];
+                    if (C % gs != 0 || (bits == 4 && gs % 2 != 0)) continue;
+                    static int8_t qv[MAXR * MAXC];      /* the weights' integer values */
+                    static uint8_t packed[MAXR * MAXC / 2];
+                    static float scales[MAXR * MAXC], x[N * MAXC], out[N * MAXR], one[MAXR], row[MAXC];
+                    for (int i = 0; i < R * C; i++) qv[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : rand_below(255) - 127);
+                    for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((qv[2 * i] + 8) | (qv[2 * i + 1] + 8) << 4);
+                    for (int i = 0; i < R * C / gs; i++) scales[i] = rand_uniform(-0.1f, 0.1f);
+                    for (int i = 0; i < N * C; i++) x[i] = rand_uniform(-3, 3);
+                    x[0] = 0.0f; /* an all-zero group where gs is 1 */
+                    Matrix m = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs};
+                    if (bits == 4) m.q4 = packed;
+                    else m.q = qv;
+                    cases++;
+                    for (int i = 0; i < R; i++) {
+                        matrix_row(row, &m, i);
+                        for (int j = 0; j < C; j++)
+                            if (!expect(row[j] == qv[i * C + j] * scales[(i * C + j) / gs], "C %d gs %d: matrix_row %d [%d]", C, gs, i, j)) break;
+                    }
+                    for (int n = 1; n <= N; n++) {
+                        matmul(out, x, &m, n);
+                        for (int b = 0; b < n; b++) {
+                            matmul(one, x + b * C, &m, 1);
+                            expect(memcmp(one, out + b * R, R * sizeof(float)) == 0, "C %d R %d gs %d n %d: row %d differs alone", C, R, gs, n, b);
+                            for (int i = 0; i < R; i++) {
+                                double ref = 0, mag = 0;
+                                for (int g = 0; g < C / gs; g++) {
+                                    const float *v = x + b * C + g * gs;
+                                    float amax = 0;
+                                    for (int j = 0; j < gs; j++) amax = fmaxf(amax, fabsf(v[j]));
+                                    float xs = amax / 127.0f;
+                                    long isum = 0, isum_abs = 0; /* the vector kernels' partial sums are within isum_abs */
+                                    for (int j = 0; j < gs; j++) {
+                                        double r = xs > 0 ? (double)(v[j] / xs) : 0.0;
+                                        long xq = (long)(r < 0 ? -floor(-r + 0.5) : floor(r + 0.5));
+                                        isum += xq * qv[i * C + g * gs + j];
+                                        isum_abs += labs(xq * qv[i * C + g * gs + j]);
+                                    }
+                                    double ws = scales[(i * C) / gs + g];
+                                    ref += (double)isum * ws * xs;
+                                    mag += (double)isum_abs * fabs(ws * xs);
+                                }
+                                if (!expect(fabs(out[b * R + i] - ref) <= 2e-6 * mag + 1e-30, "C %d R %d gs %d n %d: [%d][%d] %.9g vs %.9g",
+                                            C, R, gs, n, b, i, out[b * R + i], ref)) break;
+                            }
+                        }
+                    }
+                }
+        expect(cases > 40, "only %d shapes", cases);
+        end();
+    }
+}
+
+/* The shapes the vector kernels take (columns a multiple of 16, int8 groups
+   of 32 and 64; "plain C" builds run them too): against double-precision
+   sums, and each row of a batch bit-identical to the same row alone, for
+   n = 1..9 input rows and a row count that leaves a partial block. */
+static void test_matmul_vector_shapes(void) {
+    enum { R = 37, C = 128, N = 9 };
+    static float w[R * C], x[N * C], out[N * R], one[R];
+    static int8_t q[R * C];
+    static float scales[R * C / 32];
+    static int16_t xq[N * C];
+    static float xs[N * C / 32];
+    for (int i = 0; i < R * C; i++) { w[i] = rand_uniform(-1, 1); q[i] = (int8_t)(rand_below(256) - 128); }
+    for (int i = 0; i < R * C / 32; i++) scales[i] = rand_uniform(0.001f, 0.02f);
+    for (int i = 0; i < N * C; i++) x[i] = rand_uniform(-1, 1);
+
+    begin("matmul float32 (%s), %d columns: vs double, each batch row = that row alone", KERNEL_NAME, C);
+    {
+        Matrix m = {.w = w, .rows = R, .cols = C};
+        for (int n = 1; n <= N; n++) {
+            matmul(out, x, &m, n);
+            for (int b = 0; b < n; b++) {
+                matmul(one, x + b * C, &m, 1);
+                for (int i = 0; i < R; i++) {
+                    double ref = 0, mag = 0;
+                    for (int j = 0; j < C; j++) { ref += (double)w[i * C + j] * x[b * C + j]; mag += fabs((double)w[i * C + j] * x[b * C + j]); }
+                    expect(fabs(out[b * R + i] - ref) <= 4e-6 * mag + 1e-7, "n %d row %d out %d: %.9g vs %.9g", n, b, i, out[b * R + i], ref);
+                    expect(memcmp(&one[i], &out[b * R + i], sizeof(float)) == 0, "n %d row %d out %d: batch %.9g, alone %.9g", n, b, i, out[b * R + i], one[i]);
+                }
+            }
+        }
+    }
+    end();
+
+    for (int gs = 32; gs <= 64; gs *= 2) {
+        begin("matmul int8 (%s), groups of %d: vs exact integer group sums, each batch row = that row alone", KERNEL_NAME, gs);
+        const int groups = C / gs;
+        Matrix m = {.q = q, .scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs};
+        quantize_groups(xq, xs, x, (size_t)N * C, gs);
+        for (int n = 1; n <= N; n++) {
+            matmul(out, x, &m, n);
+            for (int b = 0; b < n; b++) {
+                matmul(one, x + b * C, &m, 1);
+                for (int i = 0; i < R; i++) {
+                    double ref = 0, mag = 0;
+                    for (int g = 0; g < groups; g++) {
+                        long long isum = 0, iabs = 0;
+                        for (int j = g * gs; j < (g + 1) * gs; j++) {
+                            isum += (long long)q[i * C + j] * xq[b * C + j];
+                            iabs += llabs((long long)q[i * C + j] * xq[b * C + j]);
+                        }
+                        double scale = (double)scales[i * groups + g] * xs[b * groups + g];
+                        ref += (double)isum * scale;
+                        mag += (double)iabs * scale;
+                    }
+                    expect(fabs(out[b * R + i] - ref) <= 4e-6 * mag + 1e-7, "gs %d n %d row %d out %d: %.9g vs %.9g", gs, n, b, i, out[b * R + i], ref);
+                    expect(memcmp(&one[i], &out[b * R + i], sizeof(float)) == 0, "gs %d n %d row %d out %d: batch %.9g, alone %.9g", gs, n, b, i, out[b * R + i], one[i]);
+                }
+            }
+        }
+        end();
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The paged cache's block allocator against a plain model of it            */
+/* ------------------------------------------------------------------------ */
+
+/* The model: each table is a list of block ids with, per position, the value
+   last written there in its lineage; a block's reference count must be the
+   number of table entries naming it. Tables 0, 1 and 2 are --keep rings of
+   RING_SLOTS positions (5, 0 and 5 sinks): a write to a full one drops its
+   oldest position after the sinks; copies are between tables of one kind,
+   and rings end less often, so that they fill and turn. */
+#define MODEL_TABLES 6
+#define MODEL_POSITIONS 80
+#define RING_SLOTS (MODEL_POSITIONS - 3)
+
+typedef struct {
+    int len;                          /* positions written */
+    float value[MODEL_POSITIONS];     /* what each position must read back */
+} TableModel;
+
+/* Checks the invariants; returns a description of the first broken one. */
+static const char *allocator_broken(const KVCache *c, BlockTable *tables, const TableModel *model, char *why, size_t cap) {
+    int count[64] = {0}, in_list[64] = {0};
+    for (int t = 0; t < MODEL_TABLES; t++)
+        for (int i = 0; i < tables[t].n; i++) {
+            int b = tables[t].ids[i];
+            if (b < 0 || b >= c->n_blocks) { snprintf(why, cap, "table %d holds block %d", t, b); return why; }
+            count[b]++;
+        }
+    for (int list = 0; list < 2; list++)
+        for (int b = c->head[list], prev = -1, steps = 0; b >= 0; prev = b, b = c->next[b]) {
+            if (++steps > c->n_blocks) { snprintf(why, cap, "free list %d has a cycle", list); return why; }
+            if (c->prev[b] != prev) { snprintf(why, cap, "free list %d: bad back link at block %d", list, b); return why; }
+            if (in_list[b]++) { snprintf(why, cap, "block %d is twice in the free lists", b); return why; }
+            if ((c->state[b] == BLOCK_READY) != list) { snprintf(why, cap, "block %d (state %d) in free list %d", b, c->state[b], list); return why; }
+        }
+    for (int b = 0; b < c->n_blocks; b++) {
+        if (c->ref[b] != count[b]) { snprintf(why, cap, "block %d: reference count %d, held %d times", b, c->ref[b], count[b]); return why; }
+        if ((count[b] == 0) != (in_list[b] == 1)) { snprintf(why, cap, "block %d: held %d times, in a free list %d times", b, count[b], in_list[b]); return why; }
+        if (c->state[b] != BLOCK_PLAIN) {
+            const int *tokens = c->tokens + (size_t)b * KV_BLOCK;
+            for (int j = 0; j < KV_BLOCK; j++) { /* an indexed block holds what it was indexed with (stamps as tokens) */
+                float k = ((const float *)(c->key + (((size_t)c->n_blocks + b) * KV_BLOCK + j) * c->row_bytes))[0];
+                if (k != (float)tokens[j]) { snprintf(why, cap, "indexed block %d row %d holds %g, indexed as %d", b, j, k, tokens[j]); return why; }
+            }
+            if (prefix_find(c, c->parent[b], tokens) != b && c->parent_generation[b] == (c->parent[b] >= 0 ? c->generation[c->parent[b]] : 0)) {
+                snprintf(why, cap, "indexed block %d is not found under its own key", b);
+                return why;
+            }
+        }
+    }
+    int held = 0;
+    for (int b = 0; b < c->n_blocks; b++) held += count[b] > 0;
+    if (held != c->held || c->peak_held < held) { snprintf(why, cap, "%d blocks held, the cache counts %d (peak %d)", held, c->held, c->peak_held); return why; }
+    for (int t = 0; t < MODEL_TABLES; t++)
+        for (int pos = 0; pos < model[t].len; pos++) {
+            const float *k = (const float *)kv_load(c, 1, &tables[t], pos, 0), *v = (const float *)kv_load(c, 1, &tables[t], pos, 1);
+            if (k[0] != model[t].value[pos] || v[3] != -model[t].value[pos]) {
+                snprintf(why, cap, "table %d position %d reads %g/%g, wrote %g", t, pos, k[0], v[3], model[t].value[pos]);
+                return why;
+            }
+        }
+    return NULL;
+}
+
+static void test_block_allocator(void) {
+    const Config p = {.dim = 8, .hidden_dim = 16, .n_layers = 2, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 10, .seq_len = 100}; /* kv_dim 4, 2 layers */
+    KVCache c;
+    BlockTable tables[MODEL_TABLES] = {{0}};
+    TableModel model[MODEL_TABLES] = {{0}};
+    char why[256];
+    const char *broken = NULL;
+    int op = 0;
+    begin("block allocator: reference counts, free lists, copy on write, the prefix index and --keep rings against a model");
+    kv_init(&c, &p, 40, KV_F32);
+    tables[0].slots = tables[1].slots = tables[2].slots = RING_SLOTS;
+    tables[0].keep = tables[2].keep = 5;
+    int drops = 0;
+    float stamp = 1.0f;
+    for (op = 0; op < 20000 && !broken; op++) {
+        int t = rand_below(MODEL_TABLES), u = rand_below(MODEL_TABLES), kind = rand_below(10);
+        /* blocks the tables could need at once stay within the pool: at
+           most 5 blocks each, plus one for a copy on write */
+        if (kind < 5 && (model[t].len < 5 * KV_BLOCK || tables[t].slots > 0)) { /* write the next position */
+            int pos = model[t].len;
+            if (tables[t].slots > 0 && pos == tables[t].slots) { /* a full ring drops its oldest position after the sinks */
+                table_drop_oldest(&tables[t]);
+                drops++;
+                int keep = tables[t].keep;
+                pos--;
+                memmove(model[t].value + keep, model[t].value + keep + 1, (size_t)(pos - keep) * sizeof(float));
+            } else {
+                model[t].len++;
+            }
+            table_prepare_write(&c, &tables[t], pos);
+            float k[4] = {stamp, 0, 0, 0}, v[4] = {0, 0, 0, -stamp};
+            for (int l = 0; l < 2; l++) kv_store(&c, l, &tables[t], pos, k, v);
+            model[t].value[pos] = stamp++;
+        } else if (kind == 5 && t != u && tables[u].slots == tables[t].slots && tables[u].keep == tables[t].keep) {
+            /* u becomes a copy of t (a beam reorder) */
+            table_copy(&c, &tables[u], &tables[t]);
+            tables[u].shift = tables[t].shift, tables[u].dropped = tables[t].dropped;
+            model[u] = model[t];
+        } else if (kind == 6 && (tables[t].slots == 0 || rand_below(40) == 0)) { /* t ends; a ring starts over */
+            table_clear(&c, &tables[t]);
+            tables[t].shift = 0, tables[t].dropped = 0;
+            model[t].len = 0;
+        } else if (kind == 7 && model[t].len >= KV_BLOCK && tables[t].dropped == 0) { /* index t's first full blocks (not after a drop, as the engine) */
+            int tokens[KV_BLOCK], parent = -1;
+            for (int i = 0; (i + 1) * KV_BLOCK <= model[t].len; i++) {
+                for (int j = 0; j < KV_BLOCK; j++) tokens[j] = (int)model[t].value[i * KV_BLOCK + j];
+                if (parent >= 0 && c.state[parent] == BLOCK_PLAIN) break;
+                prefix_add(&c, tables[t].ids[i], parent, tokens, rand_below(2) ? BLOCK_READY : BLOCK_PENDING);
+                if (c.state[tables[t].ids[i]] == BLOCK_PENDING) c.state[tables[t].ids[i]] = BLOCK_READY; /* computed */
+                parent = tables[t].ids[i];
+            }
+        } else if (kind == 8 && model[u].len == 0 && model[t].len >= KV_BLOCK) { /* u finds t's first block by its tokens */
+            int tokens[KV_BLOCK];
+            for (int j = 0; j < KV_BLOCK; j++) tokens[j] = (int)model[t].value[j];
+            int b = prefix_find(&c, -1, tokens);
+            if (b >= 0 && b != tables[t].ids[0] && c.ref[b] > 0) {
+                snprintf(why, sizeof(why), "prefix_find found block %d, not the holder's %d", b, tables[t].ids[0]);
+                broken = why;
+            } else if (b >= 0) {
+                block_hold(&c, b);
+                table_push(&tables[u], b);
+                for (int j = 0; j < KV_BLOCK; j++) model[u].value[j] = (float)c.tokens[(size_t)b * KV_BLOCK + j]; /* what was indexed */
+                model[u].len = KV_BLOCK;
+            }
+        }
+        if (!broken) broken = allocator_broken(&c, tables, model, why, sizeof(why));
+    }
+    for (int t = 0; t < MODEL_TABLES; t++) table_free(&c, &tables[t]);
+    int n_free = 0;
+    for (int list = 0; list < 2; list++)
+        for (int b = c.head[list]; b >= 0; b = c.next[b]) n_free++;
+    expect(!broken, "after %d operations: %s", op, broken ? broken : "");
+    expect(drops > 1000, "only %d positions dropped by the rings", drops);
+    expect(n_free == c.n_blocks, "%d of %d blocks are free at the end (leaked blocks)", n_free, c.n_blocks);
+    kv_free(&c);
+    end();
+}
+
+/* ------------------------------------------------------------------------ */
+/* Attention in tiles against attention row by row                          */
+/* ------------------------------------------------------------------------ */
+
+/* The attention of one row as it was computed before tiles: for each head,
+   the scores of positions 0..pos by kv_dot, their softmax, then the values
+   added by kv_axpy in position order; a --keep ring's stretches read with
+   the turned queries (q_turned: 2 x dim). out: (dim). */
+static void attention_row_reference(Transformer *t, const BlockTable *table, int layer, int pos, const float *q, const float *q_turned, float *out) {
+    const Config *p = &t->config;
+    const KVCache *c = &t->state.cache;
+    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads;
+    float *att = xcalloc((size_t)pos + 1, sizeof(float));
+    for (int h = 0; h < p->n_heads; h++) {
+        for (int tp = 0; tp <= pos; tp++) {
+            int turn = kv_query_turn(table, tp);
+            const float *query = turn == 0 ? q : q_turned + (size_t)(turn - 1) * p->dim;
+            float score = kv_dot(c, kv_load(c, layer, table, tp, 0), h / kv_mul * head_size, query + h * head_size, head_size);
+            score /= sqrtf(head_size);
+            att[tp] = score;
+        }
+        softmax(att, pos + 1);
+        memset(out + h * head_size, 0, head_size * sizeof(float));
+        for (int tp = 0; tp <= pos; tp++)
+            kv_axpy(c, kv_load(c, layer, table, tp, 1), h / kv_mul * head_size, att[tp], out + h * head_size, head_size);
+    }
+    free(att);
+}
+
+/* Random keys and values at positions 0..n-1 of table t, every layer. */
+static void fill_cache(KVCache *c, const Config *p, BlockTable *t, int n) {
+    const int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
+    float *k = xcalloc((size_t)kv_dim, sizeof(float)), *v = xcalloc((size_t)kv_dim, sizeof(float));
+    for (int pos = 0; pos < n; pos++) {
+        table_prepare_write(c, t, pos);
+        for (int l = 0; l < p->n_layers; l++) {
+            for (int i = 0; i < kv_dim; i++) {
+                k[i] = rand_uniform(-2.0f, 2.0f);
+                v[i] = rand_uniform(-1.0f, 1.0f);
+            }
+            kv_store(c, l, t, pos, k, v);
+        }
+    }
+    free(k);
+    free(v);
+}
+
+static void test_attention_tiles(void) {
+    /* dim, n_heads, n_kv_heads: head sizes 64, 32, 16 and 8 (vector and
+       plain loads), tiles of 32, 8, 4 and 48 rows (multi-head, grouped
+       query heads, more heads than ATTENTION_SCORES) */
+    const int shapes[][3] = {{256, 4, 4}, {256, 8, 2}, {128, 8, 1}, {64, 8, 8}, {384, 48, 48}};
+    const char *type_names[] = {"f32", "f16", "q8_0"};
+    for (int type = KV_F32; type <= KV_Q8_0; type++) {
+        begin("attention (in tiles for f32): bit-identical to row by row, %s cache, with and without a --keep ring", type_names[type]);
+        for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]) && !case_failed; sh++) {
+            Config p = {.dim = shapes[sh][0], .hidden_dim = 8, .n_layers = 2, .n_heads = shapes[sh][1], .n_kv_heads = shapes[sh][2],
+                        .vocab_size = 8, .seq_len = 300};
+            if (type == KV_Q8_0 && (p.dim / p.n_heads * p.n_kv_heads) % KV_GROUP != 0) continue;
+            Transformer t;
+            memset(&t, 0, sizeof(t));
+            t.config = p;
+            const int max_rows = 80, context = 300;
+            alloc_run_state(&t.state, &p, max_rows, context, 3 * (context / KV_BLOCK + 1), type);
+            /* table 0: a long sequence whose chunk is attended; tables 1, 2:
+               decoding sequences sharing the batch */
+            BlockTable tables[3] = {{0}};
+            const int filled[3] = {context, 40, 1};
+            for (int i = 0; i < 3; i++) fill_cache(&t.state.cache, &p, &tables[i], filled[i]);
+            /* chunks of n rows at positions start.., after two decoding rows or alone */
+            const int chunks[][2] = {{1, 0}, {5, 0}, {31, 17}, {32, 100}, {33, 100}, {64, 0}, {64, 200}, {70, 229}, {3, 296}};
+            for (size_t ch = 0; ch < 2 * sizeof(chunks) / sizeof(chunks[0]) && !case_failed; ch++) {
+                /* the second time through, table 0 is a --keep ring: 4 sinks, turned by 37 */
+                if (ch == sizeof(chunks) / sizeof(chunks[0])) {
+                    tables[0].slots = context;
+                    tables[0].keep = 4;
+                    tables[0].shift = 37;
+                }
+                const int *chunk = chunks[ch % (sizeof(chunks) / sizeof(chunks[0]))];
+                for (int decoding = 0; decoding <= 2 && !case_failed; decoding += 2) {
+                    const int n = chunk[0], start = chunk[1], rows = n + decoding;
+                    int pos[80], tokens[80] = {0};
+                    const BlockTable *row_table[80];
+                    for (int r = 0; r < decoding; r++) {
+                        pos[r] = filled[1 + r] - 1;
+                        row_table[r] = &tables[1 + r];
+                    }
+                    for (int r = 0; r < n; r++) {
+                        pos[decoding + r] = start + r;
+                        row_table[decoding + r] = &tables[0];
+                    }
+                    for (size_t i = 0; i < (size_t)rows * p.dim; i++) t.state.q[i] = rand_uniform(-1.0f, 1.0f);
+                    for (size_t i = 0; i < (size_t)rows * 2 * p.dim; i++) t.state.q_turned[i] = rand_uniform(-1.0f, 1.0f);
+                    Batch b = {rows, tokens, pos, row_table, NULL, 0};
+                    const int layer = (int)(ch % 2);
+                    attention(&t, &b, layer);
+                    float *want = xcalloc((size_t)p.dim, sizeof(float));
+                    for (int r = 0; r < rows && !case_failed; r++) {
+                        attention_row_reference(&t, row_table[r], layer, pos[r], t.state.q + (size_t)r * p.dim,
+                                                t.state.q_turned + (size_t)r * 2 * p.dim, want);
+                        for (int i = 0; i < p.dim; i++)
+                            if (!expect(memcmp(&want[i], &t.state.xb[(size_t)r * p.dim + i], sizeof(float)) == 0,
+                                        "dim %d heads %d/%d, ring shift %d, %d decoding rows + %d rows from position %d: row %d (position %d) output %d is %.9g, row by row %.9g",
+                                        p.dim, p.n_heads, p.n_kv_heads, tables[0].shift, decoding, n, start, r, pos[r], i, t.state.xb[(size_t)r * p.dim + i], want[i]))
+                                break;
+                    }
+                    free(want);
+                }
+            }
+            tables[0].shift = tables[0].keep = tables[0].slots = 0;
+            for (int i = 0; i < 3; i++) table_free(&t.state.cache, &tables[i]);
+            free_run_state(&t.state);
+        }
+        end();
+    }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Forward pass on stories260K                                              */
 /* ------------------------------------------------------------------------ */
@@ -969,7 +1434,7 @@ static void test_forward(void) {
            "config %d %d %d %d %d %d %d v%d", p->dim, p->hidden_dim, p->n_layers, p->n_heads, p->n_kv_heads, p->vocab_size, p->seq_len, t.version);
     end();
 
-    alloc_run_state(&t.state, p, 64, 1, p->seq_len);
+    alloc_run_state(&t.state, p, 64, p->seq_len, p->seq_len / KV_BLOCK + 2, KV_F32);
     const int V = p->vocab_size;
 
     /* a prompt of 70 tokens: BOS + text, padded with repeats */
@@ -981,52 +1446,39 @@ static void test_forward(void) {
     free(text_ids);
 
     /* token by token: the logits at every position */
+    BlockTable table = {0};
     float *step = xcalloc(70 * (size_t)V, sizeof(float));
     for (int pos = 0; pos < 70; pos++) {
-        float *l = forward_token(&t, tokens[pos], pos);
+        float *l = forward_rows(&t, &table, tokens + pos, 1, pos, 0);
         memcpy(step + (size_t)pos * V, l, (size_t)V * sizeof(float));
     }
 
-    begin("forward_sequence (blocks of 64) = forward_token, last logits");
+    begin("batched forward (blocks of 64 rows, paged cache) = token by token, bit for bit");
     {
-        float *l = forward_sequence(&t, tokens, 70, 0, 0);
-        double worst = 0;
-        for (int i = 0; i < V; i++) worst = fmax(worst, fabs(l[i] - step[69 * (size_t)V + i]));
-        expect(worst <= 1e-4, "max |difference| %g", worst);
-        expect(sample_argmax(l, V) == sample_argmax(step + 69 * (size_t)V, V), "greedy tokens differ");
-    }
-    end();
-
-    begin("batched forward = forward_token at every position");
-    {
-        int pos[64], slot[64];
-        double worst = 0;
+        BlockTable other = {0};
         int worst_pos = -1;
-        for (int start = 0; start < 70; start += 64) {
+        for (int start = 0; start < 70 && worst_pos < 0; start += 64) {
             int rows = 70 - start < 64 ? 70 - start : 64;
-            for (int r = 0; r < rows; r++) { pos[r] = start + r; slot[r] = 0; }
-            Batch b = {.n_rows = rows, .token = tokens + start, .pos = pos, .slot = slot, .history = NULL, .n_logits = rows};
-            float *l = forward(&t, &b);
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < V; i++) {
-                    double d = fabs(l[(size_t)r * V + i] - step[(size_t)(start + r) * V + i]);
-                    if (d > worst) { worst = d; worst_pos = start + r; }
-                }
+            float *l = forward_rows(&t, &other, tokens + start, rows, start, 1);
+            for (int r = 0; r < rows && worst_pos < 0; r++)
+                if (memcmp(l + (size_t)r * V, step + (size_t)(start + r) * V, (size_t)V * sizeof(float)) != 0) worst_pos = start + r;
         }
-        expect(worst <= 1e-4, "max |difference| %g at position %d", worst, worst_pos);
+        expect(worst_pos < 0, "logits differ at position %d", worst_pos);
+        table_free(&t.state.cache, &other);
     }
     end();
 
-    begin("forward_sequence split at an arbitrary point = one call");
+    begin("a prompt split at an arbitrary point = one batch");
     {
-        float *l = forward_sequence(&t, tokens, 23, 0, 0);
-        expect(fabs(l[0] - step[22 * (size_t)V]) <= 1e-4, "logits after 23 tokens");
-        l = forward_sequence(&t, tokens + 23, 47, 23, 0);
-        double worst = 0;
-        for (int i = 0; i < V; i++) worst = fmax(worst, fabs(l[i] - step[69 * (size_t)V + i]));
-        expect(worst <= 1e-4, "max |difference| %g", worst);
+        BlockTable other = {0};
+        float *l = forward_rows(&t, &other, tokens, 23, 0, 0);
+        expect(memcmp(l, step + 22 * (size_t)V, (size_t)V * sizeof(float)) == 0, "logits after 23 tokens");
+        l = forward_rows(&t, &other, tokens + 23, 47, 23, 0);
+        expect(memcmp(l, step + 69 * (size_t)V, (size_t)V * sizeof(float)) == 0, "logits after 70 tokens");
+        table_free(&t.state.cache, &other);
     }
     end();
+    table_free(&t.state.cache, &table);
 
     begin("greedy generation starts as the publisher documents");
     {
@@ -1034,18 +1486,20 @@ static void test_forward(void) {
         char text[1024] = "";
         int token = TOKEN_BOS;
         for (int pos = 0; pos < 100 && strlen(text) < strlen(want); pos++) {
-            float *l = forward_token(&t, token, pos);
+            float *l = forward_rows(&t, &table, &token, 1, pos, 0);
             int next = sample_argmax(l, V);
             if (next == TOKEN_BOS) break;
             const char *piece = decode(&tok512, token, next);
-            if (piece_is_printable(piece) && strlen(text) + strlen(piece) < sizeof(text)) strcat(text, piece);
+            if (piece_is_printable(&tok512, piece) && strlen(text) + strlen(piece) < sizeof(text)) strcat(text, piece);
             token = next;
         }
         expect(strncmp(text, want, strlen(want)) == 0, "got \"%s\"", show(text));
     }
     end();
 
+    table_free(&t.state.cache, &table);
     free(step);
+    free_run_state(&t.state);
     free_transformer(&t);
 }
 
@@ -1095,9 +1549,10 @@ static void write_checkpoint(const char *path, int ak42, int32_t version, const 
 static void child_load_checkpoint(const void *arg) {
     Transformer t;
     load_checkpoint(&t, (const char *)arg);
-    alloc_run_state(&t.state, &t.config, 4, 1, t.config.seq_len);
+    alloc_run_state(&t.state, &t.config, 4, t.config.seq_len, 1, KV_F32);
     int tokens[2] = {1, 0};
-    float *l = forward_sequence(&t, tokens, t.config.seq_len < 2 ? 1 : 2, 0, 0);
+    BlockTable table = {0};
+    float *l = forward_rows(&t, &table, tokens, t.config.seq_len < 2 ? 1 : 2, 0, 0);
     for (int i = 0; i < t.config.vocab_size; i++)
         if (!isfinite(l[i])) { fprintf(stderr, "non-finite logit\n"); exit(9); }
     free_transformer(&t);
@@ -1184,8 +1639,8 @@ static void test_bad_checkpoints(void) {
         }
     }
 
-    /* version 2 (int8) is a valid format that run.c may or may not read yet */
-    const int32_t versions[] = {0, 3, -1, 256, INT32_MIN};
+    /* versions 2 (int8) and 3 (4-bit) are valid formats, read in their own tests */
+    const int32_t versions[] = {0, 4, -1, 256, INT32_MIN};
     for (size_t v = 0; v < sizeof(versions) / sizeof(versions[0]); v++) {
         begin("loader rejects ak42 version %d", versions[v]);
         write_checkpoint(f, 1, versions[v], &good, 1, ak42_floats(&good, 1), -1);
@@ -1372,6 +1827,193 @@ static void test_cli_helpers(void) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Files of the wrong kind, and the conversation of a chat                  */
+/* ------------------------------------------------------------------------ */
+
+static void test_file_kinds(void) {
+    begin("foreign_format names GGUF, zip, pickle and safetensors by content");
+    {
+        unsigned char gguf[16] = "GGUF\3", zip[16] = "PK\3\4", pickle[16] = {0x80, 2, 0x8a, 10};
+        unsigned char st[32] = {0};
+        st[0] = 20; /* header length 20, then '{' */
+        st[8] = '{';
+        expect(foreign_format(gguf, sizeof(gguf)) && strstr(foreign_format(gguf, sizeof(gguf)), "GGUF"), "GGUF");
+        expect(foreign_format(zip, sizeof(zip)) && strstr(foreign_format(zip, sizeof(zip)), "zip"), "zip");
+        expect(foreign_format(pickle, sizeof(pickle)) && strstr(foreign_format(pickle, sizeof(pickle)), "pickle"), "pickle");
+        expect(foreign_format(st, sizeof(st)) && strstr(foreign_format(st, sizeof(st)), "safetensors"), "safetensors");
+        st[0] = 40; /* a header longer than the file */
+        expect(foreign_format(st, sizeof(st)) == NULL, "safetensors header past the end");
+        /* a legacy header with dim 640 starts with 0x80 0x02 0x00: not a pickle */
+        int32_t legacy[7] = {640, 1712, 2, 10, 10, 512, 256};
+        expect(foreign_format((const unsigned char *)legacy, sizeof(legacy)) == NULL, "dim 640 taken for a pickle");
+    }
+    end();
+
+    begin("looks_like_checkpoint: the shapes account for the file's size");
+    {
+        /* dim 8, hidden 16, 1 layer, 2 heads, 2 kv heads, vocab 260, seq 32 */
+        int32_t h[7] = {8, 16, 1, 2, 2, 260, 32};
+        size_t floats = 260 * 8 + 2 * 8 + 8 * (2 * 8 + 2 * 8) + 3 * 16 * 8 + 8 + 32 * 4;
+        size_t size = 28 + 4 * floats;
+        unsigned char *file = calloc(size + 4 * 260 * 8 + 4, 1);
+        memcpy(file, h, sizeof(h));
+        expect(looks_like_checkpoint(file, size), "shared classifier");
+        expect(looks_like_checkpoint(file, size + 4 * 260 * 8), "separate classifier");
+        expect(!looks_like_checkpoint(file, size + 4), "4 bytes more");
+        expect(!looks_like_tokenizer(file, size), "taken for a tokenizer");
+        uint32_t magic = AK42_MAGIC;
+        memcpy(file, &magic, 4);
+        expect(looks_like_checkpoint(file, 256), "ak42");
+        free(file);
+    }
+    end();
+
+    begin("looks_like_tokenizer: entries to the end of the file");
+    {
+        Buf *b = malloc(sizeof(Buf));
+        make_small_tokenizer(b, -10, -20);
+        expect(looks_like_tokenizer(b->data, b->n), "the small tokenizer");
+        expect(!looks_like_tokenizer(b->data, b->n - 1), "one byte short");
+        expect(!looks_like_checkpoint(b->data, b->n), "taken for a checkpoint");
+        free(b);
+    }
+    end();
+}
+
+/* A tokenizer of the 3 special tokens and 256 byte tokens only: every byte
+   of a text is one token (no dummy prefix: " " is not a piece), so a turn
+   of rendered text T is 1 + strlen(T) tokens. */
+static void load_byte_tokenizer(Tokenizer *t) {
+    Buf *b = malloc(sizeof(Buf));
+    b->n = 0;
+    put_i32(b, 6);
+    put_piece(b, 0, "<unk>");
+    put_piece(b, 0, "\n<s>\n");
+    put_piece(b, 0, "\n</s>\n");
+    for (int i = 0; i < 256; i++) {
+        char piece[8];
+        snprintf(piece, sizeof(piece), "<0x%02X>", i);
+        put_piece(b, 0, piece);
+    }
+    write_bytes(tmp_path("byte_tok.bin"), b->data, b->n);
+    load_tokenizer(t, tmp_path("byte_tok.bin"), 259);
+    free(b);
+}
+
+static int rendered_length(const char *system, const char *user) {
+    char *text = render_chat_turn(system, user);
+    int n = 1 + (int)strlen(text);
+    free(text);
+    return n;
+}
+
+static void test_conversation(void) {
+    Tokenizer tok;
+    load_byte_tokenizer(&tok);
+    const char *sys = "Be kind.";
+    const int reply[5] = {40, 41, 42, 43, 44};
+    Conversation c = {sys, NULL, 0, 200};
+
+    begin("conversation: the first turn takes the system prompt, later ones do not");
+    Turn a = conversation_new_turn(&c, &tok, "first");
+    expect(a.n_prompt == rendered_length(sys, "first") && a.tokens[0] == TOKEN_BOS, "first turn %d tokens", a.n_prompt);
+    turn_set_reply(&a, reply, 5, TOKEN_EOS);
+    expect(a.n_tokens == a.n_prompt + 6 && a.tokens[a.n_tokens - 1] == TOKEN_EOS && a.tokens[a.n_prompt] == 40, "reply and EOS");
+    conversation_append(&c, a);
+    Turn b = conversation_new_turn(&c, &tok, "second message");
+    expect(b.n_prompt == rendered_length(NULL, "second message"), "second turn %d tokens", b.n_prompt);
+    int dropped = conversation_make_room(&c, &tok, &b, 10);
+    expect(dropped == 0 && c.n_turns == 1, "room enough: dropped %d", dropped);
+    int last[4];
+    expect(conversation_tokens(&c, conversation_length(&c) - 2, last) == 2 && last[0] == 44 && last[1] == TOKEN_EOS,
+           "the conversation ends with the reply and its end token");
+    turn_set_reply(&b, reply, 3, TOKEN_EOS);
+    conversation_append(&c, b);
+    end();
+
+    begin("conversation: a message that does not fit drops the oldest turns");
+    {
+        int before = conversation_length(&c);
+        Turn m = conversation_new_turn(&c, &tok, "third one, a little longer than the others");
+        int need = m.n_prompt;
+        dropped = conversation_make_room(&c, &tok, &m, 200 - before - need + 1); /* one position short */
+        expect(dropped == 1 && c.n_turns == 1, "dropped %d, %d kept", dropped, c.n_turns);
+        /* the kept turn is rendered again, now with the system prompt */
+        Turn *k = &c.turns[0];
+        expect(k->n_prompt == rendered_length(sys, "second message"), "kept turn %d tokens", k->n_prompt);
+        expect(k->n_tokens == k->n_prompt + 4 && k->tokens[k->n_prompt] == 40 && k->tokens[k->n_tokens - 1] == TOKEN_EOS,
+               "its reply follows");
+        int *all = calloc((size_t)conversation_length(&c), sizeof(int));
+        char *text = render_chat_turn(sys, "second message");
+        int n = conversation_tokens(&c, 0, all);
+        int same = n == conversation_length(&c) && all[0] == TOKEN_BOS;
+        for (size_t i = 0; same && i < strlen(text); i++) same = all[1 + i] == (unsigned char)text[i] + 3;
+        expect(same, "the tokens to read again are the re-rendered turn");
+        free(all);
+        free(text);
+        free_turn(&m);
+    }
+    end();
+
+    begin("conversation: when every old turn goes, the message takes the system prompt");
+    {
+        Turn m = conversation_new_turn(&c, &tok, "x");
+        dropped = conversation_make_room(&c, &tok, &m, 199 - m.n_prompt);
+        expect(dropped == 1 && c.n_turns == 0, "dropped %d, %d kept", dropped, c.n_turns);
+        expect(m.n_prompt == rendered_length(sys, "x"), "message %d tokens", m.n_prompt);
+        conversation_append(&c, m);
+    }
+    end();
+
+    begin("conversation: a message longer than the context drops nothing");
+    {
+        char long_text[400];
+        memset(long_text, 'y', sizeof(long_text) - 1);
+        long_text[sizeof(long_text) - 1] = '\0';
+        Turn m = conversation_new_turn(&c, &tok, long_text);
+        int kept = c.n_turns, length = conversation_length(&c);
+        expect(conversation_make_room(&c, &tok, &m, 10) == -1, "not refused");
+        expect(c.n_turns == kept && conversation_length(&c) == length, "the conversation changed");
+        free_turn(&m);
+    }
+    end();
+
+    begin("reply_end_token: the one a reply ended with, EOS for one cut short");
+    {
+        int t3[3] = {5, 6, 7};
+        Hypothesis cut = {0}, bos = {0}, stopped = {0};
+        cut.tokens = bos.tokens = stopped.tokens = t3;
+        cut.stop = "length", bos.stop = "bos", stopped.stop = "interrupted";
+        Tokenizer llama2 = {.bos = TOKEN_BOS, .end_of_turn = TOKEN_EOS};
+        expect(reply_end_token(&llama2, &cut) == TOKEN_EOS && reply_end_token(&llama2, &bos) == TOKEN_BOS &&
+                   reply_end_token(&llama2, &stopped) == TOKEN_EOS,
+               "end tokens");
+    }
+    end();
+    free_conversation(&c);
+    free_tokenizer(&tok);
+}
+
+static void test_context_positions(void) {
+    begin("context_positions: 256 for generate, the context for chat and --max-new-tokens, else -n");
+    {
+        char *gen[] = {"run", "m.bin", NULL}, *chat_[] = {"run", "m.bin", "-m", "chat", NULL};
+        char *chat_n[] = {"run", "m.bin", "-m", "chat", "-n", "100", NULL}, *maxnew[] = {"run", "m.bin", "--max-new-tokens", "5", NULL};
+        Options o = parse_options(2, gen);
+        expect(context_positions(&o, 512) == 256 && context_positions(&o, 100) == 100, "generate");
+        o = parse_options(4, chat_);
+        expect(context_positions(&o, 512) == 512, "chat");
+        o = parse_options(6, chat_n);
+        expect(context_positions(&o, 512) == 100, "chat -n 100");
+        o = parse_options(4, maxnew);
+        expect(o.max_new_tokens == 5 && context_positions(&o, 512) == 512, "--max-new-tokens 5");
+        Decoding d = {.temperature = 1.0f, .topp = 0.9f, .seed = 1, .n_return = 1, .format = FORMAT_TEXT, .max_new_tokens = 5};
+        expect(cap_new_tokens(&d, 3) == 3 && cap_new_tokens(&d, 30) == 5, "cap_new_tokens");
+    }
+    end();
+}
+
+/* ------------------------------------------------------------------------ */
 
 static void remove_scratch(void) {
     DIR *d = opendir(scratch);
@@ -1381,6 +2023,364 @@ static void remove_scratch(void) {
         if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) unlink(tmp_path(e->d_name));
     closedir(d);
     rmdir(scratch);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Generation controls: processors, truncated sampling, stop strings        */
+/* ------------------------------------------------------------------------ */
+
+/* Feeds pieces to a StopMatcher and returns the concatenated safe text. */
+static void feed_all(StopMatcher *m, const char *const *pieces, int n, char *out, size_t cap) {
+    out[0] = '\0';
+    for (int i = 0; i < n && !m->matched; i++) {
+        size_t n_safe;
+        const char *safe = stop_feed(m, pieces[i], &n_safe);
+        strncat(out, safe, n_safe < cap - strlen(out) - 1 ? n_safe : cap - strlen(out) - 1);
+    }
+}
+
+static void test_controls(void) {
+    const Tokenizer llama2_ends = {.bos = TOKEN_BOS, .end = {TOKEN_EOS}, .n_end = 1};
+    begin("repetition penalty: CTRL rule, once per id, prompt included");
+    float s[6] = {2.0f, -2.0f, 0.5f, -0.5f, 4.0f, 0.0f};
+    Controls c = {0};
+    c.repetition_penalty = 2.0f;
+    process_logits(&c, &llama2_ends, (const int[]){0, 1, 1, 3, 0, 5}, 6, 0, s);
+    expect(s[0] == 1.0f && s[1] == -4.0f && s[3] == -1.0f && s[5] == 0.0f, "penalised: %g %g %g %g", s[0], s[1], s[3], s[5]);
+    expect(s[2] == 0.5f && s[4] == 4.0f, "untouched: %g %g", s[2], s[4]);
+    end();
+
+    begin("no-repeat n-grams: tokens completing a seen n-gram are masked");
+    float z[8] = {0};
+    c = (Controls){0};
+    c.no_repeat_ngram_size = 3;
+    /* 3-grams (4,5,6) and (4,5,7) seen; the sequence ends in 4,5 */
+    process_logits(&c, &llama2_ends, (const int[]){4, 5, 6, 1, 4, 5, 7, 4, 5}, 9, 0, z);
+    for (int i = 0; i < 8; i++)
+        expect((i == 6 || i == 7) ? z[i] == -INFINITY : z[i] == 0.0f, "token %d: %g", i, z[i]);
+    float y[8] = {0};
+    process_logits(&c, &llama2_ends, (const int[]){4, 5}, 2, 0, y);
+    for (int i = 0; i < 8; i++) expect(y[i] == 0.0f, "too short a sequence masks nothing (token %d)", i);
+    end();
+
+    begin("min new tokens: BOS and EOS masked until enough are generated");
+    float w[4] = {1, 1, 1, 1};
+    c = (Controls){0};
+    c.min_new_tokens = 2;
+    process_logits(&c, &llama2_ends, (const int[]){1, 3}, 2, 1, w);
+    expect(w[1] == -INFINITY && w[2] == -INFINITY && w[0] == 1 && w[3] == 1, "after 1 new: %g %g %g %g", w[0], w[1], w[2], w[3]);
+    float v[4] = {1, 1, 1, 1};
+    process_logits(&c, &llama2_ends, (const int[]){1, 3, 3}, 3, 2, v);
+    expect(v[1] == 1 && v[2] == 1, "after 2 new: nothing masked");
+    end();
+
+    begin("kth_largest and sample_truncated");
+    float scratch[200], sorted[200], x[200];
+    expect(kth_largest((const float[]){0.1f, 0.4f, 0.2f, 0.3f}, 4, 2, scratch) == 0.3f, "2nd largest");
+    expect(kth_largest((const float[]){0.5f, 0.5f, 0.5f}, 3, 3, scratch) == 0.5f, "ties");
+    uint64_t rng = 99;
+    for (int trial = 0; trial < 300; trial++) {
+        int n = 1 + (int)(random_u32(&rng) % 200), levels = 1 + (int)(random_u32(&rng) % 50);
+        for (int i = 0; i < n; i++) x[i] = sorted[i] = (float)(random_u32(&rng) % levels) - (trial % 3 == 0 ? INFINITY : 0);
+        for (int i = 1; i < n; i++) /* descending insertion sort: the naive answer */
+            for (int j = i; j > 0 && sorted[j] > sorted[j - 1]; j--) { float t = sorted[j]; sorted[j] = sorted[j - 1]; sorted[j - 1] = t; }
+        int k = 1 + (int)(random_u32(&rng) % n);
+        float got = kth_largest(x, n, k, scratch);
+        if (!expect(got == sorted[k - 1], "trial %d: n %d k %d: %g, expected %g", trial, n, k, got, sorted[k - 1])) break;
+    }
+    ProbIndex pi[10]; /* room for 2n: the tokens and the sort's scratch */
+    const float p[5] = {0.1f, 0.3f, 0.05f, 0.35f, 0.2f};
+    expect(sample_truncated(p, 5, 1, 0.0f, 0.0f, pi, 0.99f) == 3, "top-k 1 is the argmax");
+    /* top-k 2: {3: 0.35, 1: 0.3}; r = coin * 0.65 */
+    expect(sample_truncated(p, 5, 2, 0.0f, 0.0f, pi, 0.5f) == 3, "top-k 2, low coin");
+    expect(sample_truncated(p, 5, 2, 0.0f, 0.0f, pi, 0.6f) == 1, "top-k 2, high coin");
+    /* min-p 0.6: keep p >= 0.21: {3, 1} */
+    expect(sample_truncated(p, 5, 0, 0.0f, 0.6f, pi, 0.99f) == 1, "min-p keeps 0.35 and 0.3");
+    /* top-k 3 (mass 0.85) then top-p 0.5: cumulative 0.35, 0.65 > 0.425: {3, 1} */
+    expect(sample_truncated(p, 5, 3, 0.5f, 0.0f, pi, 0.99f) == 1, "top-p on the renormalised top-k");
+    /* top-p 0.4 of the top-3 mass 0.85 is 0.34: the first token (0.35) exceeds it alone */
+    expect(sample_truncated(p, 5, 3, 0.4f, 0.0f, pi, 0.99f) == 3, "top-p 0.4 on the top-3 keeps one token");
+    end();
+
+    begin("stop strings: held back only while they can still match");
+    char out[64];
+    c = (Controls){0};
+    c.n_stops = 2;
+    c.stops[0] = "abc";
+    c.stops[1] = "xyz";
+    StopMatcher m = stop_matcher(&c);
+    size_t n_safe;
+    stop_feed(&m, "12a", &n_safe);
+    expect(n_safe == 2 && !m.matched, "'12a': %zu safe", n_safe);
+    stop_feed(&m, "b", &n_safe);
+    expect(n_safe == 0 && !m.matched, "'ab' held: %zu safe", n_safe);
+    stop_feed(&m, "d", &n_safe);
+    expect(n_safe == 3 && !m.matched, "'abd' released: %zu safe", n_safe);
+    stop_feed(&m, "xy-ab", &n_safe);
+    expect(n_safe == 3 && !m.matched, "'xy-ab': '-' and 'xy' released, 'ab' held: %zu safe", n_safe);
+    stop_feed(&m, "c tail", &n_safe);
+    expect(n_safe == 0 && m.matched == c.stops[0], "'abc' matched, nothing of it released: %zu safe", n_safe);
+    free_stop_matcher(&m);
+    m = stop_matcher(&c);
+    feed_all(&m, (const char *const[]){"one ", "xyabc", "z"}, 3, out, sizeof(out));
+    expect(m.matched == c.stops[0] && strcmp(out, "one xy") == 0, "abc inside one piece: '%s'", out);
+    free_stop_matcher(&m);
+    m = stop_matcher(&c);
+    c.stops[1] = "ab";
+    feed_all(&m, (const char *const[]){"zz", "abc"}, 2, out, sizeof(out));
+    expect(m.matched == c.stops[0] && strcmp(out, "zz") == 0, "same start: the first listed wins ('%s')", m.matched ? m.matched : "none");
+    free_stop_matcher(&m);
+    m = stop_matcher(&c);
+    feed_all(&m, (const char *const[]){"a", "a", "b"}, 3, out, sizeof(out));
+    expect(m.matched == c.stops[1] && strcmp(out, "a") == 0, "overlapping start: '%s'", out);
+    size_t n_rest;
+    stop_rest(&m, &n_rest);
+    expect(n_rest == 0, "nothing left to print after a match");
+    free_stop_matcher(&m);
+    m = stop_matcher(&c);
+    feed_all(&m, (const char *const[]){"tail a"}, 1, out, sizeof(out));
+    const char *rest = stop_rest(&m, &n_rest);
+    expect(strcmp(out, "tail ") == 0 && n_rest == 1 && rest[0] == 'a', "at the end the held 'a' is printed");
+    free_stop_matcher(&m);
+    end();
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* The key/value cache's element types                                      */
+/* ------------------------------------------------------------------------ */
+
+/* The half nearest to x (ties to even), as a double, from the definition:
+   halves are multiples of 2^(e-10) for x in [2^e, 2^(e+1)), e >= -14, and of
+   2^-24 below 2^-14; from 65520 up, infinity. */
+static double ref_half(float x) {
+    double a = fabs((double)x);
+    if (isnan(x)) return x;
+    if (a >= 65520.0) return copysign(INFINITY, x);
+    int e;
+    frexp(a, &e); /* a in [2^(e-1), 2^e) */
+    if (a == 0.0 || e - 1 < -14) e = -13;
+    double ulp = ldexp(1.0, e - 1 - 10), n = a / ulp, r = floor(n);
+    if (n - r > 0.5 || (n - r == 0.5 && fmod(r, 2.0) != 0.0)) r += 1.0;
+    return copysign(r * ulp, x);
+}
+
+/* A cache of one layer and one block whose rows are n values of `type`. */
+static void tiny_cache(KVCache *c, int type, int n) {
+    const Config p = {.dim = n, .hidden_dim = n, .n_layers = 1, .n_heads = 1, .n_kv_heads = 1, .vocab_size = 4, .seq_len = 16};
+    kv_init(c, &p, 1, type);
+}
+
+/* Stores x as a row of c's type and reads it back through kv_axpy (1 * v + 0
+   is v exactly). */
+static void round_trip(KVCache *c, const float *x, float *back, int n) {
+    unsigned char *row = xcalloc(1, c->row_bytes);
+    kv_encode(c, row, x, n);
+    for (int i = 0; i < n; i++) back[i] = 0.0f;
+    kv_axpy(c, row, 0, 1.0f, back, n);
+    free(row);
+}
+
+static int same_float(float a, float b) { return (isnan(a) && isnan(b)) || (a == b && signbit(a) == signbit(b)); }
+
+static void test_kv_f16(void) {
+    begin("kv f16: round to nearest even against a definition in doubles (ties, overflow, subnormal halves, NaN), plain C = F16C bit for bit");
+    enum { N = 64 };
+    KVCache c;
+    tiny_cache(&c, KV_F16, N);
+    float xs[200000];
+    int n = 0;
+    /* every finite half, and the midpoints between neighbours (ties) and a
+       float either side of them */
+    for (uint32_t h = 0; h < 0x7c00 && n + 8 < 200000; h += 1) {
+        float v = half_to_float_plain((uint16_t)h), w = half_to_float_plain((uint16_t)(h + 1));
+        float mid = (float)(((double)v + (double)w) / 2);
+        if (h % 2 == 0 || h < 0x400 || h > 0x7b00) {
+            xs[n++] = v; xs[n++] = -mid; xs[n++] = mid;
+            xs[n++] = nextafterf(mid, 0.0f); xs[n++] = nextafterf(mid, INFINITY);
+        }
+    }
+    const float edges[] = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, -65520.0f, 1e9f, FLT_MAX, -FLT_MAX, INFINITY, -INFINITY, NAN,
+                           5.9604645e-8f /* 2^-24 */, 2.9802322e-8f /* 2^-25: a tie to 0 */, 2.9802326e-8f, 4.4703484e-8f /* 1.5 * 2^-24 */,
+                           6.1035156e-5f /* 2^-14 */, 6.1035149e-5f, FLT_MIN, 1e-45f, -1e-45f, 1.0f, 1.00048828125f /* 1 + 2^-11: tie */, 1.0014648f};
+    for (size_t i = 0; i < sizeof(edges) / sizeof(edges[0]); i++) xs[n++] = edges[i];
+    uint64_t state = 42;
+    while (n < 200000) { /* random bit patterns */
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t bits = (uint32_t)(state >> 32);
+        memcpy(&xs[n++], &bits, sizeof(float));
+    }
+    for (int i = 0; i < n && !case_failed; i++) {
+        uint16_t h = half_from_float_plain(xs[i]);
+        float got = half_to_float_plain(h), want = (float)ref_half(xs[i]);
+        expect(same_float(got, want), "%.9g -> half %04x = %.9g, want %.9g", xs[i], h, got, want);
+        expect(half_from_float(xs[i]) == h, "%.9g: plain C gives %04x, the build's conversion %04x", xs[i], h, half_from_float(xs[i]));
+        expect(same_float(half_to_float(h), got), "half %04x reads %.9g, plain C %.9g", h, half_to_float(h), got);
+    }
+    float row[N], back[N];
+    for (int i = 0; i < N; i++) row[i] = xs[(i * 7919) % n];
+    round_trip(&c, row, back, N);
+    for (int i = 0; i < N; i++) expect(back[i] == (float)ref_half(row[i]) || (isnan(back[i]) && isnan(row[i])), "row value %d: %.9g read back as %.9g", i, row[i], back[i]);
+    kv_free(&c);
+    end();
+}
+
+/* q8_0 from its definition: scale = amax / 127 in float32, q = x / scale
+   rounded half away from zero, 0 where the scale is 0; read back q * scale. */
+static void ref_q8(const float *x, float *out, int n) {
+    for (int g = 0; g < n; g += 32) {
+        float amax = 0.0f;
+        for (int i = g; i < g + 32; i++) if (fabsf(x[i]) > amax) amax = fabsf(x[i]);
+        float scale = amax / 127.0f;
+        for (int i = g; i < g + 32; i++) {
+            double r = scale == 0.0f ? 0.0 : (double)(x[i] / scale); /* the float32 quotient */
+            double q = r >= 0 ? floor(r + 0.5) : -floor(-r + 0.5);
+            out[i] = (float)q * scale;
+        }
+    }
+}
+
+static void test_kv_q8_0(void) {
+    begin("kv q8_0: groups of 32 against the definition (zero groups, ties, largest and smallest magnitudes)");
+    enum { N = 256 };
+    KVCache c;
+    tiny_cache(&c, KV_Q8_0, N);
+    float x[N], back[N], want[N];
+    for (int i = 0; i < N; i++) x[i] = 0.0f;                                   /* group 0: all zero */
+    for (int i = 32; i < 64; i++) x[i] = (float)(i - 48) + 0.5f;               /* group 1: amax 15.5 */
+    x[32] = 127.0f;                                                            /* ... now scale 1: x.5 are ties */
+    for (int i = 64; i < 96; i++) x[i] = (i % 2 ? -1 : 1) * (i - 64) * 1e37f;  /* group 2: huge */
+    x[64] = FLT_MAX;
+    for (int i = 96; i < 128; i++) x[i] = (i % 3 - 1) * 1e-45f;                /* group 3: the smallest: scale 0 */
+    for (int i = 128; i < 160; i++) x[i] = (i - 144) * 1e-38f;                 /* group 4: a subnormal scale */
+    for (int i = 160; i < 192; i++) x[i] = -0.0f;                              /* group 5: negative zeros */
+    x[170] = -3.0f;
+    uint64_t state = 7;
+    for (int i = 192; i < N; i++) {                                            /* groups 6, 7: random */
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = ((float)(state >> 40) / 16777216.0f - 0.5f) * 8.0f;
+    }
+    ref_q8(x, want, N);
+    round_trip(&c, x, back, N);
+    for (int i = 0; i < N; i++) expect(back[i] == want[i], "value %d: %.9g read back as %.9g, want %.9g", i, x[i], back[i], want[i]);
+    expect(back[33] == -15.0f && back[34] == -14.0f && back[47] == -1.0f && back[48] == 1.0f && back[50] == 3.0f,
+           "ties at scale 1: -14.5 -13.5 -0.5 0.5 2.5 read %g %g %g %g %g (want -15 -14 -1 1 3 rounded away from zero)",
+           back[33], back[34], back[47], back[48], back[50]);
+    /* rows whose kv dimension is not a multiple of 32 are refused */
+    jmp_buf trap;
+    error_trap = &trap;
+    int status = -1;
+    if (setjmp(trap) == 0) { KVCache bad; tiny_cache(&bad, KV_Q8_0, 48); kv_free(&bad); }
+    else status = error_status;
+    error_trap = NULL;
+    expect(status == EXIT_USAGE, "kv_dim 48 with q8_0: status %d, want %d", status, EXIT_USAGE);
+    kv_free(&c);
+    end();
+}
+
+/* kv_dot and kv_axpy of every type against double-precision sums of the
+   values as read back, on head slices at every offset. */
+static void test_kv_reads(void) {
+    begin("kv reads: kv_dot and kv_axpy of f32, f16, q8_0 rows against double sums, every head offset");
+    enum { N = 128 };
+    float x[N], q[N];
+    for (int i = 0; i < N; i++) { x[i] = sinf(i * 0.37f) * 3.0f; q[i] = cosf(i * 0.11f); }
+    for (int type = KV_F32; type <= KV_Q8_0; type++) {
+        KVCache c;
+        tiny_cache(&c, type, N);
+        unsigned char *row = xcalloc(1, c.row_bytes);
+        float vals[N];
+        kv_encode(&c, row, x, N);
+        round_trip(&c, x, vals, N);
+        for (int hs = 8; hs <= 64; hs *= 2)
+            for (int off = 0; off < N; off += hs) {
+                double want = 0;
+                for (int i = 0; i < hs; i++) want += (double)q[i] * vals[off + i];
+                float got = kv_dot(&c, row, off, q, hs);
+                expect(fabs(got - want) <= 1e-5 * (1 + fabs(want)), "%s head %d at %d: dot %.9g, want %.9g", kv_type_names[type], hs, off, got, want);
+                float xb[N];
+                for (int i = 0; i < hs; i++) xb[i] = q[i];
+                kv_axpy(&c, row, off, 0.75f, xb, hs);
+                for (int i = 0; i < hs; i++)
+                    expect(fabs(xb[i] - (q[i] + 0.75 * vals[off + i])) <= 1e-6, "%s axpy %d at %d: %.9g", kv_type_names[type], hs, off, xb[i]);
+            }
+        free(row);
+        kv_free(&c);
+    }
+    end();
+}
+
+/* engine_cancel (a server's client that went away): a running and a waiting
+   request dropped mid-way give back every cache block, and the request left
+   running gets exactly what it gets alone. */
+static void test_engine_cancel(void) {
+    const char *ckpt = model_path("stories260K.bin");
+    if (!file_exists(ckpt) || !have_tok512) {
+        skip("engine_cancel", "stories260K.bin or tok512.bin not found in MODELS_DIR");
+        return;
+    }
+    Transformer t;
+    load_checkpoint(&t, ckpt);
+    Engine e;
+    engine_setup(&e, &t, &tok512, 2, 1, t.config.seq_len, 0, KV_F32, NULL);
+    Decoding d = {.temperature = 1.0f, .topp = 0.9f, .seed = 7, .n_return = 1, .format = FORMAT_TEXT};
+    const char *prompts[3] = {"Once upon a time, there was a little girl named Lily.", "The dog ran", "One day"};
+    Request *r[3];
+    for (int i = 0; i < 3; i++) {
+        int n = 0, *tokens = encode_prompt(&tok512, prompts[i], t.config.seq_len, &n);
+        r[i] = request_new(tokens, n, 60, 0, &d);
+        engine_submit(&e, r[i]);
+    }
+    for (int k = 0; k < 8; k++) engine_step(&e);
+    begin("engine_cancel: a running and a waiting request give back every block; the other one is as alone");
+    expect(r[0]->state == REQUEST_RUNNING && r[2]->state == REQUEST_WAITING, "states %d %d", r[0]->state, r[2]->state);
+    engine_cancel(&e, r[0]);
+    engine_cancel(&e, r[2]);
+    engine_run(&e);
+    KVCache *c = &t.state.cache;
+    int n_free = 0;
+    for (int list = 0; list < 2; list++)
+        for (int b = c->head[list]; b >= 0; b = c->next[b]) n_free++;
+    expect(n_free == c->n_blocks && c->promised == 0, "%d of %d blocks free, %lld promised", n_free, c->n_blocks, (long long)c->promised);
+    int n = 0, *tokens = encode_prompt(&tok512, prompts[1], t.config.seq_len, &n);
+    Request *alone = request_new(tokens, n, 60, 0, &d);
+    engine_submit(&e, alone);
+    engine_run(&e);
+    expect(r[1]->state == REQUEST_DONE && alone->hyps[0].n_tokens == r[1]->hyps[0].n_tokens &&
+               memcmp(alone->hyps[0].tokens, r[1]->hyps[0].tokens, (size_t)alone->hyps[0].n_tokens * sizeof(int)) == 0,
+           "the request left running differs from its run alone");
+    end();
+    for (int i = 0; i < 3; i++) request_free(r[i]);
+    request_free(alone);
+    engine_free(&e);
+    free_run_state(&t.state);
+    free_transformer(&t);
+}
+
+/* The server's HTTP request parser: whole, partial and refused requests. */
+static void test_http_parse(void) {
+    HttpRequest h;
+    const char *ok = "POST /v1/completions?x=1 HTTP/1.1\r\nHost: a\r\ncontent-length:  5 \r\nAuthorization: Bearer k\r\n\r\nhello";
+    begin("http_parse: a whole request, its parts, and each refusal");
+    expect(http_parse(ok, strlen(ok), 100, &h) == 1 && strcmp(h.method, "POST") == 0 && strcmp(h.path, "/v1/completions") == 0 &&
+               h.body_len == 5 && memcmp(h.body, "hello", 5) == 0 && h.auth_len == 8 && memcmp(h.auth, "Bearer k", 8) == 0,
+           "the whole request");
+    expect(http_parse(ok, strlen(ok) - 1, 100, &h) == 0, "a body not all there");
+    expect(http_parse(ok, 20, 100, &h) == 0, "a header not all there");
+    const char *cont = "POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n";
+    expect(http_parse(cont, strlen(cont), 100, &h) == 0 && h.expect_continue, "Expect: 100-continue before the body");
+    expect(http_parse(ok, strlen(ok), 4, &h) == 413, "a body over the limit");
+    expect(http_parse("GET / HTTP/2.0\r\n\r\n", 18, 100, &h) == 400, "HTTP/2.0");
+    expect(http_parse("get / HTTP/1.1\r\n\r\n", 18, 100, &h) == 400, "a lower-case method");
+    expect(http_parse("GET x HTTP/1.1\r\n\r\n", 18, 100, &h) == 400, "a path without /");
+    expect(http_parse("GET / HTTP/1.1\r\nNoColon\r\n\r\n", 27, 100, &h) == 400, "a header line without ':'");
+    expect(http_parse("GET / HTTP/1.1\r\nContent-Length: 1x\r\n\r\n", 38, 100, &h) == 400, "a bad Content-Length");
+    expect(http_parse("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 47, 100, &h) == 501, "a chunked body");
+    char *big = xcalloc(HTTP_MAX_HEADER + 1, 1);
+    memset(big, 'a', HTTP_MAX_HEADER);
+    expect(http_parse(big, HTTP_MAX_HEADER, 100, &h) == 431, "a header over HTTP_MAX_HEADER");
+    free(big);
+    end();
 }
 
 int main(void) {
@@ -1408,11 +2408,24 @@ int main(void) {
     test_small_tokenizer();
     test_rng();
     test_samplers();
+    test_controls();
     test_kernels();
+    test_quantised_matmul();
+    test_matmul_vector_shapes();
+    test_block_allocator();
+    test_attention_tiles();
+    test_kv_f16();
+    test_kv_q8_0();
+    test_kv_reads();
     test_forward();
     test_bad_checkpoints();
     test_bad_tokenizers();
     test_cli_helpers();
+    test_file_kinds();
+    test_conversation();
+    test_context_positions();
+    test_engine_cancel();
+    test_http_parse();
 
     if (have_tok512) free_tokenizer(&tok512);
     if (have_tok32k) free_tokenizer(&tok32k);

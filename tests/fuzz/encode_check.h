@@ -173,7 +173,7 @@ static void check_encode(const Tokenizer *t, const char *text, int bos, int eos,
             CHECK(at + piece_len < cap, "decoded pieces overflow %zu bytes", cap);
             memcpy(joined + at, piece, piece_len);
             at += piece_len;
-            (void)piece_is_printable(piece);
+            (void)piece_is_printable(t, piece);
             prev = tokens[i];
         }
         if (round_trip)

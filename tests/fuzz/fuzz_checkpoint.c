@@ -9,6 +9,7 @@
 #include "fuzz_common.h"
 
 static Transformer t; /* static: read after longjmp */
+static BlockTable table;
 
 /* Loads the checkpoint at `path` and runs the forward pass on it; returns
    whether that went without an error. */
@@ -23,16 +24,22 @@ static int load_and_run(const char *path, size_t size) {
               "a loaded config has a non-positive field");
         CHECK(p->dim % p->n_heads == 0 && p->n_heads % p->n_kv_heads == 0 && (p->dim / p->n_heads) % 2 == 0,
               "a loaded config has inconsistent heads");
-        /* every weight value is at least 1 byte of the file */
-        CHECK((uint64_t)p->vocab_size * (uint64_t)p->dim <= (uint64_t)size, "the embedding cannot fit in %zu bytes", size);
+        /* every weight value is at least 1 byte of the file (half a byte at 4 bits) */
+        uint64_t per_byte = t.version == 3 ? 2 : 1;
+        CHECK((uint64_t)p->vocab_size * (uint64_t)p->dim <= per_byte * (uint64_t)size, "the embedding cannot fit in %zu bytes", size);
+        CHECK(t.version != 3 || (t.group_size > 0 && t.group_size % 2 == 0 && p->dim % t.group_size == 0 &&
+                                 p->hidden_dim % t.group_size == 0),
+              "a loaded version 3 model has group size %d", t.group_size);
         t.config.seq_len = 4; /* only the state's size depends on it now */
-        alloc_run_state(&t.state, &t.config, 2, 1, t.config.seq_len);
-        int tokens[2] = {0, t.config.vocab_size - 1};
-        forward_sequence(&t, tokens, 2, 0, 0);
-        forward_token(&t, t.config.vocab_size / 2, 2);
+        alloc_run_state(&t.state, &t.config, 2, t.config.seq_len, 1, KV_F32);
+        int tokens[3] = {0, t.config.vocab_size - 1, t.config.vocab_size / 2};
+        forward_rows(&t, &table, tokens, 2, 0, 1);
+        forward_rows(&t, &table, tokens + 2, 1, 2, 0);
         ok = 1;
     }
     error_trap = NULL;
+    table_free(&t.state.cache, &table);
+    free_run_state(&t.state);
     free_transformer(&t);
     release_mappings();
     return ok;
@@ -63,6 +70,10 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     check_harness("v0-shared");
     check_harness("v1-separate");
     check_harness("v2-int8");
+    check_harness("v3-q4");
+    check_harness("v3-q4-separate");
+    check_harness("v4-f32-llama3-rope");
+    check_harness("v4-int8");
     return 0;
 }
 

@@ -5,9 +5,11 @@
 
    Input: command-line arguments after the checkpoint, separated by NUL
    bytes; after the first empty argument (two NULs in a row), the text that
-   chat reads from stdin. The arguments go through parse_options(); the rest
-   mirrors main() in run.c, except that the seed is never taken from the
-   clock and more than 8 beams are skipped (slow, not different). Errors that
+   chat (or --batch -) reads from stdin. The arguments go through
+   parse_options(), then run_program() as main() in run.c calls it, except
+   that the clock seed is 1, more than 8 beams or --parallel are skipped
+   (slow, not different), as are --keep runs of more than 2000 positions,
+   and so is -m serve (it would listen for ever). Errors that
    main() would report (a prompt beyond the context, a byte without a token)
    are caught. Set FUZZ_CORPUS to the corpus directory when not running from
    the repository root. */
@@ -15,6 +17,7 @@
 
 #define MAX_ARGS 64
 #define MAX_BEAMS 8
+#define MAX_KEEP_POSITIONS 2000 /* --keep runs as long as -n says: longer ones are skipped (slow, not different) */
 
 static Transformer model;
 static Tokenizer tok;
@@ -61,7 +64,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     return 0;
 }
 
-static Sampler sampler;
+static Engine engine;
+static Speculator *spec; /* --lookup */
 static FILE *chat_input;
 
 /* Runs the arguments and stdin text in `data` (see above); returns whether
@@ -95,21 +99,18 @@ static int run_input(const uint8_t *data, size_t size) {
     error_trap = &fuzz_trap;
     if (setjmp(fuzz_trap) == 0) {
         Options o = parse_options(argc, argv);
-        const Config *p = &model.config;
-        int steps = (o.steps == 0 || o.steps > p->seq_len) ? p->seq_len : o.steps;
-        if (o.beams <= MAX_BEAMS) {
-            int n_slots = o.beams > 1 ? o.beams : 1;
-            alloc_run_state(&model.state, p, n_slots > PROMPT_BLOCK_ROWS ? n_slots : PROMPT_BLOCK_ROWS, n_slots, steps);
-            init_sampler(&sampler, p->vocab_size, o.temperature, o.topp, o.seed ? o.seed : 1);
-            EarlyStopping early = o.beams == 1 ? STOP_EARLY : o.early_stopping;
-            Decoding d = {&sampler, {o.beams, o.length_penalty, early}, o.n_return, o.format};
-            if (strcmp(o.mode, "chat") == 0) chat(&model, &tok, &d, o.prompt, o.system_prompt, steps);
-            else generate(&model, &tok, &d, o.prompt ? o.prompt : "", steps);
-        }
+        /* prompt lookup runs; a draft file is not read (the input names no files) */
+        if (o.lookup) spec = speculator_new(o.lookup, o.draft_max, NULL);
+        /* -m serve would listen for ever: tests/fuzz/fuzz_http.c covers the server's input */
+        if (o.beams <= MAX_BEAMS && o.parallel <= MAX_BEAMS && !o.draft_file && strcmp(o.mode, "serve") != 0 &&
+            (o.keep < 0 || run_positions(&o, model.config.seq_len) <= MAX_KEEP_POSITIONS))
+            run_program(&engine, &model, &tok, &o, 1, spec);
         ok = 1;
     }
     error_trap = NULL;
-    free_sampler(&sampler);
+    engine_free(&engine);
+    speculator_free(spec);
+    spec = NULL;
     free_run_state(&model.state);
     stdin = saved_stdin;
     fclose(chat_input);

@@ -1,0 +1,81 @@
+/* Test driver for tests/test_llama3.py: includes run.c and prints what its
+   internals compute, for comparison with independent references.
+     llama3_dump tokens TOKENIZER VOCAB_SIZE < hex lines
+         per line (a text in hex: any bytes, invalid UTF-8 included): the ids
+         of encode(text) without BOS or EOS, a tab, the hex of the bytes
+         their pieces decode to
+     llama3_dump chat TOKENIZER VOCAB_SIZE FIRST SYSTEM USER
+         the ids of one chat turn in the tokenizer's template (FIRST: 1 for
+         the first turn of a conversation, else 0; SYSTEM "" for none)
+     llama3_dump logits CHECKPOINT ID...
+         the logits after each of the ids (fed at positions 0, 1, ...), one
+         line of vocab_size numbers per position */
+#define TESTING
+#include "../run.c"
+
+static int hex_digit(int c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
+static void dump_tokens(const Tokenizer *tok) {
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    while ((len = getline(&line, &cap, stdin)) >= 0) {
+        while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
+        char *text = xcalloc((size_t)len / 2 + 1, 1);
+        for (ssize_t i = 0; i + 1 < len; i += 2) text[i / 2] = (char)(hex_digit(line[i]) * 16 + hex_digit(line[i + 1]));
+        int *ids = xcalloc(encode_capacity(tok, strlen(text)), sizeof(int)), bad = 0;
+        int n = encode(tok, text, 0, 0, ids, &bad);
+        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        putchar('\t');
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < tok->piece_len[ids[i]]; j++) printf("%02x", (unsigned char)tok->vocab[ids[i]][j]);
+        putchar('\n');
+        free(ids);
+        free(text);
+    }
+    free(line);
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 4 && strcmp(argv[1], "tokens") == 0) {
+        Tokenizer tok;
+        load_tokenizer(&tok, argv[2], atoi(argv[3]));
+        dump_tokens(&tok);
+        free_tokenizer(&tok);
+        return 0;
+    }
+    if (argc == 7 && strcmp(argv[1], "chat") == 0) {
+        Tokenizer tok;
+        load_tokenizer(&tok, argv[2], atoi(argv[3]));
+        int n = 0, *ids = chat_turn_tokens(&tok, argv[5], argv[6], atoi(argv[4]), 1 << 20, &n);
+        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        putchar('\n');
+        free(ids);
+        free_tokenizer(&tok);
+        return 0;
+    }
+    if (argc >= 4 && strcmp(argv[1], "logits") == 0) {
+        Transformer t;
+        load_checkpoint(&t, argv[2]);
+        int n = argc - 3;
+        alloc_run_state(&t.state, &t.config, 1, n, n / KV_BLOCK + 2, KV_F32);
+        BlockTable table = {0};
+        const BlockTable *tables[1] = {&table};
+        for (int i = 0; i < n; i++) {
+            int token = atoi(argv[3 + i]), row = 0;
+            table_prepare_write(&t.state.cache, &table, i);
+            Batch b = {1, &token, &i, tables, &row, 1};
+            float *logits = forward(&t, &b);
+            for (int v = 0; v < t.config.vocab_size; v++) printf(v ? " %.9g" : "%.9g", logits[v]);
+            putchar('\n');
+        }
+        table_free(&t.state.cache, &table);
+        free_run_state(&t.state);
+        free_transformer(&t);
+        return 0;
+    }
+    fprintf(stderr, "usage: llama3_dump tokens TOKENIZER VOCAB | chat TOKENIZER VOCAB FIRST SYSTEM USER | logits CHECKPOINT ID...\n");
+    return 2;
+}
