@@ -140,6 +140,17 @@ static void *xcalloc(size_t count, size_t size) {
    has a POSIX and a Windows version that behave alike, so the rest of the
    file has no platform #ifdef. */
 
+/* A socket of the server (section 11) is an int; NO_SOCKET is none. */
+typedef int Socket;
+#define NO_SOCKET (-1)
+
+/* What a socket is waited for (want_*) and what poll found (can_*). */
+typedef struct {
+    Socket s;
+    int want_read, want_write;
+    int can_read, can_write;
+} NetWait;
+
 #ifndef _WIN32
 /* Maps the regular file at `path` read-only and sets *size to its length;
    dies naming `kind` when it cannot be opened, is not a regular file, is
@@ -196,17 +207,7 @@ static void on_sigint(void (*handler)(int), int restart) {
 static void on_sigterm(void (*handler)(int)) { signal(SIGTERM, handler); }
 
 /* Sockets for the server (section 11): TCP, non-blocking, waited on with
-   poll(). A socket is an int; NO_SOCKET is none. */
-typedef int Socket;
-#define NO_SOCKET (-1)
-
-/* What a socket is waited for (want_*) and what poll found (can_*). */
-typedef struct {
-    Socket s;
-    int want_read, want_write;
-    int can_read, can_write;
-} NetWait;
-
+   poll(). */
 static void net_nonblocking(Socket s) { fcntl(s, F_SETFL, fcntl(s, F_GETFL, 0) | O_NONBLOCK); }
 
 /* A listening socket on host:port (port 0: a free one); *bound gets the
@@ -384,15 +385,6 @@ static void on_sigterm(void (*handler)(int)) { signal(SIGTERM, handler); }
 
 /* The server is not built for Windows: listening says so (the rest is never
    reached), and the Windows build needs no socket library. */
-typedef int Socket;
-#define NO_SOCKET (-1)
-
-typedef struct {
-    Socket s;
-    int want_read, want_write;
-    int can_read, can_write;
-} NetWait;
-
 static Socket net_listen(const char *host, int port, int *bound) {
     (void)host, (void)port, (void)bound;
     die(EXIT_USAGE, "-m serve is not supported on Windows (run it on Linux or macOS)");
@@ -3493,6 +3485,7 @@ static int decode_utf8(const unsigned char *s, size_t n, int *len) {
     return cp;
 }
 
+/* Writes code point cp (at most 0x10FFFF) as UTF-8 at out; returns the byte count. */
 static int encode_utf8(int cp, char *out) {
     if (cp < 0x80) { out[0] = (char)cp; return 1; }
     if (cp < 0x800) { out[0] = (char)(0xC0 | cp >> 6); out[1] = (char)(0x80 | (cp & 0x3F)); return 2; }
@@ -6178,19 +6171,6 @@ static long json_hex4(const char *p, const char *end) {
     return v;
 }
 
-/* Appends code point cp as UTF-8 at o; returns the byte count. */
-static int put_utf8(char *o, long cp) {
-    if (cp < 0x80) { o[0] = (char)cp; return 1; }
-    if (cp < 0x800) { o[0] = (char)(0xC0 | cp >> 6); o[1] = (char)(0x80 | (cp & 0x3F)); return 2; }
-    if (cp < 0x10000) {
-        o[0] = (char)(0xE0 | cp >> 12); o[1] = (char)(0x80 | (cp >> 6 & 0x3F)); o[2] = (char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    o[0] = (char)(0xF0 | cp >> 18); o[1] = (char)(0x80 | (cp >> 12 & 0x3F));
-    o[2] = (char)(0x80 | (cp >> 6 & 0x3F)); o[3] = (char)(0x80 | (cp & 0x3F));
-    return 4;
-}
-
 /* The string at the cursor (after its opening quote), unescaped; `what`
    names it for errors. The caller frees it. */
 static char *json_string(JsonCursor *j, const char *what) {
@@ -6215,7 +6195,7 @@ static char *json_string(JsonCursor *j, const char *what) {
             }
         }
         if (cp <= 0 || (cp >= 0xD800 && cp <= 0xDFFF)) { free(out); json_fail(j, "%s: bad \\u escape (NUL, lone surrogate or not hex)", what); }
-        o += put_utf8(o, cp);
+        o += encode_utf8((int)cp, o);
     }
     *o = '\0';
     return out;
