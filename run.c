@@ -6155,6 +6155,20 @@ static void json_space(JsonCursor *j) {
     while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\r' || *j->p == '\n')) j->p++;
 }
 
+/* Whether another item follows in the list or object at the cursor (it is
+   not at `close`); before every item but the first, reads the ',' (else
+   json_fail says `expected`) and the spaces after it. */
+static int json_next_item(JsonCursor *j, char close, int *first, const char *expected) {
+    if (j->p < j->end && *j->p == close) return 0;
+    if (!*first) {
+        if (j->p >= j->end || *j->p != ',') json_fail(j, "%s", expected);
+        j->p++;
+        json_space(j);
+    }
+    *first = 0;
+    return 1;
+}
+
 static int hex_value(char c) {
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
 }
@@ -6349,12 +6363,7 @@ static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, 
 static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
     j->p++; /* [ */
     json_space(j);
-    for (int first = 1; !(j->p < j->end && *j->p == ']'); first = 0) {
-        if (!first) {
-            if (j->p >= j->end || *j->p != ',') json_fail(j, "field 'stop': expected ',' or ']' in the list");
-            j->p++;
-            json_space(j);
-        }
+    for (int first = 1; json_next_item(j, ']', &first, "field 'stop': expected ',' or ']' in the list");) {
         if (j->p >= j->end || *j->p != '"') json_fail(j, "field 'stop': must be a string or a list of strings");
         j->p++;
         *text = json_string(j, "stop");
@@ -6375,14 +6384,7 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
     if (j->p >= j->end || *j->p != '{') json_fail(j, "not a JSON object");
     j->p++;
     json_space(j);
-    int first = 1;
-    while (!(j->p < j->end && *j->p == '}')) {
-        if (!first) {
-            if (j->p >= j->end || *j->p != ',') json_fail(j, "expected ',' or '}' after a field");
-            j->p++;
-            json_space(j);
-        }
-        first = 0;
+    for (int first = 1; json_next_item(j, '}', &first, "expected ',' or '}' after a field");) {
         if (j->p >= j->end || *j->p != '"') json_fail(j, "expected a field name in quotes");
         j->p++;
         if (tmp->n_names == 16) json_fail(j, "too many fields");
@@ -6812,12 +6814,7 @@ static void json_skip(JsonCursor *j, int depth) {
         int object = close == '}';
         j->p++;
         json_space(j);
-        for (int first = 1; !(j->p < j->end && *j->p == close); first = 0) {
-            if (!first) {
-                if (j->p >= j->end || *j->p != ',') json_fail(j, "expected ',' or '%c'", close);
-                j->p++;
-                json_space(j);
-            }
+        for (int first = 1; json_next_item(j, close, &first, object ? "expected ',' or '}'" : "expected ',' or ']'");) {
             if (object) {
                 if (j->p >= j->end || *j->p != '"') json_fail(j, "expected a field name in quotes");
                 j->p++;
@@ -6844,12 +6841,7 @@ static void json_object(JsonCursor *j, ServeFields *f, void (*field)(JsonCursor 
     if (j->p >= j->end || *j->p != '{') json_fail(j, "expected a JSON object");
     j->p++;
     json_space(j);
-    for (int first = 1; !(j->p < j->end && *j->p == '}'); first = 0) {
-        if (!first) {
-            if (j->p >= j->end || *j->p != ',') json_fail(j, "expected ',' or '}' after a field");
-            j->p++;
-            json_space(j);
-        }
+    for (int first = 1; json_next_item(j, '}', &first, "expected ',' or '}' after a field");) {
         if (j->p >= j->end || *j->p != '"') json_fail(j, "expected a field name in quotes");
         j->p++;
         char *name = json_string(j, "field name");
@@ -6886,12 +6878,7 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
     if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages': must be a list of objects");
     j->p++;
     json_space(j);
-    for (int first = 1; !(j->p < j->end && *j->p == ']'); first = 0) {
-        if (!first) {
-            if (j->p >= j->end || *j->p != ',') json_fail(j, "field 'messages': expected ',' or ']'");
-            j->p++;
-            json_space(j);
-        }
+    for (int first = 1; json_next_item(j, ']', &first, "field 'messages': expected ',' or ']'");) {
         f->roles = realloc(f->roles, (size_t)(f->n_messages + 1) * sizeof(char *));
         f->contents = realloc(f->contents, (size_t)(f->n_messages + 1) * sizeof(char *));
         if (!f->roles || !f->contents) die(EXIT_BAD_FILE, "out of memory");
