@@ -492,6 +492,7 @@ typedef struct {
 typedef struct {
     int max_rows;
     int context;    /* the most positions a sequence may reach */
+    float att_scale; /* what attention scores are divided by, or multiplied by: attention_scale */
     float *x;       /* (max_rows, dim) residual stream */
     float *xb;      /* (max_rows, dim) normalised input / attention output */
     float *xb2;     /* (max_rows, dim) projection output */
@@ -925,8 +926,15 @@ static void softmax(float *x, int size) {
 static inline __attribute__((always_inline)) void prefetch(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
+/* the same into the second-level cache only, for data needed well after the
+   data now in use, which the first-level cache has too little room to hold
+   beside it */
+static inline __attribute__((always_inline)) void prefetch_far(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
+}
 #else
 static void prefetch(const void *p, size_t bytes) { (void)p; (void)bytes; }
+static void prefetch_far(const void *p, size_t bytes) { (void)p; (void)bytes; }
 #endif
 
 /* A matmul of fewer multiply-adds than this runs on one thread: waking the
@@ -1056,6 +1064,14 @@ static inline vfloat vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, vfloat v) { _mm512_storeu_ps(p, v); }
 static inline vfloat vf_set(float v) { return _mm512_set1_ps(v); }
 static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vfloat vf_add(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+static inline vfloat vf_mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+static inline vfloat vf_max(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+/* to the nearest whole number (ties to even); 2^n of whole numbers n in -126..127 */
+static inline vfloat vf_round(vfloat v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vfloat vf_pow2(vfloat n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 /* The sum of the lanes, as a tree: v[k] + v[k+8], then + the lanes 4 on,
    then 2 on, then 1 on. */
 static inline float vf_sum(vfloat v) {
@@ -1111,6 +1127,13 @@ static inline vfloat vf_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vf_store(float *p, vfloat v) { _mm256_storeu_ps(p, v); }
 static inline vfloat vf_set(float v) { return _mm256_set1_ps(v); }
 static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vfloat vf_add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+static inline vfloat vf_mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+static inline vfloat vf_max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+static inline vfloat vf_round(vfloat v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vfloat vf_pow2(vfloat n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 /* as a tree: v[k] + v[k+4], then + the lanes 2 on, then 1 on */
 static inline float vf_sum(vfloat v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1155,6 +1178,11 @@ static inline vfloat vf_load(const float *p) { return vld1q_f32(p); }
 static inline void vf_store(float *p, vfloat v) { vst1q_f32(p, v); }
 static inline vfloat vf_set(float v) { return vdupq_n_f32(v); }
 static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) { return vfmaq_f32(c, a, b); }
+static inline vfloat vf_add(vfloat a, vfloat b) { return vaddq_f32(a, b); }
+static inline vfloat vf_mul(vfloat a, vfloat b) { return vmulq_f32(a, b); }
+static inline vfloat vf_max(vfloat a, vfloat b) { return vmaxq_f32(a, b); }
+static inline vfloat vf_round(vfloat v) { return vrndnq_f32(v); }
+static inline vfloat vf_pow2(vfloat n) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23)); }
 static inline float vf_sum(vfloat v) { return vaddvq_f32(v); }
 /* lane q = vf_sum(v[q]) for 4 vectors: the same instruction for each */
 static inline vfloat vf_sums(const vfloat *v) {
@@ -2453,60 +2481,76 @@ static size_t kv_span(const KVCache *c, size_t from, size_t n, size_t *start) {
 }
 
 /* The reads of attention, on a row as stored, without a float copy of it.
-   q . row[off..off+n-1]: float32 rows in llama2.c's order (as before types
-   existed); the others as vectors where the build has the loads and the
-   stretch is whole vectors (for q8_0: of one group each), else in order. */
+   q . row[off..off+n-1]: in vector builds, when the stretch is whole vectors
+   (for q8_0: of one group each), one vector accumulator takes the products
+   SIMD_WIDTH values at a time and its lanes are added up at the end (vf_sum);
+   otherwise in order (the plain build: llama2.c's order). */
+#ifdef SIMD_WIDTH
+/* Whether row[off..off+n-1] is read as vectors: whole vectors, of a type
+   this build loads as vectors. */
+static int kv_vectors(const KVCache *c, int off, int n) {
+#ifdef VF_CACHE_LOADS
+    (void)c;
+    const int typed = 1;
+#else
+    const int typed = c->type == KV_F32;
+#endif
+    return typed && off % SIMD_WIDTH == 0 && n % SIMD_WIDTH == 0;
+}
+
+/* Values j..j+SIMD_WIDTH-1 of a row of `type` (kv_dim values), as floats;
+   always inlined, so that the type is a constant where it is one. */
+static inline __attribute__((always_inline)) vfloat kv_vector(const unsigned char *row, int j, int kv_dim, int type) {
+#ifdef VF_CACHE_LOADS
+    if (type == KV_F16) return vf_load_half((const uint16_t *)row + j);
+    if (type == KV_Q8_0) return vf_load_i8_scaled((const int8_t *)row + j, ((const float *)(row + kv_dim))[j / KV_GROUP]);
+#endif
+    (void)kv_dim; (void)type;
+    return vf_load((const float *)row + j);
+}
+#endif
+
+/* Value j of a row, as a float. */
+static float kv_value(const KVCache *c, const unsigned char *row, int j) {
+    if (c->type == KV_F32) return ((const float *)row)[j];
+    if (c->type == KV_F16) return half_to_float(((const uint16_t *)row)[j]);
+    return (float)((const int8_t *)row)[j] * ((const float *)(row + c->kv_dim))[j / KV_GROUP];
+}
+
 static float kv_dot(const KVCache *c, const unsigned char *row, int off, const float *q, int n) {
+#ifdef SIMD_WIDTH
+    if (kv_vectors(c, off, n)) {
+        vfloat acc = vf_zero();
+        for (int i = 0; i < n; i += SIMD_WIDTH) acc = vf_fma(vf_load(q + i), kv_vector(row, off + i, c->kv_dim, c->type), acc);
+        return vf_sum(acc);
+    }
+#endif
     float score = 0.0f;
-    if (c->type == KV_F32) {
+    if (c->type == KV_F32) { /* as llama2.c */
         const float *k = (const float *)row + off;
         for (int i = 0; i < n; i++) score += q[i] * k[i];
         return score;
     }
-    const float *scales = (const float *)(row + c->kv_dim);
-#ifdef VF_CACHE_LOADS
-    if (off % SIMD_WIDTH == 0 && n % SIMD_WIDTH == 0) {
-        vfloat acc = vf_zero();
-        for (int i = 0; i < n; i += SIMD_WIDTH) {
-            vfloat k = c->type == KV_F16 ? vf_load_half((const uint16_t *)row + off + i)
-                                         : vf_load_i8_scaled((const int8_t *)row + off + i, scales[(off + i) / KV_GROUP]);
-            acc = vf_fma(vf_load(q + i), k, acc);
-        }
-        return vf_sum(acc);
-    }
-#endif
-    for (int i = 0; i < n; i++) {
-        int j = off + i;
-        float k = c->type == KV_F16 ? half_to_float(((const uint16_t *)row)[j]) : (float)((const int8_t *)row)[j] * scales[j / KV_GROUP];
-        score += q[i] * k;
-    }
+    for (int i = 0; i < n; i++) score += q[i] * kv_value(c, row, off + i);
     return score;
 }
 
-/* xb[0..n-1] += a * row[off..off+n-1], the same way. */
+/* xb[0..n-1] += a * row[off..off+n-1], the same way (one fused multiply-add
+   per value in vector builds). */
 static void kv_axpy(const KVCache *c, const unsigned char *row, int off, float a, float *xb, int n) {
-    if (c->type == KV_F32) {
+#ifdef SIMD_WIDTH
+    if (kv_vectors(c, off, n)) {
+        vfloat va = vf_set(a);
+        for (int i = 0; i < n; i += SIMD_WIDTH) vf_store(xb + i, vf_fma(va, kv_vector(row, off + i, c->kv_dim, c->type), vf_load(xb + i)));
+        return;
+    }
+#endif
+    if (c->type == KV_F32) { /* as llama2.c */
         const float *v = (const float *)row + off;
         for (int i = 0; i < n; i++) xb[i] += a * v[i];
         return;
     }
-    const float *scales = (const float *)(row + c->kv_dim);
-#ifdef VF_CACHE_LOADS
-    if (off % SIMD_WIDTH == 0 && n % SIMD_WIDTH == 0) {
-        vfloat va = vf_set(a);
-        for (int i = 0; i < n; i += SIMD_WIDTH) {
-            vfloat v = c->type == KV_F16 ? vf_load_half((const uint16_t *)row + off + i)
-                                         : vf_load_i8_scaled((const int8_t *)row + off + i, scales[(off + i) / KV_GROUP]);
-            vf_store(xb + i, vf_fma(va, v, vf_load(xb + i)));
-        }
-        return;
-    }
-#endif
-    for (int i = 0; i < n; i++) {
-        int j = off + i;
-        float v = c->type == KV_F16 ? half_to_float(((const uint16_t *)row)[j]) : (float)((const int8_t *)row)[j] * scales[j / KV_GROUP];
-        xb[i] += a * v;
-    }
+    for (int i = 0; i < n; i++) xb[i] += a * kv_value(c, row, off + i);
 }
 
 /* Makes position pos writable for table t: a new block when pos starts one,
@@ -2553,11 +2597,81 @@ static void table_prepare_write(KVCache *c, BlockTable *t, int pos) {
 static int attention_score_rows(const Config *p) { return p->n_heads > ATTENTION_SCORES ? p->n_heads : ATTENTION_SCORES; }
 static size_t attention_score_stride(int context) { return (size_t)context + ATTENTION_PAD; }
 
+/* Cached positions that attention takes at once (section 4): their keys
+   (values) stay in the first-level cache while every query of a tile uses
+   them, and the next block's are prefetched meanwhile. */
+#define ATTENTION_KEYS 16
+
 /* Floats of one thread's attention buffers (AttnScratch, section 4): the
-   rows of scores, their queries (three sets: --keep) and outputs. */
+   rows of scores, their queries (three sets: --keep) and outputs, and a
+   block of cached rows as floats. */
 static size_t attention_floats(const Config *p, int context) {
-    return (size_t)attention_score_rows(p) * (attention_score_stride(context) + 4 * (size_t)(p->dim / p->n_heads));
+    return (size_t)attention_score_rows(p) * (attention_score_stride(context) + 4 * (size_t)(p->dim / p->n_heads)) +
+           (size_t)ATTENTION_KEYS * (p->dim / p->n_heads * p->n_kv_heads);
 }
+
+/* A score q . k divided by sqrt(head_size), as llama2.c does: by = RunState's
+   att_scale. With reciprocal math (-Ofast), a compiler turns divisions by
+   one value into multiplications by its reciprocal where it counts enough
+   of them, so that one score could round differently in two places; those
+   builds multiply by the reciprocal everywhere, computed once. */
+#if defined(__RECIPROCAL_MATH__) || defined(__FAST_MATH__)
+static float attention_scale_of(int head_size) { return 1.0f / sqrtf(head_size); }
+static inline float attention_scale(float score, float by) { return score * by; }
+#else
+static float attention_scale_of(int head_size) { return sqrtf(head_size); }
+static inline float attention_scale(float score, float by) { return score / by; }
+#endif
+
+/* The softmax of a row of attention scores, x[0..size-1]. The plain build
+   calls softmax() (llama2.c's); vector builds take it SIMD_WIDTH scores at a
+   time, e^x by vf_exp and the sum in vector lanes added up by vf_sum, so x
+   must have room for size rounded up to a whole vector (rows of scores are
+   ATTENTION_PAD floats longer than the context). Each weight depends on its
+   row alone, not on where the row lies. */
+#ifdef SIMD_WIDTH
+/* e^x for x <= 0, within a unit in the last place (the unit tests measure
+   it): x = n ln 2 + r with |r| <= ln(2) / 2, e^r by Cephes's polynomial,
+   times 2^n. Below -87 it gives e^-87 (about 1.6e-38), which beside the
+   largest score's e^0 = 1 weighs nothing. */
+static inline vfloat vf_exp(vfloat x) {
+    x = vf_max(x, vf_set(-87.0f));
+    vfloat n = vf_round(vf_mul(x, vf_set(1.44269504088896341f)));
+    vfloat r = vf_fma(n, vf_set(-0.693359375f), x); /* ln 2 in two parts, the first exact in few bits */
+    r = vf_fma(n, vf_set(2.12194440e-4f), r);
+    vfloat p = vf_set(1.9875691500e-4f);
+    p = vf_fma(p, r, vf_set(1.3981999507e-3f));
+    p = vf_fma(p, r, vf_set(8.3334519073e-3f));
+    p = vf_fma(p, r, vf_set(4.1665795894e-2f));
+    p = vf_fma(p, r, vf_set(1.6666665459e-1f));
+    p = vf_fma(p, r, vf_set(5.0000001201e-1f));
+    vfloat e = vf_add(vf_fma(p, vf_mul(r, r), r), vf_set(1.0f));
+    return vf_mul(e, vf_pow2(n));
+}
+
+static void attention_softmax(float *x, int size) {
+    const int whole = size / SIMD_WIDTH * SIMD_WIDTH, n = whole < size ? whole + SIMD_WIDTH : whole;
+    for (int i = size; i < n; i++) x[i] = -INFINITY;
+    vfloat m = vf_load(x);
+    for (int i = SIMD_WIDTH; i < n; i += SIMD_WIDTH) m = vf_max(m, vf_load(x + i));
+    float lanes[SIMD_WIDTH], max_val = -INFINITY;
+    vf_store(lanes, m);
+    for (int k = 0; k < SIMD_WIDTH; k++)
+        if (lanes[k] > max_val) max_val = lanes[k];
+    const vfloat minus_max = vf_set(-max_val);
+    vfloat sum = vf_zero();
+    for (int i = 0; i < n; i += SIMD_WIDTH) {
+        vf_store(x + i, vf_exp(vf_add(vf_load(x + i), minus_max)));
+        if (i == whole) /* the last, partial vector: the lanes past size add nothing */
+            for (int k = size; k < n; k++) x[k] = 0.0f;
+        sum = vf_add(sum, vf_load(x + i));
+    }
+    const vfloat inverse = vf_set(1.0f / vf_sum(sum));
+    for (int i = 0; i < n; i += SIMD_WIDTH) vf_store(x + i, vf_mul(vf_load(x + i), inverse));
+}
+#else
+static void attention_softmax(float *x, int size) { softmax(x, size); }
+#endif
 
 /* Activations for `max_rows` rows at once, for sequences of at most
    `context` positions, and a cache of n_blocks blocks of kv_type. */
@@ -2566,6 +2680,7 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
     size_t rows = (size_t)max_rows;
     s->max_rows = max_rows;
     s->context = context;
+    s->att_scale = attention_scale_of(p->dim / p->n_heads);
     s->x = xcalloc(rows * p->dim, sizeof(float));
     s->xb = xcalloc(rows * p->dim, sizeof(float));
     s->xb2 = xcalloc(rows * p->dim, sizeof(float));
@@ -2635,6 +2750,7 @@ typedef struct {
     float *scores; /* (score_rows, stride): softmax weights of positions 0..pos */
     float *q;      /* (3, score_rows, head_size) the queries of the rows of scores, by kv_query_turn */
     float *out;    /* (score_rows, head_size) their outputs */
+    float *rows;   /* (ATTENTION_KEYS, kv_dim) a block of f16 or q8_0 keys or values, as floats */
     size_t stride; /* floats from one row of scores to the next */
     size_t turn;   /* score_rows * head_size: from one set of queries to the next */
 } AttnScratch;
@@ -2648,6 +2764,7 @@ static AttnScratch attention_scratch(const Config *p, const RunState *s, int thr
     a.q = a.scores + rows * a.stride;
     a.turn = rows * (size_t)(p->dim / p->n_heads);
     a.out = a.q + 3 * a.turn;
+    a.rows = a.out + a.turn;
     return a;
 }
 
@@ -2665,25 +2782,157 @@ static int attention_tiles(const Batch *b, int tile_rows, int *first) {
     return n_tiles;
 }
 
-/* The scores of one cached key row for m rows x heads g0..g0+w-1 (queries
-   q, packed (m, w, head_size)): score = q . key / sqrt(head_size), into
-   scores (row i * w + h - g0 at that times stride). */
-static void attention_dot_tile(const KVCache *c, const unsigned char *keys, const float *q, float *scores, size_t stride,
-                               int m, int g0, int w, int kv_mul, int head_size) {
-    for (int h = 0; h < w; h++) {
-        const int off = (g0 + h) / kv_mul * head_size;
-        for (int i = 0; i < m; i++) {
-            const size_t row = (size_t)i * w + h;
-            float score = kv_dot(c, keys, off, q + row * head_size, head_size);
-            score /= sqrtf(head_size);
-            scores[row * stride] = score;
+/* The kernels of a block of keys. Each score and each output value is
+   computed exactly as kv_dot and kv_axpy compute it (the unit tests check
+   it bit for bit), so a row's attention does not depend on the other rows
+   of its tile; vector builds only keep more of it in registers and in
+   flight: the accumulators of SIMD_WIDTH keys' scores at once, added up
+   with vf_sums, and the outputs of several queries across keys. */
+
+#ifdef SIMD_WIDTH
+/* scores[k] = q . key_k[off..off+hs-1] * or / scale for the n <= ATTENTION_KEYS
+   rows keys[0..n-1] of `type`, read as vectors, SIMD_WIDTH keys at a time
+   (a constant type in each inlined copy). */
+KERNEL void dot_block(const unsigned char *const *keys, int n, int off, const float *q, int hs, float scale, float *scores, int kv_dim,
+                      const int type) {
+    for (int k0 = 0; k0 < n; k0 += SIMD_WIDTH) {
+        vfloat acc[SIMD_WIDTH];
+        const unsigned char *key[SIMD_WIDTH]; /* past n: key k0 again, its sum unused */
+        for (int k = 0; k < SIMD_WIDTH; k++) {
+            acc[k] = vf_zero();
+            key[k] = keys[k0 + k < n ? k0 + k : k0];
+        }
+        for (int i = 0; i < hs; i += SIMD_WIDTH) {
+            vfloat qi = vf_load(q + i);
+            for (int k = 0; k < SIMD_WIDTH; k++) acc[k] = vf_fma(qi, kv_vector(key[k], off + i, kv_dim, type), acc[k]);
+        }
+        float sums[SIMD_WIDTH];
+        vf_store(sums, vf_sums(acc));
+        for (int k = 0; k < SIMD_WIDTH && k0 + k < n; k++) scores[k0 + k] = attention_scale(sums[k], scale);
+    }
+}
+
+/* out_r[i..i+V*SIMD_WIDTH-1] += sum_k w_r[k] * value_k[off+i..] for R
+   queries r (weights w + r * ws, outputs out + r * os) and the n rows
+   `values` of `type`, keys in order: each output one fused multiply-add
+   per key, as kv_axpy. R, V and the type are constants in each inlined
+   copy. */
+KERNEL void axpy_slab(const unsigned char *const *values, int n, int off, int i, const float *w, size_t ws, float *out, size_t os,
+                      int kv_dim, const int type, const int R, const int V) {
+    vfloat acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v] = vf_load(out + r * os + i + v * SIMD_WIDTH);
+    for (int k = 0; k < n; k++) {
+        vfloat x[4];
+        for (int v = 0; v < V; v++) x[v] = kv_vector(values[k], off + i + v * SIMD_WIDTH, kv_dim, type);
+        for (int r = 0; r < R; r++) {
+            vfloat a = vf_set(w[r * ws + k]);
+            for (int v = 0; v < V; v++) acc[r][v] = vf_fma(a, x[v], acc[r][v]);
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) vf_store(out + r * os + i + v * SIMD_WIDTH, acc[r][v]);
+}
+
+/* All of a head (hs values from off) in slabs of 4 vectors, then of 1. */
+KERNEL void axpy_head(const unsigned char *const *values, int n, int off, const float *w, size_t ws, float *out, size_t os, int rows,
+                      int hs, int kv_dim, const int type) {
+    int i = 0;
+    for (; i + 4 * SIMD_WIDTH <= hs; i += 4 * SIMD_WIDTH) {
+        if (rows == 4) axpy_slab(values, n, off, i, w, ws, out, os, kv_dim, type, 4, 4);
+        else axpy_slab(values, n, off, i, w, ws, out, os, kv_dim, type, 1, 4);
+    }
+    for (; i < hs; i += SIMD_WIDTH) {
+        if (rows == 4) axpy_slab(values, n, off, i, w, ws, out, os, kv_dim, type, 4, 1);
+        else axpy_slab(values, n, off, i, w, ws, out, os, kv_dim, type, 1, 1);
+    }
+}
+#endif
+
+/* scores[k] = q . key_k[off..off+hs-1] / sqrt(hs) for the n <= ATTENTION_KEYS
+   rows keys[0..n-1], float32 rows where `floats` is set, else rows of c's
+   type (scale: RunState's att_scale). */
+static void attention_dot_keys(const KVCache *c, const unsigned char *const *keys, int floats, int n, int off, const float *q, int hs,
+                               float scale, float *scores) {
+#ifdef SIMD_WIDTH
+    if (kv_vectors(c, off, hs)) {
+        const int type = floats ? KV_F32 : c->type;
+        if (type == KV_F16) dot_block(keys, n, off, q, hs, scale, scores, c->kv_dim, KV_F16);
+        else if (type == KV_Q8_0) dot_block(keys, n, off, q, hs, scale, scores, c->kv_dim, KV_Q8_0);
+        else dot_block(keys, n, off, q, hs, scale, scores, c->kv_dim, KV_F32);
+        return;
+    }
+#endif
+    (void)floats;
+    for (int k = 0; k < n; k++) scores[k] = attention_scale(kv_dot(c, keys[k], off, q, hs), scale);
+}
+
+/* out_r += sum_k w_r[k] * value_k[off..off+hs-1] for `rows` (1 or 4)
+   queries r (weights w + r * ws, outputs out + r * os) and the n rows
+   `values` (float32 where `floats` is set, else of c's type), keys in order. */
+static void attention_axpy_keys(const KVCache *c, const unsigned char *const *values, int floats, int n, int off, const float *w,
+                                size_t ws, float *out, size_t os, int rows, int hs) {
+#ifdef SIMD_WIDTH
+    if (kv_vectors(c, off, hs)) {
+        const int type = floats ? KV_F32 : c->type;
+        if (type == KV_F16) axpy_head(values, n, off, w, ws, out, os, rows, hs, c->kv_dim, KV_F16);
+        else if (type == KV_Q8_0) axpy_head(values, n, off, w, ws, out, os, rows, hs, c->kv_dim, KV_Q8_0);
+        else axpy_head(values, n, off, w, ws, out, os, rows, hs, c->kv_dim, KV_F32);
+        return;
+    }
+#endif
+    (void)floats;
+    for (int k = 0; k < n; k++)
+        for (int r = 0; r < rows; r++) kv_axpy(c, values[k], off, w[r * ws + k], out + r * os, hs);
+}
+
+/* Prefetches values off..off+count-1 of the keys (values = 0) or values of
+   positions from..to-1 of a table. */
+static void attention_prefetch(const KVCache *c, int layer, const BlockTable *table, int from, int to, int values, int off, int count) {
+    size_t start, bytes = kv_span(c, (size_t)off, (size_t)count, &start);
+    for (int tp = from; tp < to; tp++) prefetch_far(kv_load(c, layer, table, tp, values) + start, bytes);
+}
+
+/* Whether attention converts f16 and q8_0 rows to floats for the kernels
+   above: when the kernels read them as vectors and each is read by several
+   queries (`readers`), so that converting once costs less than converting
+   at every read (kv_vector gives the very values kv_dot and kv_axpy read). */
+static int attention_converts(const KVCache *c, int head_size, int readers) {
+#ifdef SIMD_WIDTH
+    return c->type != KV_F32 && readers > 1 && kv_vectors(c, 0, head_size);
+#else
+    (void)c; (void)head_size; (void)readers;
+    return 0;
+#endif
+}
+
+/* Points at[0..n-1] at the keys (values = 0) or values of positions
+   t0..t0+n-1 of a table, values off..off+count-1 of each: as stored, or
+   (convert: attention_converts) as floats in `floats` (ATTENTION_KEYS,
+   kv_dim). Then prefetches the same stretch of the next n positions up to
+   `last`. Returns whether the rows are float32. */
+static int attention_block(const KVCache *c, int layer, const BlockTable *table, int t0, int n, int last, int values, int off,
+                           int count, int convert, float *floats, const unsigned char **at) {
+    for (int k = 0; k < n; k++) at[k] = kv_load(c, layer, table, t0 + k, values);
+    attention_prefetch(c, layer, table, t0 + 2 * n, t0 + 3 * n < last + 1 ? t0 + 3 * n : last + 1, values, off, count);
+#ifdef SIMD_WIDTH
+    if (convert)
+        for (int k = 0; k < n; k++) {
+            float *row = floats + (size_t)k * c->kv_dim;
+            for (int j = off; j < off + count; j += SIMD_WIDTH) vf_store(row + j, kv_vector(at[k], j, c->kv_dim, c->type));
+            at[k] = (const unsigned char *)row;
+        }
+#else
+    (void)floats;
+#endif
+    return c->type == KV_F32 || convert;
 }
 
 /* The scores of rows r0..r0+n-1 of b (a tile) for query heads g0..g1-1,
    then their softmax: a->scores row i * (g1 - g0) + h - g0 for row r0 + i
-   and head h, positions 0..pos[r0 + i]. */
+   and head h, positions 0..pos[r0 + i]. Keys are taken ATTENTION_KEYS
+   positions at a time, each block by every query of the tile that attends
+   to it. */
 static void attention_scores(Transformer *t, const Batch *b, int layer, int r0, int n, int g0, int g1, const AttnScratch *a) {
     const Config *p = &t->config;
     RunState *s = &t->state;
@@ -2698,43 +2947,37 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, int r0, 
             memcpy(a->q + turn * a->turn + (size_t)i * w * head_size, q + g0 * head_size, (size_t)w * head_size * sizeof(float));
         }
     /* the part of a cached position that heads g0..g1-1 read */
-    size_t kv0;
-    const size_t kv_bytes = kv_span(c, (size_t)(g0 / kv_mul) * head_size, (size_t)((g1 - 1) / kv_mul + 1 - g0 / kv_mul) * head_size, &kv0);
-    /* the first positions now, later ones ATTENTION_PREFETCH ahead */
-    for (int tp = 0; tp < ATTENTION_PREFETCH && tp <= last; tp++) {
-        prefetch(kv_load(c, layer, table, tp, 0) + kv0, kv_bytes);
-        prefetch(kv_load(c, layer, table, tp, 1) + kv0, kv_bytes);
-    }
-    for (int tp = 0; tp <= last; tp++) {
-        if (tp + ATTENTION_PREFETCH <= last) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 0) + kv0, kv_bytes);
-        const unsigned char *keys = kv_load(c, layer, table, tp, 0);
-        const float *q = a->q + kv_query_turn(table, tp) * a->turn;
-        /* the rows that attend to tp: i >= tp - pos[r0] */
-        const int i0 = tp > first ? tp - first : 0;
-        attention_dot_tile(c, keys, q + (size_t)i0 * w * head_size, a->scores + (size_t)i0 * w * a->stride + tp, a->stride,
-                           n - i0, g0, w, kv_mul, head_size);
-    }
-    for (int i = 0; i < n; i++)
-        for (int h = g0; h < g1; h++) softmax(a->scores + ((size_t)i * w + h - g0) * a->stride, b->pos[r0 + i] + 1);
-}
-
-/* One cached value row added to the outputs of m rows x heads g0..g0+w-1
-   (out, packed (m, w, head_size)), weighted by their softmaxed scores
-   (weights: row i * w + h - g0 at that times stride). */
-static void attention_axpy_tile(const KVCache *c, const unsigned char *values, const float *weights, size_t stride, float *out,
-                                int m, int g0, int w, int kv_mul, int head_size) {
-    for (int h = 0; h < w; h++) {
-        const int off = (g0 + h) / kv_mul * head_size;
-        for (int i = 0; i < m; i++) {
-            const size_t row = (size_t)i * w + h;
-            kv_axpy(c, values, off, weights[row * stride], out + row * head_size, head_size);
+    const int kv_off = g0 / kv_mul * head_size, kv_count = ((g1 - 1) / kv_mul + 1) * head_size - kv_off;
+    const int convert = attention_converts(c, head_size, n * (kv_mul < w ? kv_mul : w));
+    attention_prefetch(c, layer, table, 0, last + 1 < 2 * ATTENTION_KEYS ? last + 1 : 2 * ATTENTION_KEYS, 0, kv_off, kv_count);
+    for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
+        const int nk = last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS;
+        const unsigned char *keys[ATTENTION_KEYS];
+        int turn[ATTENTION_KEYS];
+        const int floats = attention_block(c, layer, table, t0, nk, last, 0, kv_off, kv_count, convert, a->rows, keys);
+        for (int k = 0; k < nk; k++) turn[k] = kv_query_turn(table, t0 + k);
+        /* the rows that attend to some of the block: pos >= t0 */
+        for (int i = t0 > first ? t0 - first : 0; i < n; i++) {
+            const int len = first + i + 1 - t0 < nk ? first + i + 1 - t0 : nk;
+            for (int h = 0; h < w; h++) {
+                const size_t row = (size_t)i * w + h;
+                /* runs of keys read with the same query */
+                for (int k = 0, end; k < len; k = end) {
+                    for (end = k + 1; end < len && turn[end] == turn[k]; end++) {}
+                    attention_dot_keys(c, keys + k, floats, end - k, (g0 + h) / kv_mul * head_size, a->q + turn[k] * a->turn + row * head_size,
+                                       head_size, s->att_scale, a->scores + row * a->stride + t0 + k);
+                }
+            }
         }
     }
+    for (int i = 0; i < n; i++)
+        for (int h = g0; h < g1; h++) attention_softmax(a->scores + ((size_t)i * w + h - g0) * a->stride, b->pos[r0 + i] + 1);
 }
 
 /* xb of rows r0..r0+n-1 (a tile), heads g0..g1-1 = the values weighted by
    the scores (attention_scores), each output summed over positions in
-   ascending order. */
+   ascending order; values taken ATTENTION_KEYS positions at a time, and
+   four rows at once where all four attend to the whole block. */
 static void attention_values(Transformer *t, const Batch *b, int layer, int r0, int n, int g0, int g1, const AttnScratch *a) {
     const Config *p = &t->config;
     RunState *s = &t->state;
@@ -2742,98 +2985,43 @@ static void attention_values(Transformer *t, const Batch *b, int layer, int r0, 
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
     const BlockTable *table = b->table[r0];
     const int first = b->pos[r0], last = b->pos[r0 + n - 1];
-    size_t kv0;
-    const size_t kv_bytes = kv_span(c, (size_t)(g0 / kv_mul) * head_size, (size_t)((g1 - 1) / kv_mul + 1 - g0 / kv_mul) * head_size, &kv0);
+    const int kv_off = g0 / kv_mul * head_size, kv_count = ((g1 - 1) / kv_mul + 1) * head_size - kv_off;
+    const int convert = attention_converts(c, head_size, n * (kv_mul < w ? kv_mul : w));
     memset(a->out, 0, (size_t)n * w * head_size * sizeof(float));
-    for (int tp = 0; tp <= last; tp++) {
-        if (tp + ATTENTION_PREFETCH <= last) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 1) + kv0, kv_bytes);
-        const unsigned char *values = kv_load(c, layer, table, tp, 1);
-        const int i0 = tp > first ? tp - first : 0;
-        attention_axpy_tile(c, values, a->scores + (size_t)i0 * w * a->stride + tp, a->stride, a->out + (size_t)i0 * w * head_size,
-                            n - i0, g0, w, kv_mul, head_size);
+    attention_prefetch(c, layer, table, 0, last + 1 < 2 * ATTENTION_KEYS ? last + 1 : 2 * ATTENTION_KEYS, 1, kv_off, kv_count);
+    for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
+        const int nk = last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS;
+        const unsigned char *values[ATTENTION_KEYS];
+        const int floats = attention_block(c, layer, table, t0, nk, last, 1, kv_off, kv_count, convert, a->rows, values);
+        for (int h = 0; h < w; h++)
+            for (int i = t0 > first ? t0 - first : 0, rows; i < n; i += rows) {
+                const int len = first + i + 1 - t0 < nk ? first + i + 1 - t0 : nk;
+                rows = len == nk && i + 4 <= n ? 4 : 1; /* later rows attend to at least as much */
+                const size_t row = (size_t)i * w + h;
+                attention_axpy_keys(c, values, floats, len, (g0 + h) / kv_mul * head_size, a->scores + row * a->stride + t0, (size_t)w * a->stride,
+                                    a->out + row * head_size, (size_t)w * head_size, rows, head_size);
+            }
     }
     for (int i = 0; i < n; i++)
         memcpy(s->xb + (size_t)(r0 + i) * p->dim + g0 * head_size, a->out + (size_t)i * w * head_size, (size_t)w * head_size * sizeof(float));
 }
 
-/* Attention row by row, for f16 and q8_0 caches: work items are a row and
-   a range of consecutive heads, as many ranges as threads; the heads of a
-   range read one stretch of each cached position. (Their kv_dot and
-   kv_axpy convert each key and value as they read it; taken in tiles they
-   measured slower, not faster, than row by row.) */
-static void attention_rows(Transformer *t, const Batch *b, int layer) {
-    const Config *p = &t->config;
-    RunState *s = &t->state;
-    const KVCache *c = &s->cache;
-    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, n_rows = b->n_rows;
-    const int threads = max_threads() < p->n_heads ? max_threads() : p->n_heads;
-    const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
-    double work = 0; /* multiply-adds */
-    for (int r = 0; r < n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
-    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
-    for (int item = 0; item < n_ranges * n_rows; item++) {
-        const int r = item % n_rows, pos = b->pos[r];
-        const BlockTable *table = b->table[r];
-        const int h0 = item / n_rows * range, h1 = h0 + range < p->n_heads ? h0 + range : p->n_heads;
-        /* the part of a cached position that heads h0..h1-1 read */
-        size_t kv0;
-        const size_t kv_bytes = kv_span(c, (size_t)(h0 / kv_mul) * head_size, (size_t)((h1 - 1) / kv_mul + 1 - h0 / kv_mul) * head_size, &kv0);
-        float *att = attention_scratch(p, s, thread_id()).scores; /* (n_heads, stride) */
-        const size_t stride = attention_score_stride(s->context);
-        /* the first positions now, later ones ATTENTION_PREFETCH ahead */
-        for (int tp = 0; tp < ATTENTION_PREFETCH && tp <= pos; tp++) {
-            prefetch(kv_load(c, layer, table, tp, 0) + kv0, kv_bytes);
-            prefetch(kv_load(c, layer, table, tp, 1) + kv0, kv_bytes);
-        }
-        /* the row's query, and (--keep) the two rotated for the ring */
-        const float *queries[3] = {s->q + (size_t)r * p->dim, s->q_turned + (size_t)r * 2 * p->dim,
-                                   s->q_turned + ((size_t)r * 2 + 1) * p->dim};
-        for (int tp = 0; tp <= pos; tp++) {
-            if (tp + ATTENTION_PREFETCH <= pos) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 0) + kv0, kv_bytes);
-            const unsigned char *keys = kv_load(c, layer, table, tp, 0);
-            const float *query = queries[kv_query_turn(table, tp)];
-            for (int h = h0; h < h1; h++) {
-                const float *q = query + h * head_size;
-                float score = kv_dot(c, keys, h / kv_mul * head_size, q, head_size);
-                score /= sqrtf(head_size);
-                att[(size_t)h * stride + tp] = score;
-            }
-        }
-        for (int h = h0; h < h1; h++) {
-            softmax(att + (size_t)h * stride, pos + 1);
-            memset(s->xb + (size_t)r * p->dim + h * head_size, 0, head_size * sizeof(float));
-        }
-        for (int tp = 0; tp <= pos; tp++) {
-            if (tp + ATTENTION_PREFETCH <= pos) prefetch(kv_load(c, layer, table, tp + ATTENTION_PREFETCH, 1) + kv0, kv_bytes);
-            const unsigned char *values = kv_load(c, layer, table, tp, 1);
-            for (int h = h0; h < h1; h++) {
-                float *xb = s->xb + (size_t)r * p->dim + h * head_size;
-                kv_axpy(c, values, h / kv_mul * head_size, att[(size_t)h * stride + tp], xb, head_size);
-            }
-        }
-    }
-}
-
 /* Multi-head attention of every row, reading keys and values from the cache:
    for each head h, with key head h / (n_heads / n_kv_heads),
      att[t] = softmax_t(q_h . k_t / sqrt(head_size)),  xb_h = sum_t att[t] v_t.
-   With a float32 cache, rows of one sequence at consecutive positions (a
-   prompt chunk, a verified draft) are taken in tiles (attention_tiles), so
-   that each key and value read from the cache serves every query of the
-   tile; a decoding row is a tile of its own. Work items are a tile and a range of consecutive heads,
+   Rows of one sequence at consecutive positions (a prompt chunk, a verified
+   draft) are taken in tiles (attention_tiles), so that each key and value
+   read from the cache serves every query of the tile; a decoding row is a
+   tile of its own. Work items are a tile and a range of consecutive heads,
    as many ranges as threads: the heads of a range read one stretch of each
    cached position, and each thread takes one range of every tile (later
    rows attend to more positions). Tiling changes only the order in which
-   different outputs are computed: each score is the same kv_dot, each
-   softmax the same, each output sums its kv_axpy over positions in
+   different outputs are computed: each score is what kv_dot gives, each
+   softmax the same, each output sums what kv_axpy adds over positions in
    ascending order, so a row's result does not depend on its tile. */
 static void attention(Transformer *t, const Batch *b, int layer) {
     const Config *p = &t->config;
     RunState *s = &t->state;
-    if (s->cache.type != KV_F32) {
-        attention_rows(t, b, layer);
-        return;
-    }
     const int threads = max_threads() < p->n_heads ? max_threads() : p->n_heads;
     const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
     const int score_rows = attention_score_rows(p);

@@ -890,6 +890,56 @@ static void test_kernels(void) {
     }
     end();
 
+#ifdef SIMD_WIDTH
+    begin("vf_exp vs exp in double on [-87, 0] and at 0: within 3 units in the last place");
+    {
+        double worst = 0;
+        for (int i = 0; i <= 200000 && !case_failed; i += SIMD_WIDTH) {
+            float x[SIMD_WIDTH], e[SIMD_WIDTH];
+            for (int k = 0; k < SIMD_WIDTH; k++) x[k] = -87.0f * (float)(i + k > 200000 ? 200000 : i + k) / 200000.0f;
+            vf_store(e, vf_exp(vf_load(x)));
+            for (int k = 0; k < SIMD_WIDTH; k++) {
+                double ref = exp((double)x[k]), err = fabs(e[k] - ref) / ref;
+                if (err > worst) worst = err;
+                if (!expect(err <= 3 * FLT_EPSILON / 2, "e^%.9g = %.9g, want %.9g (relative error %.3g)", x[k], e[k], ref, err)) break;
+            }
+        }
+        float zero[SIMD_WIDTH] = {0}, one[SIMD_WIDTH];
+        vf_store(one, vf_exp(vf_load(zero)));
+        expect(one[0] == 1.0f, "e^0 = %.9g", one[0]);
+        printf("  worst relative error %.3g\n", worst);
+    }
+    end();
+#endif
+
+    begin("attention softmax (vector e^x in vector builds) vs double, and the same wherever the row lies");
+    for (int size = 1; size <= 600 && !case_failed; size += 23) {
+        float x[600 + ATTENTION_PAD], y[600 + 2 * ATTENTION_PAD];
+        double ref[600], mx = -1e300, sum = 0;
+        /* spreads from 1 to 100: the smallest weights reach e^-100, below
+           where vf_exp stops (e^-87) */
+        const float spread = size % 2 ? 100.0f : 1.0f;
+        for (int i = 0; i < size; i++) { x[i] = rand_uniform(-spread, spread); if (x[i] > mx) mx = x[i]; }
+        const int shift = size % 7 + 1;
+        memcpy(y + shift, x, (size_t)size * sizeof(float));
+        for (int i = 0; i < size; i++) { ref[i] = exp(x[i] - mx); sum += ref[i]; }
+        attention_softmax(x, size);
+        attention_softmax(y + shift, size);
+        double total = 0;
+        for (int i = 0; i < size; i++) {
+            total += x[i];
+            if (!expect(fabs(x[i] - ref[i] / sum) <= 1e-30 + 2e-6 * ref[i] / sum, "size %d [%d]: %.9g vs %.9g", size, i, x[i], ref[i] / sum)) break;
+        }
+        expect(fabs(total - 1.0) < 1e-5, "size %d: sums to %.9g", size, total);
+        expect(memcmp(x, y + shift, (size_t)size * sizeof(float)) == 0, "size %d: the row moved by %d floats gives other weights", size, shift);
+    }
+    {
+        float x[1 + ATTENTION_PAD] = {-50.0f};
+        attention_softmax(x, 1);
+        expect(x[0] == 1.0f, "single value: %g", x[0]);
+    }
+    end();
+
     begin("matmul vs double, n = 1..5 rows");
     {
         enum { R = 37, C = 29, N = 5 };
@@ -1310,16 +1360,15 @@ static void attention_row_reference(Transformer *t, const BlockTable *table, int
     const Config *p = &t->config;
     const KVCache *c = &t->state.cache;
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads;
-    float *att = xcalloc((size_t)pos + 1, sizeof(float));
+    float *att = xcalloc((size_t)pos + 1 + ATTENTION_PAD, sizeof(float)); /* room for attention_softmax */
     for (int h = 0; h < p->n_heads; h++) {
         for (int tp = 0; tp <= pos; tp++) {
             int turn = kv_query_turn(table, tp);
             const float *query = turn == 0 ? q : q_turned + (size_t)(turn - 1) * p->dim;
             float score = kv_dot(c, kv_load(c, layer, table, tp, 0), h / kv_mul * head_size, query + h * head_size, head_size);
-            score /= sqrtf(head_size);
-            att[tp] = score;
+            att[tp] = attention_scale(score, t->state.att_scale);
         }
-        softmax(att, pos + 1);
+        attention_softmax(att, pos + 1);
         memset(out + h * head_size, 0, head_size * sizeof(float));
         for (int tp = 0; tp <= pos; tp++)
             kv_axpy(c, kv_load(c, layer, table, tp, 1), h / kv_mul * head_size, att[tp], out + h * head_size, head_size);
