@@ -1286,8 +1286,8 @@ KERNEL void store_sums(float *out, size_t stride, const vfloat *acc, int n_rows,
    kilobyte), too short for the hardware prefetchers to follow: the kernels
    prefetch `next`, the next block of rows (NULL: none), as many bytes at a
    time as they read. */
-KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *next, const float *xp, int n_in, int cols,
-                      const int NR, const int NB) {
+KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, const float *next, int share, const float *xp, int n_in,
+                      int cols, const int NR, const int NB) {
     const float *wr[MB_MAX];
     vfloat acc[MB_MAX * MB_MAX_INPUTS]; /* acc[r * NB + b] */
     for (int r = 0; r < NR; r++) wr[r] = w + (size_t)(r < n_rows ? r : n_rows - 1) * cols;
@@ -1296,7 +1296,7 @@ KERNEL void block_f32(float *out, size_t stride, const float *w, int n_rows, con
     for (int j = 0; j < cols; j += SIMD_WIDTH) {
         vfloat xv[MB_MAX_INPUTS];
         for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)j * NB + b * SIMD_WIDTH);
-        if (next) prefetch(next + (size_t)NR * j, NR * SIMD_WIDTH * sizeof(float));
+        if (next) prefetch(next + (size_t)NR * j / share, NR * SIMD_WIDTH * sizeof(float) / share);
         for (int r = 0; r < NR; r++) {
             vfloat wv = vf_load(wr[r] + j);
             for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_fma(wv, xv[b], acc[r * NB + b]);
@@ -1901,12 +1901,15 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
     if (in->kind == KERNEL_F32_SIMD) {
         const float *w = W->w + (size_t)i * cols;
         if (n == 1) {
-            block_f32(out + i, (size_t)rows, w, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, in->x, 1, cols, MM_ROWS, 1);
+            block_f32(out + i, (size_t)rows, w, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, 1, in->x, 1, cols, MM_ROWS, 1);
             return;
         }
+        /* each pass over the block prefetches its share of the next one */
+        const int passes = (n + MB_INPUTS - 1) / MB_INPUTS;
         for (int b = 0; b < n; b += MB_INPUTS)
-            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, rows - i < MB_ROWS ? rows - i : MB_ROWS, b == 0 ? next : NULL,
-                      in->xf + (size_t)b * cols, n - b, cols, MB_ROWS, MB_INPUTS);
+            block_f32(out + (size_t)b * rows + i, (size_t)rows, w, rows - i < MB_ROWS ? rows - i : MB_ROWS,
+                      next ? (const float *)next + (size_t)b / MB_INPUTS * MB_ROWS * cols / passes : NULL, passes, in->xf + (size_t)b * cols,
+                      n - b, cols, MB_ROWS, MB_INPUTS);
         return;
     }
 #ifdef VNNI
