@@ -502,7 +502,7 @@ typedef struct {
     float *q_turned; /* (max_rows, 2, dim) --keep: each query rotated for the ring's two stretches (kv_query_turn) */
     float *k;       /* (max_rows, kv_dim) keys of the rows, before caching */
     float *v;       /* (max_rows, kv_dim) values of the rows, before caching */
-    float *att;     /* (threads, attention_floats) attention scores, queries and outputs, per thread */
+    float *att;     /* (threads, attention_floats) attention scores, queries, outputs and converted rows, per thread */
     int *tiles;     /* (max_rows + 1) the first row of each tile of attention, then the row count */
     float *logits;  /* (max_rows, vocab_size) */
     KVCache cache;
@@ -2594,7 +2594,8 @@ static void table_prepare_write(KVCache *c, BlockTable *t, int pos) {
    thread holds at once: all heads of a decoding row, or a tile of a prompt's
    rows (ATTENTION_SCORES: rows x query heads of one key head). Rows of
    scores lie ATTENTION_PAD floats more than the context apart, so that they
-   fall in different sets of the first-level cache. */
+   fall in different sets of the first-level cache, and so that
+   attention_softmax has room for whole vectors. */
 #define ATTENTION_SCORES 32
 #define ATTENTION_PAD 16
 static int attention_score_rows(const Config *p) { return p->n_heads > ATTENTION_SCORES ? p->n_heads : ATTENTION_SCORES; }
@@ -2624,56 +2625,6 @@ static inline float attention_scale(float score, float by) { return score * by; 
 #else
 static float attention_scale_of(int head_size) { return sqrtf(head_size); }
 static inline float attention_scale(float score, float by) { return score / by; }
-#endif
-
-/* The softmax of a row of attention scores, x[0..size-1]. The plain build
-   calls softmax() (llama2.c's); vector builds take it SIMD_WIDTH scores at a
-   time, e^x by vf_exp and the sum in vector lanes added up by vf_sum, so x
-   must have room for size rounded up to a whole vector (rows of scores are
-   ATTENTION_PAD floats longer than the context). Each weight depends on its
-   row alone, not on where the row lies. */
-#ifdef SIMD_WIDTH
-/* e^x for x <= 0, within a unit in the last place (the unit tests measure
-   it): x = n ln 2 + r with |r| <= ln(2) / 2, e^r by Cephes's polynomial,
-   times 2^n. Below -87 it gives e^-87 (about 1.6e-38), which beside the
-   largest score's e^0 = 1 weighs nothing. */
-static inline vfloat vf_exp(vfloat x) {
-    x = vf_max(x, vf_set(-87.0f));
-    vfloat n = vf_round(vf_mul(x, vf_set(1.44269504088896341f)));
-    vfloat r = vf_fma(n, vf_set(-0.693359375f), x); /* ln 2 in two parts, the first exact in few bits */
-    r = vf_fma(n, vf_set(2.12194440e-4f), r);
-    vfloat p = vf_set(1.9875691500e-4f);
-    p = vf_fma(p, r, vf_set(1.3981999507e-3f));
-    p = vf_fma(p, r, vf_set(8.3334519073e-3f));
-    p = vf_fma(p, r, vf_set(4.1665795894e-2f));
-    p = vf_fma(p, r, vf_set(1.6666665459e-1f));
-    p = vf_fma(p, r, vf_set(5.0000001201e-1f));
-    vfloat e = vf_add(vf_fma(p, vf_mul(r, r), r), vf_set(1.0f));
-    return vf_mul(e, vf_pow2(n));
-}
-
-static void attention_softmax(float *x, int size) {
-    const int whole = size / SIMD_WIDTH * SIMD_WIDTH, n = whole < size ? whole + SIMD_WIDTH : whole;
-    for (int i = size; i < n; i++) x[i] = -INFINITY;
-    vfloat m = vf_load(x);
-    for (int i = SIMD_WIDTH; i < n; i += SIMD_WIDTH) m = vf_max(m, vf_load(x + i));
-    float lanes[SIMD_WIDTH], max_val = -INFINITY;
-    vf_store(lanes, m);
-    for (int k = 0; k < SIMD_WIDTH; k++)
-        if (lanes[k] > max_val) max_val = lanes[k];
-    const vfloat minus_max = vf_set(-max_val);
-    vfloat sum = vf_zero();
-    for (int i = 0; i < n; i += SIMD_WIDTH) {
-        vf_store(x + i, vf_exp(vf_add(vf_load(x + i), minus_max)));
-        if (i == whole) /* the last, partial vector: the lanes past size add nothing */
-            for (int k = size; k < n; k++) x[k] = 0.0f;
-        sum = vf_add(sum, vf_load(x + i));
-    }
-    const vfloat inverse = vf_set(1.0f / vf_sum(sum));
-    for (int i = 0; i < n; i += SIMD_WIDTH) vf_store(x + i, vf_mul(vf_load(x + i), inverse));
-}
-#else
-static void attention_softmax(float *x, int size) { softmax(x, size); }
 #endif
 
 /* Activations for `max_rows` rows at once, for sequences of at most
@@ -2738,9 +2689,9 @@ static int thread_id(void) { return 0; }
 /* ---- Attention in tiles ------------------------------------------------------
    A tile is up to tile_rows rows of one sequence at consecutive positions
    (the same block table). Attention walks the cached positions once per
-   tile and head range: each key (value) read from the cache is used at once
-   by every query of the tile that attends to it, and by every query head
-   sharing its key head. The scores of all positions are kept (each row's
+   tile and head range, ATTENTION_KEYS at a time: each block of keys
+   (values) read from the cache is used at once by every query of the tile
+   that attends to it, and by every query head sharing its key head. The scores of all positions are kept (each row's
    softmax is over all of them, as when rows were taken one by one): (tile
    rows) x (heads at once) rows of scores, at most attention_score_rows(p).
    A thread's buffers (AttnScratch) also hold the tile's queries and outputs
@@ -2784,6 +2735,56 @@ static int attention_tiles(const Batch *b, int tile_rows, int *first) {
     first[n_tiles] = b->n_rows;
     return n_tiles;
 }
+
+/* The softmax of a row of attention scores, x[0..size-1]. The plain build
+   calls softmax() (llama2.c's); vector builds take it SIMD_WIDTH scores at a
+   time, e^x by vf_exp and the sum in vector lanes added up by vf_sum, so x
+   must have room for size rounded up to a whole vector (rows of scores are
+   ATTENTION_PAD floats longer than the context). Each weight depends on its
+   row alone, not on where the row lies. */
+#ifdef SIMD_WIDTH
+/* e^x for x <= 0, within a unit in the last place (the unit tests measure
+   it): x = n ln 2 + r with |r| <= ln(2) / 2, e^r by Cephes's polynomial,
+   times 2^n. Below -87 it gives e^-87 (about 1.6e-38), which beside the
+   largest score's e^0 = 1 weighs nothing. */
+static inline vfloat vf_exp(vfloat x) {
+    x = vf_max(x, vf_set(-87.0f));
+    vfloat n = vf_round(vf_mul(x, vf_set(1.44269504088896341f)));
+    vfloat r = vf_fma(n, vf_set(-0.693359375f), x); /* ln 2 in two parts, the first exact in few bits */
+    r = vf_fma(n, vf_set(2.12194440e-4f), r);
+    vfloat p = vf_set(1.9875691500e-4f);
+    p = vf_fma(p, r, vf_set(1.3981999507e-3f));
+    p = vf_fma(p, r, vf_set(8.3334519073e-3f));
+    p = vf_fma(p, r, vf_set(4.1665795894e-2f));
+    p = vf_fma(p, r, vf_set(1.6666665459e-1f));
+    p = vf_fma(p, r, vf_set(5.0000001201e-1f));
+    vfloat e = vf_add(vf_fma(p, vf_mul(r, r), r), vf_set(1.0f));
+    return vf_mul(e, vf_pow2(n));
+}
+
+static void attention_softmax(float *x, int size) {
+    const int whole = size / SIMD_WIDTH * SIMD_WIDTH, n = whole < size ? whole + SIMD_WIDTH : whole;
+    for (int i = size; i < n; i++) x[i] = -INFINITY;
+    vfloat m = vf_load(x);
+    for (int i = SIMD_WIDTH; i < n; i += SIMD_WIDTH) m = vf_max(m, vf_load(x + i));
+    float lanes[SIMD_WIDTH], max_val = -INFINITY;
+    vf_store(lanes, m);
+    for (int k = 0; k < SIMD_WIDTH; k++)
+        if (lanes[k] > max_val) max_val = lanes[k];
+    const vfloat minus_max = vf_set(-max_val);
+    vfloat sum = vf_zero();
+    for (int i = 0; i < n; i += SIMD_WIDTH) {
+        vf_store(x + i, vf_exp(vf_add(vf_load(x + i), minus_max)));
+        if (i == whole) /* the last, partial vector: the lanes past size add nothing */
+            for (int k = size; k < n; k++) x[k] = 0.0f;
+        sum = vf_add(sum, vf_load(x + i));
+    }
+    const vfloat inverse = vf_set(1.0f / vf_sum(sum));
+    for (int i = 0; i < n; i += SIMD_WIDTH) vf_store(x + i, vf_mul(vf_load(x + i), inverse));
+}
+#else
+static void attention_softmax(float *x, int size) { softmax(x, size); }
+#endif
 
 /* The kernels of a block of keys. Each score and each output value is
    computed exactly as kv_dot and kv_axpy compute it (the unit tests check
