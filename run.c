@@ -2691,9 +2691,10 @@ static int thread_id(void) { return 0; }
    (the same block table). Attention walks the cached positions once per
    tile and head range, ATTENTION_KEYS at a time: each block of keys
    (values) read from the cache is used at once by every query of the tile
-   that attends to it, and by every query head sharing its key head. The scores of all positions are kept (each row's
-   softmax is over all of them, as when rows were taken one by one): (tile
-   rows) x (heads at once) rows of scores, at most attention_score_rows(p).
+   that attends to it, and by every query head sharing its key head. The
+   scores of all positions are kept (each row's softmax is over all of
+   them, as when rows were taken one by one): (tile rows) x (heads at once)
+   rows of scores, at most attention_score_rows(p).
    A thread's buffers (AttnScratch) also hold the tile's queries and outputs
    packed: rows of q and xb lie dim floats apart, which for dims like 768
    puts the same head of every row in the same few sets of the first-level
@@ -2910,26 +2911,44 @@ static int attention_converts(const KVCache *c, int head_size, int readers) {
 #endif
 }
 
+/* What the query heads g0..g1-1 of a tile of n rows read of each cached
+   position: values off..off+count-1 (their key heads), converted to floats
+   or not (attention_converts). */
+typedef struct {
+    int off, count, convert;
+} AttnSpan;
+
+static AttnSpan attention_span(const Config *p, const KVCache *c, int n, int g0, int g1) {
+    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    AttnSpan span;
+    span.off = g0 / kv_mul * head_size;
+    span.count = ((g1 - 1) / kv_mul + 1) * head_size - span.off;
+    span.convert = attention_converts(c, head_size, n * (kv_mul < w ? kv_mul : w));
+    return span;
+}
+
 /* Points at[0..n-1] at the keys (values = 0) or values of positions
-   t0..t0+n-1 of a table, values off..off+count-1 of each: as stored, or
-   (convert: attention_converts) as floats in `floats` (ATTENTION_KEYS,
-   kv_dim). Then prefetches the same stretch of the next n positions up to
-   `last`. Returns whether the rows are float32. */
-static int attention_block(const KVCache *c, int layer, const BlockTable *table, int t0, int n, int last, int values, int off,
-                           int count, int convert, float *floats, const unsigned char **at) {
+   t0..t0+n-1 of a table, the span of each: as stored, or converted to
+   floats in `floats` (ATTENTION_KEYS, kv_dim). Prefetches the span of the
+   positions two blocks on, up to `last` (and, at the first block, of the
+   first two). Returns whether the rows are float32. */
+static int attention_block(const KVCache *c, int layer, const BlockTable *table, int t0, int n, int last, int values, AttnSpan span,
+                           float *floats, const unsigned char **at) {
+    if (t0 == 0)
+        attention_prefetch(c, layer, table, 0, last + 1 < 2 * ATTENTION_KEYS ? last + 1 : 2 * ATTENTION_KEYS, values, span.off, span.count);
     for (int k = 0; k < n; k++) at[k] = kv_load(c, layer, table, t0 + k, values);
-    attention_prefetch(c, layer, table, t0 + 2 * n, t0 + 3 * n < last + 1 ? t0 + 3 * n : last + 1, values, off, count);
+    attention_prefetch(c, layer, table, t0 + 2 * n, t0 + 3 * n < last + 1 ? t0 + 3 * n : last + 1, values, span.off, span.count);
 #ifdef SIMD_WIDTH
-    if (convert)
+    if (span.convert)
         for (int k = 0; k < n; k++) {
             float *row = floats + (size_t)k * c->kv_dim;
-            for (int j = off; j < off + count; j += SIMD_WIDTH) vf_store(row + j, kv_vector(at[k], j, c->kv_dim, c->type));
+            for (int j = span.off; j < span.off + span.count; j += SIMD_WIDTH) vf_store(row + j, kv_vector(at[k], j, c->kv_dim, c->type));
             at[k] = (const unsigned char *)row;
         }
 #else
     (void)floats;
 #endif
-    return c->type == KV_F32 || convert;
+    return c->type == KV_F32 || span.convert;
 }
 
 /* The scores of rows r0..r0+n-1 of b (a tile) for query heads g0..g1-1,
@@ -2950,15 +2969,12 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, int r0, 
             const float *q = turn == 0 ? s->q + (size_t)(r0 + i) * p->dim : s->q_turned + ((size_t)(r0 + i) * 2 + turn - 1) * p->dim;
             memcpy(a->q + turn * a->turn + (size_t)i * w * head_size, q + g0 * head_size, (size_t)w * head_size * sizeof(float));
         }
-    /* the part of a cached position that heads g0..g1-1 read */
-    const int kv_off = g0 / kv_mul * head_size, kv_count = ((g1 - 1) / kv_mul + 1) * head_size - kv_off;
-    const int convert = attention_converts(c, head_size, n * (kv_mul < w ? kv_mul : w));
-    attention_prefetch(c, layer, table, 0, last + 1 < 2 * ATTENTION_KEYS ? last + 1 : 2 * ATTENTION_KEYS, 0, kv_off, kv_count);
+    const AttnSpan span = attention_span(p, c, n, g0, g1);
     for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
         const int nk = last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS;
         const unsigned char *keys[ATTENTION_KEYS];
         int turn[ATTENTION_KEYS];
-        const int floats = attention_block(c, layer, table, t0, nk, last, 0, kv_off, kv_count, convert, a->rows, keys);
+        const int floats = attention_block(c, layer, table, t0, nk, last, 0, span, a->rows, keys);
         for (int k = 0; k < nk; k++) turn[k] = kv_query_turn(table, t0 + k);
         /* the rows that attend to some of the block: pos >= t0 */
         for (int i = t0 > first ? t0 - first : 0; i < n; i++) {
@@ -2989,14 +3005,12 @@ static void attention_values(Transformer *t, const Batch *b, int layer, int r0, 
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
     const BlockTable *table = b->table[r0];
     const int first = b->pos[r0], last = b->pos[r0 + n - 1];
-    const int kv_off = g0 / kv_mul * head_size, kv_count = ((g1 - 1) / kv_mul + 1) * head_size - kv_off;
-    const int convert = attention_converts(c, head_size, n * (kv_mul < w ? kv_mul : w));
+    const AttnSpan span = attention_span(p, c, n, g0, g1);
     memset(a->out, 0, (size_t)n * w * head_size * sizeof(float));
-    attention_prefetch(c, layer, table, 0, last + 1 < 2 * ATTENTION_KEYS ? last + 1 : 2 * ATTENTION_KEYS, 1, kv_off, kv_count);
     for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
         const int nk = last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS;
         const unsigned char *values[ATTENTION_KEYS];
-        const int floats = attention_block(c, layer, table, t0, nk, last, 1, kv_off, kv_count, convert, a->rows, values);
+        const int floats = attention_block(c, layer, table, t0, nk, last, 1, span, a->rows, values);
         for (int h = 0; h < w; h++)
             for (int i = t0 > first ? t0 - first : 0, rows; i < n; i += rows) {
                 const int len = first + i + 1 - t0 < nk ? first + i + 1 - t0 : nk;
