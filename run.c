@@ -1449,26 +1449,33 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         }
 }
 
-/* Lane q = the sum of the int32 lanes of v[q], for 16 vectors (exact, so
-   in any order), and lane q of *hi the sum of lanes 8..15 of v[q] (two
-   groups of 32 columns in one vector: then the result is that of lanes
-   0..7). Within each 128 bits first (pairs, then pairs of pairs: block m
-   of t4[q], lane e = the sum of block m of v[4q + e]), then the blocks,
-   on float registers (the shuffles move bits only). */
-static inline __m512i vi_sums(const __m512i *v, __m512i *hi) {
+/* Sums of int32 lanes, exact (so in any order), on float registers (the
+   shuffles move bits only). */
 #define ADD_I32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-    __m512 t8[8], t4[4], s[2];
+
+/* Within each 128 bits, for 16 vectors v: block m of t4[q], lane e = the
+   sum of the 4 lanes of block m of v[4q + e] (pairs, then pairs of pairs). */
+static inline void vi_block_sums(const __m512i *v, __m512 *t4) {
+    __m512 t8[8];
     for (int q = 0; q < 8; q++) {
         __m512 a = _mm512_castsi512_ps(v[2 * q]), b = _mm512_castsi512_ps(v[2 * q + 1]);
         t8[q] = ADD_I32(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
     }
     for (int q = 0; q < 4; q++)
         t4[q] = ADD_I32(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0x88), _mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0xDD));
+}
+
+/* Lane q = the sum of the int32 lanes of v[q], for 16 vectors, and lane q
+   of *hi the sum of lanes 8..15 of v[q] (two groups of 32 columns in one
+   vector: then the result is that of lanes 0..7). The blocks' sums first,
+   then across the blocks. */
+static inline __m512i vi_sums(const __m512i *v, __m512i *hi) {
+    __m512 t4[4], s[2];
+    vi_block_sums(v, t4);
     for (int q = 0; q < 2; q++) /* blocks: t4[2q] lanes 0..7, its lanes 8..15, t4[2q + 1] the same */
         s[q] = ADD_I32(_mm512_shuffle_f32x4(t4[2 * q], t4[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t4[2 * q], t4[2 * q + 1], 0xDD));
     __m512i lo = _mm512_castps_si512(_mm512_shuffle_f32x4(s[0], s[1], 0x88));
     __m512i up = _mm512_castps_si512(_mm512_shuffle_f32x4(s[0], s[1], 0xDD));
-#undef ADD_I32
     if (hi) {
         *hi = up;
         return lo;
@@ -1503,13 +1510,24 @@ static inline void transpose16(__m512 *m) {
     }
 }
 
+#define QD_ROWS 16
+/* ws[k], lane r = the scale of group g + k of row r, whose groups start at
+   wg[r], for QD_ROWS rows and 16 groups g.. (g a multiple of 16): the rows'
+   scales read as rows, then transposed. */
+static inline void row_scales(vfloat *ws, const Matrix *W, const size_t *wg, int g) {
+    const int groups = W->cols / W->group_size;
+    for (int r = 0; r < QD_ROWS; r++)
+        ws[r] = _mm512_castsi512_ps(
+            vi_load_bytes(W->scales + (wg[r] + g) * sizeof(float), (groups - g < 16 ? groups - g : 16) * (int)sizeof(float)));
+    transpose16(ws);
+}
+
 /* The same outputs for n_rows (at most QD_ROWS) rows i.. of W and one input
    row x (cols signed bytes; c, s (groups): its starts and scales), one row
    per lane: for each group, each row's products in lanes of 4 columns,
    those lanes added up exactly (vi_sums), then the float steps; groups of
    32 columns two at a time, in the two halves of a vector. The rows'
    scales of 16 groups at a time are read as rows and transposed. */
-#define QD_ROWS 16
 KERNEL void rows_q8(float *out, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x, const int32_t *c,
                     const float *s, const int bits) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs;
@@ -1526,12 +1544,7 @@ KERNEL void rows_q8(float *out, const Matrix *W, int i, int n_rows, const uint8_
     }
     vfloat acc = vf_zero(), ws[16]; /* ws[k]: the rows' scales of group g - g % 16 + k */
     for (int g = 0; g < groups; g += gs == 32 ? 2 : 1) {
-        if (g % 16 == 0) {
-            for (int r = 0; r < QD_ROWS; r++)
-                ws[r] = _mm512_castsi512_ps(
-                    vi_load_bytes(W->scales + (wg[r] + g) * sizeof(float), (groups - g < 16 ? groups - g : 16) * (int)sizeof(float)));
-            transpose16(ws);
-        }
+        if (g % 16 == 0) row_scales(ws, W, wg, g);
         __m512i isum[QD_ROWS];
         for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_setzero_si512();
         for (int j = g * gs; j < (g + 1) * gs || (gs == 32 && j < cols && j < (g + 2) * gs); j += 64) {
@@ -1573,12 +1586,7 @@ KERNEL void quad_q8(float *out, size_t stride, const Matrix *W, int i, int n_row
     }
     vfloat acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, ws[16];
     for (int g = 0; g < groups; g++) {
-        if (g % 16 == 0) {
-            for (int r = 0; r < QD_ROWS; r++)
-                ws[r] = _mm512_castsi512_ps(
-                    vi_load_bytes(W->scales + (wg[r] + g) * sizeof(float), (groups - g < 16 ? groups - g : 16) * (int)sizeof(float)));
-            transpose16(ws);
-        }
+        if (g % 16 == 0) row_scales(ws, W, wg, g);
         __m512i isum[QD_ROWS];
         for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_setzero_si512();
         for (int j = g * gs; j < (g + 1) * gs; j += 16) {
@@ -1595,15 +1603,8 @@ KERNEL void quad_q8(float *out, size_t stride, const Matrix *W, int i, int n_row
                 isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_broadcast_i32x4(w), xv);
             }
         }
-        __m512 t8[8], t4[4];
-        for (int q = 0; q < 8; q++) {
-            __m512 a = _mm512_castsi512_ps(isum[2 * q]), b = _mm512_castsi512_ps(isum[2 * q + 1]);
-            t8[q] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x44)),
-                                                         _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xEE))));
-        }
-        for (int q = 0; q < 4; q++)
-            t4[q] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0x88)),
-                                                         _mm512_castps_si512(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0xDD))));
+        __m512 t4[4];
+        vi_block_sums(isum, t4);
         const vfloat xs = vf_load(s4 + (size_t)g * 16);
         const __m512i start = _mm512_loadu_si512(c4 + (size_t)g * 16);
         for (int q = 0; q < 4; q++) {
@@ -4273,11 +4274,18 @@ static int more_candidates(const float *beam_scores, float *const *logprobs, int
     return top_candidates(beam_scores, logprobs, n_beams, vocab, grown, k);
 }
 
-/* out = log softmax(x) = x - max - log sum exp(x - max), in float32 */
+/* out = log softmax(x) = x - max - log sum exp(x - max), in float32, the
+   sum in double; vector builds take e^x by vf_exp, SIMD_WIDTH values at a
+   time added up by vf_sum before they join the sum (a beam search step
+   takes it of every beam's row of the vocabulary). */
 static void log_softmax(float *out, const float *x, int n) {
     float max_val = x[sample_argmax(x, n)];
     double sum = 0.0;
-    for (int i = 0; i < n; i++) sum += expf(x[i] - max_val);
+    int i = 0;
+#ifdef SIMD_WIDTH
+    for (const vfloat minus_max = vf_set(-max_val); i + SIMD_WIDTH <= n; i += SIMD_WIDTH) sum += vf_sum(vf_exp(vf_add(vf_load(x + i), minus_max)));
+#endif
+    for (; i < n; i++) sum += expf(x[i] - max_val);
     float log_sum = (float)log(sum);
     for (int i = 0; i < n; i++) out[i] = (x[i] - max_val) - log_sum;
 }
@@ -4797,10 +4805,11 @@ static void beam_step(Engine *e, Request *r, float *logits) {
             if (j > 0) sequence_copy(c, &r->seqs[j], &r->seqs[0]);
         }
     } else {
-        for (int j = 0; j < B; j++) {
-            bs->logprobs[j] = bs->logprob_rows + (size_t)j * vocab;
+        for (int j = 0; j < B; j++) bs->logprobs[j] = bs->logprob_rows + (size_t)j * vocab;
+        /* each beam's scores touch its own rows only */
+        PARALLEL_FOR_IF(B > 1)
+        for (int j = 0; j < B; j++)
             beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[j], bs->step, logits + (size_t)j * vocab, bs->logprobs[j], vocab);
-        }
     }
     const int step = bs->step;
     int n_cand = top_candidates(bs->beam_scores, bs->logprobs, B, vocab, bs->cand, 3 * B), n_next = 0;

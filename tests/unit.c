@@ -940,6 +940,25 @@ static void test_kernels(void) {
     }
     end();
 
+    begin("log_softmax (beam search's scores) vs double: sizes 1..32000, vectors and tails, flat and steep rows");
+    {
+        static float x[32000], out[32000];
+        const int sizes[] = {1, 2, 15, 16, 17, 33, 1000, 31999, 32000};
+        for (int s = 0; s < (int)(sizeof(sizes) / sizeof(sizes[0])) && !case_failed; s++) {
+            const int n = sizes[s];
+            const float spread = s % 2 ? 30.0f : 1.0f;
+            double mx = -1e300, sum = 0;
+            for (int i = 0; i < n; i++) { x[i] = rand_uniform(-spread, spread); if (x[i] > mx) mx = x[i]; }
+            for (int i = 0; i < n; i++) sum += exp(x[i] - mx);
+            log_softmax(out, x, n);
+            for (int i = 0; i < n; i++) {
+                double ref = x[i] - mx - log(sum);
+                if (!expect(fabs(out[i] - ref) <= 4e-6 + 1e-6 * fabs(ref), "size %d [%d]: %.9g vs %.9g", n, i, out[i], ref)) break;
+            }
+        }
+    }
+    end();
+
     begin("matmul vs double, n = 1..5 rows");
     {
         enum { R = 37, C = 29, N = 5 };
