@@ -2676,11 +2676,6 @@ typedef struct {
     int n_logits;
 } Batch;
 
-/* Positions ahead whose keys or values attention prefetches: it reads the
-   cache at a stride of kv_dim floats, which hardware prefetchers follow
-   poorly. */
-#define ATTENTION_PREFETCH 16
-
 #ifdef _OPENMP
 static int thread_id(void) { return omp_get_thread_num(); }
 #else
@@ -4806,8 +4801,9 @@ static void beam_step(Engine *e, Request *r, float *logits) {
         }
     } else {
         for (int j = 0; j < B; j++) bs->logprobs[j] = bs->logprob_rows + (size_t)j * vocab;
-        /* each beam's scores touch its own rows only */
-        PARALLEL_FOR_IF(B > 1)
+        /* each beam's scores touch its own rows only; threads where the
+           exponentials are worth waking them for (as swiglu) */
+        PARALLEL_FOR_IF(20.0 * B * vocab >= PARALLEL_MIN_WORK)
         for (int j = 0; j < B; j++)
             beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[j], bs->step, logits + (size_t)j * vocab, bs->logprobs[j], vocab);
     }
