@@ -1436,7 +1436,8 @@ static void test_attention_tiles(void) {
             const int filled[3] = {context, 40, 1};
             for (int i = 0; i < 3; i++) fill_cache(&t.state.cache, &p, &tables[i], filled[i]);
             /* chunks of n rows at positions start.., after two decoding rows or alone */
-            const int chunks[][2] = {{1, 0}, {5, 0}, {31, 17}, {32, 100}, {33, 100}, {64, 0}, {64, 200}, {70, 229}, {3, 296}};
+            /* (a lone row deep enough, {1, 250} and {1, 299}, is spread over threads by position: attention_lone_row) */
+            const int chunks[][2] = {{1, 0}, {5, 0}, {31, 17}, {32, 100}, {33, 100}, {64, 0}, {64, 200}, {70, 229}, {3, 296}, {1, 250}, {1, 299}};
             for (size_t ch = 0; ch < 2 * sizeof(chunks) / sizeof(chunks[0]) && !case_failed; ch++) {
                 /* the second time through, table 0 is a --keep ring: 4 sinks, turned by 37 */
                 if (ch == sizeof(chunks) / sizeof(chunks[0])) {
