@@ -3111,14 +3111,14 @@ static void attention_row_scores(Transformer *t, const Batch *b, int layer, int 
         }
 }
 
-/* Attention of b's one row over `threads` threads: the scores by runs of
-   blocks of keys, then softmax and values by ranges of heads. The scores
-   lie in thread 0's buffer of scores, which has a row for every head. */
-static void attention_lone_row(Transformer *t, const Batch *b, int layer, int threads) {
+/* Attention of b's one row: the scores by runs of blocks of keys, then
+   softmax and values by n_ranges ranges of `range` heads (attention's, one
+   a thread). The scores lie in thread 0's buffer of scores, which has a row
+   for every head. */
+static void attention_lone_row(Transformer *t, const Batch *b, int layer, int range, int n_ranges) {
     const Config *p = &t->config;
     RunState *s = &t->state;
     const int last = b->pos[0], n_blocks = last / ATTENTION_KEYS + 1;
-    const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
     const AttnScratch shared = attention_scratch(p, s, 0);
     PARALLEL_FOR_IF(1)
     for (int block = 0; block < n_blocks; block++) {
@@ -3155,14 +3155,14 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     RunState *s = &t->state;
     const int threads = max_threads() < p->n_heads ? max_threads() : p->n_heads;
     const int range = (p->n_heads + threads - 1) / threads, n_ranges = (p->n_heads + range - 1) / range;
-    const int score_rows = attention_score_rows(p);
-    const int n_tiles = attention_tiles(b, score_rows / (p->n_heads / p->n_kv_heads), s->tiles);
     double work = 0; /* multiply-adds */
     for (int r = 0; r < b->n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
     if (b->n_rows == 1 && threads > 1 && work >= PARALLEL_MIN_WORK) {
-        attention_lone_row(t, b, layer, threads);
+        attention_lone_row(t, b, layer, range, n_ranges);
         return;
     }
+    const int score_rows = attention_score_rows(p);
+    const int n_tiles = attention_tiles(b, score_rows / (p->n_heads / p->n_kv_heads), s->tiles);
     PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
     for (int item = 0; item < n_ranges * n_tiles; item++) {
         const int tile = item % n_tiles, r0 = s->tiles[tile], n = s->tiles[tile + 1] - r0;
