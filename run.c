@@ -970,26 +970,6 @@ static void matrix_row(float *out, const Matrix *W, int row) {
     for (int j = 0; j < W->cols; j++) out[j] = W->q[at + j] * group_scale(W, (at + j) / W->group_size);
 }
 
-/* Quantises `count` values (whole groups of gs) as described above: per
-   group xs = max|x| / 127 and xq = round(x / xs), 0 for an all-zero group.
-   xq is int16 so that vector kernels multiply it with widened weights. */
-static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count, int gs) {
-    for (size_t g = 0; g < count / gs; g++) {
-        const float *v = x + g * gs;
-        float amax = 0.0f;
-        for (int j = 0; j < gs; j++)
-            if (fabsf(v[j]) > amax) amax = fabsf(v[j]);
-        float scale = amax / 127.0f;
-        xs[g] = scale;
-        for (int j = 0; j < gs; j++) {
-            float q = scale > 0.0f ? roundf(v[j] / scale) : 0.0f;
-            /* in -127..127 unless x holds NaN or infinities (a broken
-               model): those become 0 rather than an undefined conversion */
-            xq[g * gs + j] = q >= -127.0f && q <= 127.0f ? (int16_t)q : 0;
-        }
-    }
-}
-
 /* Plain C, float32: each output summed left to right. */
 static void matmul_f32_plain(float *out, const float *x, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols;
@@ -1069,6 +1049,17 @@ static inline vfloat vf_mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 static inline vfloat vf_max(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 /* to the nearest whole number (ties to even); 2^n of whole numbers n in -126..127 */
 static inline vfloat vf_round(vfloat v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vfloat vf_div(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+/* m, or |v| where it is larger: a NaN in v is passed over */
+static inline vfloat vf_amax(vfloat m, vfloat v) { return _mm512_max_ps(_mm512_abs_ps(v), m); }
+/* to the nearest whole number, ties away from zero (roundf): v - trunc(v)
+   is exact, so a fraction of at least a half rounds up in magnitude */
+static inline vfloat vf_round_away(vfloat v) {
+    vfloat t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512i one = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)), _mm512_castps_si512(_mm512_set1_ps(1.0f)));
+    return _mm512_mask_add_ps(t, up, t, _mm512_castsi512_ps(one));
+}
 static inline vfloat vf_pow2(vfloat n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
@@ -1131,6 +1122,14 @@ static inline vfloat vf_add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 static inline vfloat vf_mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 static inline vfloat vf_max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 static inline vfloat vf_round(vfloat v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vfloat vf_div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+static inline vfloat vf_amax(vfloat m, vfloat v) { return _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), m); }
+static inline vfloat vf_round_away(vfloat v) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    return _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(v, sign), _mm256_set1_ps(1.0f))));
+}
 static inline vfloat vf_pow2(vfloat n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
@@ -1182,6 +1181,9 @@ static inline vfloat vf_add(vfloat a, vfloat b) { return vaddq_f32(a, b); }
 static inline vfloat vf_mul(vfloat a, vfloat b) { return vmulq_f32(a, b); }
 static inline vfloat vf_max(vfloat a, vfloat b) { return vmaxq_f32(a, b); }
 static inline vfloat vf_round(vfloat v) { return vrndnq_f32(v); }
+static inline vfloat vf_div(vfloat a, vfloat b) { return vdivq_f32(a, b); }
+static inline vfloat vf_amax(vfloat m, vfloat v) { return vmaxnmq_f32(vabsq_f32(v), m); }
+static inline vfloat vf_round_away(vfloat v) { return vrndaq_f32(v); }
 static inline vfloat vf_pow2(vfloat n) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23)); }
 static inline float vf_sum(vfloat v) { return vaddvq_f32(v); }
 /* lane q = vf_sum(v[q]) for 4 vectors: the same instruction for each */
@@ -1772,6 +1774,24 @@ typedef struct {
 static int q8_quads(int n, int group_size) { return n > 1 && n < QQ_INPUTS && group_size % 16 == 0; }
 static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs);
 
+/* The start of a group sum of quantised values q (group_size of them;
+   NULL: a row past n, whose start is 0). */
+static int32_t group_start(const Inputs *in, const int16_t *q) {
+    int32_t sum = 0;
+    for (int j = 0; q && j < in->group_size; j++) sum += q[j];
+    return (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
+}
+
+/* dst[0..count-1] = q[0..count-1] as bytes (each in -127..127), or zeros
+   where q is NULL: copied in runs, which compilers turn into vector code. */
+static void narrow_bytes(int8_t *restrict dst, const int16_t *restrict q, int count) {
+    if (!q) {
+        memset(dst, 0, (size_t)count);
+        return;
+    }
+    for (int j = 0; j < count; j++) dst[j] = (int8_t)q[j];
+}
+
 static void pack_q8(Inputs *in, const int16_t *xq, const float *xs) {
     const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
     const int lanes = n == 1 ? 1 : 16, padded = (n + lanes - 1) / lanes * lanes;
@@ -1783,13 +1803,11 @@ static void pack_q8(Inputs *in, const int16_t *xq, const float *xs) {
         const int16_t *q = xq + (size_t)b * cols;
         size_t v = (size_t)(b / lanes), lane = (size_t)(b % lanes);
         for (int g = 0; g < groups; g++) {
-            int32_t sum = 0;
-            for (int j = g * gs; b < n && j < (g + 1) * gs; j++) sum += q[j];
-            in->c8[(v * groups + g) * lanes + lane] = (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
+            in->c8[(v * groups + g) * lanes + lane] = group_start(in, b < n ? q + (size_t)g * gs : NULL);
             in->s8[(v * groups + g) * lanes + lane] = b < n ? xs[(size_t)b * groups + g] : 0.0f;
         }
-        for (int j = 0; j < cols; j++) /* column j of row b: step j / 4, byte j % 4 */
-            in->x8[((v * (cols / 4) + (size_t)j / 4) * lanes + lane) * 4 + (size_t)j % 4] = (int8_t)(b < n ? q[j] : 0);
+        for (int j = 0; j < cols; j += 4) /* columns j..j+3 of row b: step j / 4 */
+            narrow_bytes(in->x8 + ((v * (cols / 4) + (size_t)j / 4) * lanes + lane) * 4, b < n ? q + j : NULL, 4);
     }
 }
 
@@ -1802,18 +1820,59 @@ static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs) {
         const int16_t *q = xq + (size_t)b * cols;
         size_t p = (size_t)(b / 4), m = (size_t)(b % 4);
         for (int g = 0; g < groups; g++) {
-            int32_t sum = 0;
-            for (int j = g * gs; b < n && j < (g + 1) * gs; j++) sum += q[j];
+            int32_t start = group_start(in, b < n ? q + (size_t)g * gs : NULL);
             for (int e = 0; e < 4; e++) {
-                in->c8[((p * groups + g) * 4 + m) * 4 + e] = (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
+                in->c8[((p * groups + g) * 4 + m) * 4 + e] = start;
                 in->s8[((p * groups + g) * 4 + m) * 4 + e] = b < n ? xs[(size_t)b * groups + g] : 0.0f;
             }
         }
-        for (int j = 0; j < cols; j++)
-            in->x8[((p * (cols / 16) + (size_t)j / 16) * 4 + m) * 16 + (size_t)j % 16] = (int8_t)(b < n ? q[j] : 0);
+        for (int j = 0; j < cols; j += 16) /* columns j..j+15 of input m */
+            narrow_bytes(in->x8 + ((p * (cols / 16) + (size_t)j / 16) * 4 + m) * 16, b < n ? q + j : NULL, 16);
     }
 }
 #endif
+
+/* Quantises `count` values (whole groups of gs) as the text on matrix
+   multiplication above says: per group xs = max|x| / 127 and xq = round(x / xs), halves away from
+   zero (roundf), 0 for an all-zero group. xq is int16 so that vector kernels
+   multiply it with widened weights. A group of whole vectors is taken a
+   vector at a time (every row of every batch alike): the same maximum, the
+   same quotients, the same rounding. A value out of -127..127 (x holds NaN
+   or infinities: a broken model) becomes 0 rather than an undefined
+   conversion. */
+static int16_t quantized(float q) { return q >= -127.0f && q <= 127.0f ? (int16_t)q : 0; }
+
+static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count, int gs) {
+    for (size_t g = 0; g < count / gs; g++) {
+        const float *v = x + g * gs;
+        int16_t *q = xq + g * gs;
+        float amax = 0.0f;
+        int j = 0;
+#ifdef SIMD_WIDTH
+        if (gs % SIMD_WIDTH == 0) {
+            float lanes[SIMD_WIDTH];
+            vfloat m = vf_zero();
+            for (; j < gs; j += SIMD_WIDTH) m = vf_amax(m, vf_load(v + j));
+            vf_store(lanes, m);
+            for (int k = 0; k < SIMD_WIDTH; k++)
+                if (lanes[k] > amax) amax = lanes[k];
+        }
+#endif
+        for (; j < gs; j++)
+            if (fabsf(v[j]) > amax) amax = fabsf(v[j]);
+        float scale = amax / 127.0f;
+        xs[g] = scale;
+        j = 0;
+#ifdef SIMD_WIDTH
+        for (const vfloat by = vf_set(scale); gs % SIMD_WIDTH == 0 && scale > 0.0f && j < gs; j += SIMD_WIDTH) {
+            float r[SIMD_WIDTH];
+            vf_store(r, vf_round_away(vf_div(vf_load(v + j), by)));
+            for (int k = 0; k < SIMD_WIDTH; k++) q[j + k] = quantized(r[k]);
+        }
+#endif
+        for (; j < gs; j++) q[j] = scale > 0.0f ? quantized(roundf(v[j] / scale)) : 0;
+    }
+}
 
 /* Quantises or packs x (n, W.cols) for the kernel of W. */
 static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
@@ -2166,6 +2225,18 @@ static void list_append(KVCache *c, int list, int b) {
     c->tail[list] = b;
 }
 
+/* b at the head of the list: a plain block freed goes first in line, so
+   that the blocks in use stay few and warm (a beam's copied last block is
+   freed and taken again at every step); an indexed one waits at the tail
+   (list_append), as the last to be taken for reuse. */
+static void list_prepend(KVCache *c, int list, int b) {
+    c->next[b] = c->head[list];
+    c->prev[b] = -1;
+    if (c->head[list] >= 0) c->prev[c->head[list]] = b;
+    else c->tail[list] = b;
+    c->head[list] = b;
+}
+
 static int free_list_of(const KVCache *c, int b) { return c->state[b] == BLOCK_READY; }
 
 /* The bytes of one cache row (a key or a value) of kv_dim values of `type`. */
@@ -2292,7 +2363,8 @@ static void block_release(KVCache *c, int b) {
     if (--c->ref[b] > 0) return;
     c->held--;
     if (c->state[b] == BLOCK_PENDING) prefix_remove(c, b);
-    list_append(c, free_list_of(c, b), b);
+    if (free_list_of(c, b) == 0) list_prepend(c, 0, b);
+    else list_append(c, 1, b);
 }
 
 static void table_push(BlockTable *t, int b) {
@@ -4359,14 +4431,41 @@ typedef struct {
     int beam, token;
 } Candidate;
 
+/* The largest of lp[0..CANDIDATE_RUN-1], or NaN where a NaN may hide a
+   larger one (vf_max keeps some NaNs, by instruction set). */
+#define CANDIDATE_RUN 256
+#ifdef SIMD_WIDTH
+static float run_max(const float *lp) {
+    vfloat m = vf_load(lp);
+    for (int v = SIMD_WIDTH; v < CANDIDATE_RUN; v += SIMD_WIDTH) m = vf_max(vf_load(lp + v), m);
+    float lanes[SIMD_WIDTH];
+    vf_store(lanes, m);
+    float top = lanes[0];
+    for (int i = 0; i < SIMD_WIDTH; i++) {
+        if (lanes[i] != lanes[i]) return lanes[i];
+        if (lanes[i] > top) top = lanes[i];
+    }
+    return top;
+}
+#endif
+
 /* Keeps the k best continuations in `best` (sorted, best first; among equal
    scores the lower beam, then the lower token, first). Beam b continues with
-   log-probabilities logprobs[b] (vocab values). */
+   log-probabilities logprobs[b] (vocab values). Once k are held, vector
+   builds pass over a run of CANDIDATE_RUN tokens whose best score (the sum
+   with the largest log-probability: rounding is monotonic) does not beat
+   the k-th, as every one of them would be passed over. */
 static int top_candidates(const float *beam_scores, float *const *logprobs, int n_beams, int vocab, Candidate *best, int k) {
     int n = 0;
     for (int b = 0; b < n_beams; b++) {
         const float *lp = logprobs[b];
         for (int v = 0; v < vocab; v++) {
+#ifdef SIMD_WIDTH
+            if (n == k && v % CANDIDATE_RUN == 0 && v + CANDIDATE_RUN <= vocab && beam_scores[b] + run_max(lp + v) <= best[k - 1].score) {
+                v += CANDIDATE_RUN - 1;
+                continue;
+            }
+#endif
             float score = beam_scores[b] + lp[v];
             if (n == k && !(score > best[k - 1].score)) continue;
             int i = n < k ? n++ : k - 1;

@@ -959,6 +959,85 @@ static void test_kernels(void) {
     }
     end();
 
+    begin("quantize_groups: halves away from zero, edge values, vector and scalar group sizes");
+    {
+        /* a group whose largest magnitude is 127 has scale 1, and one of
+           254 scale 2: the quotients are then exact whichever way the
+           compiler divides, and rounding alone decides each value */
+        const float edges[] = {0.5f, -0.5f, 1.5f, -1.5f, 2.5f, -2.5f, 126.5f, -126.5f, 0.49999997f, -0.49999997f, 1e-40f, -0.0f,
+                               3.0000002f, -2.9999998f, 64.5f, -100.49999f};
+        const int sizes[] = {32, 48, 6, 1};
+        for (int si = 0; si < 4 && !case_failed; si++)
+            for (int scale2 = 0; scale2 < 2 && !case_failed; scale2++) {
+                const int gs = sizes[si], count = 4 * gs;
+                float x[4 * 48], xs[4];
+                int16_t xq[4 * 48];
+                for (int i = 0; i < count; i++) x[i] = edges[(i * 7 + si) % 16] * (scale2 ? 2.0f : 1.0f);
+                for (int g = 0; g < 4; g++) x[g * gs + (g * 5) % gs] = (g % 2 ? -127.0f : 127.0f) * (scale2 ? 2.0f : 1.0f);
+                quantize_groups(xq, xs, x, (size_t)count, gs);
+                for (int i = 0; i < count; i++) {
+                    double r = x[i] / (scale2 ? 2.0 : 1.0);
+                    long want = (long)(r < 0 ? -floor(-r + 0.5) : floor(r + 0.5));
+                    if (!expect(xs[i / gs] == (scale2 ? 2.0f : 1.0f) && xq[i] == want, "gs %d scale %d: x %.9g -> %d (scale %g), want %ld",
+                                gs, scale2 + 1, x[i], xq[i], xs[i / gs], want)) break;
+                }
+            }
+        /* zeros; an infinity (every value 0, the scale infinite); a NaN
+           passed over by the maximum and quantised to 0 */
+        for (int gs = 16; gs <= 20 && !case_failed; gs += 4) {
+            float x[3 * 20], xs[3];
+            int16_t xq[3 * 20];
+            for (int i = 0; i < 3 * gs; i++) x[i] = i < gs ? 0.0f : (float)(i % 7) - 3.0f;
+            x[gs + 3] = INFINITY;
+            x[2 * gs + 5] = NAN;
+            x[2 * gs + 1] = 63.5f; /* the largest: scale 0.5 */
+            quantize_groups(xq, xs, x, (size_t)(3 * gs), gs);
+            expect(xs[0] == 0.0f && isinf(xs[1]) && xs[2] == 0.5f, "gs %d: scales %g %g %g", gs, xs[0], xs[1], xs[2]);
+            for (int i = 0; i < 3 * gs; i++) {
+                long want = i < 2 * gs || i == 2 * gs + 5 ? 0 : (long)(2 * x[i]);
+                if (!expect(xq[i] == want, "gs %d: x[%d] = %g -> %d, want %ld", gs, i, x[i], xq[i], want)) break;
+            }
+        }
+    }
+    end();
+
+    begin("top_candidates vs a full sort: runs passed over, ties, -inf, vocabularies of runs and tails");
+    {
+        enum { B = 4, K = 12, MAXV = 1500 };
+        static float rows[B * MAXV];
+        static Candidate all[B * MAXV];
+        const int vocabs[] = {1500, 256, 300, 17};
+        for (int vi = 0; vi < 4 && !case_failed; vi++)
+            for (int trial = 0; trial < 20 && !case_failed; trial++) {
+                const int vocab = vocabs[vi];
+                float beam_scores[B], *lp[B];
+                for (int b = 0; b < B; b++) {
+                    lp[b] = rows + b * vocab;
+                    beam_scores[b] = -(float)rand_below(4) * 0.25f;
+                    for (int v = 0; v < vocab; v++) /* coarse values: many ties; a few masked tokens; peaks in late runs */
+                        lp[b][v] = rand_below(50) == 0 ? -INFINITY : -(float)rand_below(64) * 0.125f - (v < vocab / 2 ? 4.0f : 0.0f);
+                }
+                Candidate best[K];
+                int n = top_candidates(beam_scores, lp, B, vocab, best, K), m = 0;
+                for (int b = 0; b < B; b++)
+                    for (int v = 0; v < vocab; v++) all[m++] = (Candidate){beam_scores[b] + lp[b][v], b, v};
+                for (int i = 0; i < K && i < m; i++) /* selection: score down, then beam up, then token up */
+                    for (int j = i + 1; j < m; j++) {
+                        const Candidate a = all[i], c = all[j];
+                        if (c.score > a.score || (c.score == a.score && (c.beam < a.beam || (c.beam == a.beam && c.token < a.token)))) {
+                            all[i] = c;
+                            all[j] = a;
+                        }
+                    }
+                expect(n == (K < m ? K : m), "vocab %d: %d candidates", vocab, n);
+                for (int i = 0; i < n; i++)
+                    if (!expect(best[i].score == all[i].score && best[i].beam == all[i].beam && best[i].token == all[i].token,
+                                "vocab %d trial %d: #%d is %d/%d %g, want %d/%d %g", vocab, trial, i, best[i].beam, best[i].token,
+                                best[i].score, all[i].beam, all[i].token, all[i].score)) break;
+            }
+    }
+    end();
+
     begin("matmul vs double, n = 1..5 rows");
     {
         enum { R = 37, C = 29, N = 5 };
