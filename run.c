@@ -1484,6 +1484,7 @@ static inline __m512i vi_sums(const __m512i *v, __m512i *hi) {
     }
     return _mm512_add_epi32(lo, up);
 }
+#undef ADD_I32
 
 /* m[k] = column k of the 16 x 16 matrix whose rows are m[0..15]: within
    each 128 bits, 4 x 4 blocks by unpacking pairs of values, then of pairs;
@@ -1833,9 +1834,9 @@ static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs) {
 #endif
 
 /* Quantises `count` values (whole groups of gs) as the text on matrix
-   multiplication above says: per group xs = max|x| / 127 and xq = round(x / xs), halves away from
-   zero (roundf), 0 for an all-zero group. xq is int16 so that vector kernels
-   multiply it with widened weights. A group of whole vectors is taken a
+   multiplication above says: per group xs = max|x| / 127 and xq =
+   round(x / xs), halves away from zero (roundf), 0 for an all-zero group.
+   xq is int16 so that vector kernels multiply it with widened weights. A group of whole vectors is taken a
    vector at a time (every row of every batch alike): the same maximum, the
    same quotients, the same rounding. A value out of -127..127 (x holds NaN
    or infinities: a broken model) becomes 0 rather than an undefined
@@ -1864,10 +1865,13 @@ static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count
         xs[g] = scale;
         j = 0;
 #ifdef SIMD_WIDTH
-        for (const vfloat by = vf_set(scale); gs % SIMD_WIDTH == 0 && scale > 0.0f && j < gs; j += SIMD_WIDTH) {
-            float r[SIMD_WIDTH];
-            vf_store(r, vf_round_away(vf_div(vf_load(v + j), by)));
-            for (int k = 0; k < SIMD_WIDTH; k++) q[j + k] = quantized(r[k]);
+        if (gs % SIMD_WIDTH == 0 && scale > 0.0f) {
+            const vfloat by = vf_set(scale);
+            for (; j < gs; j += SIMD_WIDTH) {
+                float r[SIMD_WIDTH];
+                vf_store(r, vf_round_away(vf_div(vf_load(v + j), by)));
+                for (int k = 0; k < SIMD_WIDTH; k++) q[j + k] = quantized(r[k]);
+            }
         }
 #endif
         for (; j < gs; j++) q[j] = scale > 0.0f ? quantized(roundf(v[j] / scale)) : 0;
