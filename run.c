@@ -3077,7 +3077,7 @@ typedef struct {
    on, up to `last` (and, at the first block, of the first two). When *blk
    already holds those very rows (beams hold the blocks of their common
    past together), it is left as it is: rows read by one sequence's queries
-   are then read by the next one's from the cache, and converted once. */
+   are then read by the next one's from the processor's cache. */
 static void attention_block(const KVCache *c, int layer, const BlockTable *table, int t0, int n, int last, int values, AttnSpan span,
                             float *floats, AttnBlock *blk) {
     const unsigned char *rows[ATTENTION_KEYS];
