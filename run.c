@@ -1838,11 +1838,11 @@ static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs) {
 /* Quantises `count` values (whole groups of gs) as the text on matrix
    multiplication above says: per group xs = max|x| / 127 and xq =
    round(x / xs), halves away from zero (roundf), 0 for an all-zero group.
-   xq is int16 so that vector kernels multiply it with widened weights. A group of whole vectors is taken a
-   vector at a time (every row of every batch alike): the same maximum, the
-   same quotients, the same rounding. A value out of -127..127 (x holds NaN
-   or infinities: a broken model) becomes 0 rather than an undefined
-   conversion. */
+   xq is int16 so that vector kernels multiply it with widened weights. A
+   group of whole vectors is taken a vector at a time (every row of every
+   batch alike): the same maximum, the same quotients, the same rounding. A
+   value out of -127..127 (x holds NaN or infinities: a broken model)
+   becomes 0 rather than an undefined conversion. */
 static int16_t quantized(float q) { return q >= -127.0f && q <= 127.0f ? (int16_t)q : 0; }
 
 static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count, int gs) {
@@ -3046,15 +3046,18 @@ static int attention_converts(const KVCache *c, int head_size, int readers) {
 #endif
 }
 
-/* What the query heads g0..g1-1 of a tile of n rows read of each cached
-   position: values off..off+count-1 (their key heads), converted to floats
-   or not (attention_converts). */
+/* What the query heads g0..g1-1 of a group of tiles first[0..m-1] read of
+   each cached position: values off..off+count-1 (their key heads),
+   converted to floats or not (attention_converts). A block is read by the
+   queries of one tile: the rows of a group of several tiles (one row each)
+   read their own tables, which may or may not share it. */
 typedef struct {
     int off, count, convert;
 } AttnSpan;
 
-static AttnSpan attention_span(const Config *p, const KVCache *c, int n, int g0, int g1) {
+static AttnSpan attention_span(const Config *p, const KVCache *c, const int *first, int m, int g0, int g1) {
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    const int n = m == 1 ? first[1] - first[0] : 1; /* the queries of a block */
     AttnSpan span;
     span.off = g0 / kv_mul * head_size;
     span.count = ((g1 - 1) / kv_mul + 1) * head_size - span.off;
@@ -3131,7 +3134,7 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
             const float *q = turn == 0 ? s->q + (size_t)(r0 + i) * p->dim : s->q_turned + ((size_t)(r0 + i) * 2 + turn - 1) * p->dim;
             memcpy(a->q + turn * a->turn + (size_t)i * w * head_size, q + g0 * head_size, (size_t)w * head_size * sizeof(float));
         }
-    const AttnSpan span = attention_span(p, c, m == 1 ? n : 1, g0, g1); /* the queries of a tile read a block */
+    const AttnSpan span = attention_span(p, c, first, m, g0, g1);
     for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
         AttnBlock keys;
         keys.n = 0;
@@ -3173,7 +3176,7 @@ static void attention_values(Transformer *t, const Batch *b, int layer, const in
     const KVCache *c = &s->cache;
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
     const int r0 = first[0], n = first[m] - r0, last = attention_reach(b, first, m);
-    const AttnSpan span = attention_span(p, c, m == 1 ? n : 1, g0, g1); /* the queries of a tile read a block */
+    const AttnSpan span = attention_span(p, c, first, m, g0, g1);
     memset(a->out, 0, (size_t)n * w * head_size * sizeof(float));
     for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
         AttnBlock values;
@@ -3306,8 +3309,8 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     const int n_groups = attention_groups(b, s->tiles, n_tiles, score_rows / range, s->groups);
     PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
     for (int item = 0; item < n_ranges * n_groups; item++) {
-        const int *first = s->tiles + s->groups[item % n_groups], m = s->groups[item % n_groups + 1] - s->groups[item % n_groups];
-        const int n = first[m] - first[0];
+        const int group = item % n_groups, m = s->groups[group + 1] - s->groups[group];
+        const int *first = s->tiles + s->groups[group], n = first[m] - first[0];
         const int h0 = item / n_groups * range, h1 = h0 + range < p->n_heads ? h0 + range : p->n_heads;
         const AttnScratch a = attention_scratch(p, s, thread_id());
         /* as many heads at once as the scores of the group's rows fit in */
