@@ -1527,6 +1527,17 @@ static inline void row_scales(vfloat *ws, const Matrix *W, const size_t *wg, int
     transpose16(ws);
 }
 
+/* The weights (wr: bytes of 8-bit, or of 4-bit values where bits is 4) and
+   the first group (wg) of rows i..i+QD_ROWS-1 of W, the rows past n_rows
+   repeating the last one (their sums are not stored). */
+static inline void weight_rows(const Matrix *W, int i, int n_rows, int bits, const uint8_t **wr, size_t *wg) {
+    for (int r = 0; r < QD_ROWS; r++) {
+        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
+        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * W->cols : W->q4 + row * W->cols / 2;
+        wg[r] = row * (W->cols / W->group_size);
+    }
+}
+
 /* The same outputs for n_rows (at most QD_ROWS) rows i.. of W and one input
    row x (cols signed bytes; c, s (groups): its starts and scales), one row
    per lane: for each group, each row's products in lanes of 4 columns,
@@ -1538,11 +1549,7 @@ KERNEL void rows_q8(float *out, const Matrix *W, int i, int n_rows, const uint8_
     const int cols = W->cols, gs = W->group_size, groups = cols / gs;
     const uint8_t *wr[QD_ROWS];
     size_t wg[QD_ROWS];
-    for (int r = 0; r < QD_ROWS; r++) {
-        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
-        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * cols : W->q4 + row * cols / 2;
-        wg[r] = row * groups;
-    }
+    weight_rows(W, i, n_rows, bits, wr, wg);
     if (next) { /* the next block's scales too: read at its start, they would wait for memory */
         int after = W->rows - i - QD_ROWS < QD_ROWS ? W->rows - i - QD_ROWS : QD_ROWS;
         prefetch(W->scales + (size_t)(i + QD_ROWS) * groups * sizeof(float), (size_t)after * groups * sizeof(float));
@@ -1584,11 +1591,7 @@ KERNEL void quad_q8(float *out, size_t stride, const Matrix *W, int i, int n_row
     const int cols = W->cols, gs = W->group_size, groups = cols / gs;
     const uint8_t *wr[QD_ROWS];
     size_t wg[QD_ROWS];
-    for (int r = 0; r < QD_ROWS; r++) {
-        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
-        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * cols : W->q4 + row * cols / 2;
-        wg[r] = row * groups;
-    }
+    weight_rows(W, i, n_rows, bits, wr, wg);
     vfloat acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, ws[16];
     for (int g = 0; g < groups; g++) {
         if (g % 16 == 0) row_scales(ws, W, wg, g);
