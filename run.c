@@ -176,6 +176,27 @@ static void *map_readonly(const char *path, size_t *size, const char *kind) {
 
 static void unmap(void *data, size_t size) { munmap(data, size); }
 
+/* `bytes` of zeroed memory in whole pages, in 2 MB pages where the system
+   gives them (Linux's transparent huge pages on request), as the mapped
+   file has where its file system does; the packed weights live there. */
+static void *alloc_pages(size_t bytes) {
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) die(EXIT_BAD_FILE, "out of memory (%zu bytes for weights)", bytes);
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static void free_pages(void *p, size_t bytes) { munmap(p, bytes); }
+
+/* Gives back the memory of the pages wholly inside p..p+bytes-1 of the
+   read-only mapped file: read again from the file if touched again. */
+static void release_pages(const void *p, size_t bytes) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), from = ((uintptr_t)p + page - 1) / page * page, to = ((uintptr_t)p + bytes) / page * page;
+    if (to > from) madvise((void *)from, to - from, MADV_DONTNEED);
+}
+
 /* One line of any length from f, with its newline: its length, or -1 at
    the end of input (getline's contract). */
 static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
@@ -324,6 +345,19 @@ static void unmap(void *data, size_t size) {
     UnmapViewOfFile(data);
 }
 
+static void *alloc_pages(size_t bytes) {
+    void *p = VirtualAlloc(NULL, bytes, MEM_COMMIT | MEM_RESERVE, PAGE_READWRITE);
+    if (!p) die(EXIT_BAD_FILE, "out of memory (%zu bytes for weights)", bytes);
+    return p;
+}
+
+static void free_pages(void *p, size_t bytes) {
+    (void)bytes;
+    VirtualFree(p, 0, MEM_RELEASE);
+}
+
+static void release_pages(const void *p, size_t bytes) { (void)p; (void)bytes; } /* the mapping's pages stay */
+
 /* getline's contract, one character at a time (there is no getline). */
 static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) {
     size_t len = 0;
@@ -432,6 +466,10 @@ typedef struct {
     int rows, cols;
     int group_size;     /* 0 for float32 */
     const uint8_t *q4;  /* 4-bit: (rows, cols / 2) bytes, two values each (see section 2) */
+    /* VNNI builds, int8 and 4-bit: the values and scales as the kernel reads
+       them (matrix_pack, section 3); NULL: read as stored */
+    const uint8_t *packed;      /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
+    const float *packed_scales; /* (rows / PACK_ROWS rounded up, groups, PACK_ROWS) */
 } Matrix;
 
 typedef struct {
@@ -518,6 +556,8 @@ typedef struct {
     RunState state;
     void *mapping;    /* the whole checkpoint file, mmap'ed read-only */
     size_t file_size;
+    void *packing;    /* VNNI builds: the packed matrices (pack_weights), packing_bytes of them */
+    size_t packing_bytes;
 } Transformer;
 
 /* ------------------------------------------------------------------------ */
@@ -564,13 +604,13 @@ static const float *take_floats(FileCursor *c, uint64_t count, const char *what)
    is even, so every row and every group starts on a byte). */
 static Matrix take_matrix(FileCursor *c, int rows, int cols, int group_size, int bits, const char *what) {
     uint64_t count = (uint64_t)rows * (uint64_t)cols;
-    if (group_size == 0) return (Matrix){take_floats(c, count, what), NULL, NULL, rows, cols, 0, NULL};
+    if (group_size == 0) return (Matrix){.w = take_floats(c, count, what), .rows = rows, .cols = cols};
     const char *values = take_bytes(c, bits == 4 ? count / 2 : count, what);
     char scales_what[64];
     snprintf(scales_what, sizeof(scales_what), "the scales of %s", what);
     const char *scales = take_bytes(c, count / (uint64_t)group_size * sizeof(float), scales_what);
-    if (bits == 4) return (Matrix){NULL, NULL, scales, rows, cols, group_size, (const uint8_t *)values};
-    return (Matrix){NULL, (const int8_t *)values, scales, rows, cols, group_size, NULL};
+    if (bits == 4) return (Matrix){.scales = scales, .rows = rows, .cols = cols, .group_size = group_size, .q4 = (const uint8_t *)values};
+    return (Matrix){.q = (const int8_t *)values, .scales = scales, .rows = rows, .cols = cols, .group_size = group_size};
 }
 
 static int32_t read_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -835,22 +875,31 @@ static void refuse_directory(const char *path, const char *kind) {
 }
 
 /* Maps the file read-only (section "Platform"), with advice to the kernel
-   where it takes it. */
+   where it takes it: 2 MB pages where the file system has them (streaming
+   the weights then misses the TLB 512 times less often). */
 static void *map_file(const char *path, size_t *size, const char *kind) {
     struct stat st;
     if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) refuse_directory(path, kind);
     void *data = map_readonly(path, size, kind);
-    /* advice only: 2 MB pages where the file system has them (streaming the
-       weights then misses the TLB 512 times less often), and every page read
-       and mapped now rather than faulted in during the first tokens */
 #ifdef MADV_HUGEPAGE /* Linux */
     madvise(data, *size, MADV_HUGEPAGE);
 #endif
-#ifdef MADV_POPULATE_READ /* Linux 5.14 */
-    madvise(data, *size, MADV_POPULATE_READ);
-#endif
     return data;
 }
+
+/* Advice only: every page of the mapping read and mapped now, rather than
+   faulted in during the first tokens. */
+static void populate(void *data, size_t size) {
+#ifdef MADV_POPULATE_READ /* Linux 5.14 */
+    madvise(data, size, MADV_POPULATE_READ);
+#else
+    (void)data; (void)size;
+#endif
+}
+
+/* section 3: the matrices as the kernels read them, and their memory freed */
+static void pack_weights(Transformer *t);
+static void unpack_weights(Transformer *t);
 
 static void load_checkpoint(Transformer *t, const char *path) {
     memset(t, 0, sizeof(*t));
@@ -860,11 +909,14 @@ static void load_checkpoint(Transformer *t, const char *path) {
     map_weights(t, &c, shared);
     /* only now: a header's head size is bounded by the file once its weights fit */
     if (t->version == 4) t->rope_freq = rope_frequencies(&t->config);
+    pack_weights(t);
+    if (!t->packing) populate(t->mapping, t->file_size); /* packed: read once already */
 }
 
 static void free_transformer(Transformer *t) {
     Weights *w = &t->weights;
     free(t->rope_freq);
+    unpack_weights(t);
     free(w->wq); free(w->wk); free(w->wv); free(w->wo);
     free(w->w1); free(w->w2); free(w->w3);
     if (t->mapping) unmap(t->mapping, t->file_size);
@@ -1103,11 +1155,6 @@ static inline vint vi_load_i16(const int16_t *p) { return _mm512_loadu_si512(p);
 static inline vint vi_dot(vint acc, vint a, vint b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #else
 #define VNNI 1
-/* 4 * SIMD_WIDTH bytes: the first `count` from p, zeros after them (bytes
-   past them are not read) */
-static inline vint vi_load_bytes(const void *p, int count) {
-    return _mm512_maskz_loadu_epi8(count >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << count) - 1, p);
-}
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1222,6 +1269,23 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
 #define KERNEL_NAME "plain C"
 #endif
 
+/* ---- Packed weights --------------------------------------------------------
+   VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
+   the checkpoint is loaded (matrix_pack, after the matrix multiplications):
+   blocks of PACK_ROWS rows. */
+#define PACK_ROWS 16
+static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W->cols * (W->q4 ? 4 : 8) / 8; }
+
+/* Whether this build packs W. */
+static int matrix_packs(const Matrix *W) {
+#ifdef VNNI
+    return W->group_size > 0 && W->group_size % 4 == 0;
+#else
+    (void)W;
+    return 0;
+#endif
+}
+
 #ifdef SIMD_WIDTH
 /* The int8 columns one vi_dot consumes (without VNNI): vi_load_i8 and
    vi_load_i16 load VI_COLS values, and vi_dot adds to int32 lane k the
@@ -1241,7 +1305,7 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
 #if SIMD_WIDTH == 16
 #define MB_ROWS 6
 #define MB_INPUTS 4
-#define QB_ROWS 4 /* without VNNI (with it: QV_ROWS, QV_VECTORS) */
+#define QB_ROWS 4 /* without VNNI (VNNI builds: packed_q8) */
 #define QB_INPUTS 2
 #elif SIMD_WIDTH == 4 /* NEON: 32 registers of 4 floats */
 #define MB_ROWS 4
@@ -1362,277 +1426,78 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    128 * sum xq: it starts at -128 * sum xq ("the start", prepared with the
    inputs). Each output is summed group by group, in order,
      acc = fma(float(isum_g), ws_g * xs_g, acc),  isum_g exact in int32,
-   the same steps whichever kernel below computes it, so a row's result does
-   not depend on the other rows of its batch. group_size is a multiple of 4.
-   4-bit weights (bits = 4) go the same way: their stored nibbles are q + 8,
-   unsigned already, and the group sums start at -8 * sum xq. */
-#define QV_ROWS 3    /* the weight rows of block_q8 */
-#define QV_VECTORS 4 /* its vectors of SIMD_WIDTH input rows at most */
-/* matmul_simd's blocks: QV_TILES tiles of QV_ROWS rows */
-#define QV_TILES 4
-#define Q8_BLOCK_ROWS (QV_ROWS * QV_TILES)
-#define Q8_ONE_ROWS QD_ROWS /* and for one input row */
+   so a row's result does not depend on the other rows of its batch.
+   group_size is a multiple of 4. 4-bit weights (bits = 4) go the same way:
+   their stored nibbles are q + 8, unsigned already, and the group sums
+   start at -8 * sum xq.
 
-/* The 4-bit values of columns j..j+3 of a row, from its 2 bytes at p (the
-   low nibble first), as 4 bytes q + 8. */
-static inline int32_t q4_word(const uint8_t *p) {
-#ifdef __BMI2__ /* one instruction: the 16 bits spread to the low nibbles of 4 bytes */
-    uint16_t two;
-    memcpy(&two, p, sizeof(two));
-    return (int32_t)_pdep_u32(two, 0x0F0F0F0Fu);
-#else
-    uint32_t lo = p[0], hi = p[1];
-    return (int32_t)((lo & 15) | (lo >> 4) << 8 | (hi & 15) << 16 | (hi >> 4) << 24);
-#endif
-}
+   The kernel reads the weights as pack_matrix lays them out when the
+   checkpoint is loaded: PACK_ROWS rows at a time, columns 4 at a time, each
+   row's 4 weights one int32 lane (int8: 4 bytes wq + 128; 4-bit: its 2
+   bytes as stored). One vector load gives 4 columns of 16 rows, and one
+   vpdpbusd with an input's 4 bytes in every lane (a broadcast load) adds
+   their products to the 16 rows' sums: lane r is row r's sum, with no sums
+   across lanes, and every product computed is used, for one input row or
+   many. The scales are packed alike, 16 rows' scales of a group in one
+   vector. In row-major order, each weight would have to be copied across
+   lanes first: with 4 input rows that took 2.5 times as long (stories110M
+   shape, 2 threads, weights in the third-level cache). */
+#define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
+#define Q8_BLOCK_ROWS PACK_ROWS
+#define Q8_ONE_ROWS PACK_ROWS
 
-/* The weights of `count` (at most 64) columns at p as 64 unsigned bytes
-   (past count: bytes that the caller multiplies by zero inputs): int8 with
-   the sign bit flipped (wq + 128), 4-bit as q + 8,
-   each byte widened to 16 bits, then (b | b << 4) & 0x0F0F puts its low
-   nibble in the low byte and its high nibble in the high one. */
-KERNEL __m512i weight_bytes(const uint8_t *p, int count, const int bits) {
-    if (bits == 8) {
-        __m512i w = count >= 64 ? _mm512_loadu_si512(p) : vi_load_bytes(p, count);
-        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-    }
-    __m256i b = count >= 64 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi8(((__mmask32)1 << (count / 2)) - 1, p);
-    __m512i e = _mm512_cvtepu8_epi16(b);
+/* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
+   bytes: lane r holds row r's 4 values. 4-bit: each row's 2 bytes widened
+   to 16 bits, then (b | b << 4) & 0x0F0F puts the low nibble (column j or
+   j + 2) in the low byte and the high nibble in the high one. */
+KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
+    if (bits == 8) return _mm512_loadu_si512(p + (size_t)j * PACK_ROWS);
+    __m512i e = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + (size_t)j * PACK_ROWS / 2)));
     return _mm512_ternarylogic_epi32(e, _mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
 }
 
-/* out[b * stride + r] for NR rows i.. of W and the 16 * NV input rows packed
-   in xv, one input row per lane: for each 4 columns, a row's 4 weights
-   are copied to every lane and multiplied by those columns of 16 inputs.
-   xv (NV, cols / 4, 16 inputs, 4 bytes); cv, sv (NV, groups, 16): the start
-   and the scale of each input's group sums. */
-KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *xv,
-                     const int32_t *cv, const float *sv, int n_in, const int NR, const int NV, const int bits) {
-    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
-    const uint8_t *wr[QV_ROWS];
-    size_t wg[QV_ROWS];
-    vfloat acc[QV_ROWS * QV_VECTORS]; /* acc[r * NV + v] */
-    for (int r = 0; r < NR; r++) {
-        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
-        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * cols : W->q4 + row * cols / 2;
-        wg[r] = row * groups;
-    }
-    for (int k = 0; k < NR * NV; k++) acc[k] = vf_zero();
+/* out[b * stride + r] for rows i..i+n_rows-1 of W (a packed block: i a
+   multiple of PACK_ROWS) and n_in <= N input rows b: x (N, cols) their
+   bytes, c and s (N, groups) their starts and scales (rows past n_in: zero).
+   Each group's sums are taken in `chains` int32 sums per input, columns 4 at
+   a time in turn, added exactly at the end of the group: a vpdpbusd waits
+   for the one before it on its sum, so that few inputs need several sums
+   in flight (4 for fewer than 4 inputs). `next`: the next block, prefetched
+   a group at a time.
+   N and bits are constants in every inlined copy. */
+KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
+                      const int32_t *c, const float *s, int n_in, const int N, const int bits) {
+    enum { MAX_CHAINS = 4 };
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs, chains = N < 4 ? 4 : 2;
+    const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
+    const float *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * groups * PACK_ROWS;
+    if (next) prefetch(ws + (size_t)groups * PACK_ROWS, (size_t)groups * PACK_ROWS * sizeof(float));
+    vfloat acc[PACK_INPUTS];
+    for (int m = 0; m < N; m++) acc[m] = vf_zero();
     for (int g = 0; g < groups; g++) {
-        __m512i isum[QV_ROWS * QV_VECTORS];
-        for (int r = 0; r < NR; r++)
-            for (int v = 0; v < NV; v++) isum[r * NV + v] = _mm512_loadu_si512(cv + ((size_t)v * groups + g) * 16);
-        if (next) prefetch(next + (size_t)NR * g * gs * bits / 8, (size_t)NR * gs * bits / 8);
-        for (int j = g * gs; j < (g + 1) * gs; j += 4) {
-            __m512i x[QV_VECTORS];
-            for (int v = 0; v < NV; v++) x[v] = _mm512_loadu_si512(xv + ((size_t)v * (cols / 4) + j / 4) * 64);
-            for (int r = 0; r < NR; r++) {
-                int32_t w4;
-                if (bits == 8) {
-                    memcpy(&w4, wr[r] + j, sizeof(w4));
-                    w4 ^= (int32_t)0x80808080u;
-                } else {
-                    w4 = q4_word(wr[r] + j / 2);
+        const int j0 = g * gs, j1 = j0 + gs;
+        if (next) prefetch(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
+        __m512i sum[PACK_INPUTS][MAX_CHAINS];
+        for (int m = 0; m < N; m++)
+            for (int k = 0; k < chains; k++) sum[m][k] = k == 0 ? _mm512_set1_epi32(c[(size_t)m * groups + g]) : _mm512_setzero_si512();
+        for (int j = j0; j < j1; j += 4 * chains)
+            for (int k = 0; k < chains && j + 4 * k < j1; k++) { /* the last round may be short */
+                __m512i w = packed_weights(p, j + 4 * k, bits);
+                for (int m = 0; m < N; m++) {
+                    int32_t x4;
+                    memcpy(&x4, x + (size_t)m * cols + j + 4 * k, sizeof(x4));
+                    sum[m][k] = _mm512_dpbusd_epi32(sum[m][k], w, _mm512_set1_epi32(x4));
                 }
-                __m512i w = _mm512_set1_epi32(w4);
-                for (int v = 0; v < NV; v++) isum[r * NV + v] = _mm512_dpbusd_epi32(isum[r * NV + v], w, x[v]);
             }
-        }
-        for (int r = 0; r < NR; r++) {
-            vfloat ws = vf_set(group_scale(W, wg[r] + g));
-            for (int v = 0; v < NV; v++)
-                acc[r * NV + v] = vf_fma(vi_to_float(isum[r * NV + v]), _mm512_mul_ps(ws, vf_load(sv + ((size_t)v * groups + g) * 16)),
-                                         acc[r * NV + v]);
-        }
-    }
-    for (int r = 0; r < n_rows; r++)
-        for (int v = 0; v < NV; v++) {
-            float lanes[16];
-            vf_store(lanes, acc[r * NV + v]);
-            for (int b = 0; b < 16 && v * 16 + b < n_in; b++) out[(size_t)(v * 16 + b) * stride + r] = lanes[b];
-        }
-}
-
-/* Sums of int32 lanes, exact (so in any order), on float registers (the
-   shuffles move bits only). */
-#define ADD_I32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-
-/* Within each 128 bits, for 16 vectors v: block m of t4[q], lane e = the
-   sum of the 4 lanes of block m of v[4q + e] (pairs, then pairs of pairs). */
-static inline void vi_block_sums(const __m512i *v, __m512 *t4) {
-    __m512 t8[8];
-    for (int q = 0; q < 8; q++) {
-        __m512 a = _mm512_castsi512_ps(v[2 * q]), b = _mm512_castsi512_ps(v[2 * q + 1]);
-        t8[q] = ADD_I32(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-    }
-    for (int q = 0; q < 4; q++)
-        t4[q] = ADD_I32(_mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0x88), _mm512_shuffle_ps(t8[2 * q], t8[2 * q + 1], 0xDD));
-}
-
-/* Lane q = the sum of the int32 lanes of v[q], for 16 vectors, and lane q
-   of *hi the sum of lanes 8..15 of v[q] (two groups of 32 columns in one
-   vector: then the result is that of lanes 0..7). The blocks' sums first,
-   then across the blocks. */
-static inline __m512i vi_sums(const __m512i *v, __m512i *hi) {
-    __m512 t4[4], s[2];
-    vi_block_sums(v, t4);
-    for (int q = 0; q < 2; q++) /* blocks: t4[2q] lanes 0..7, its lanes 8..15, t4[2q + 1] the same */
-        s[q] = ADD_I32(_mm512_shuffle_f32x4(t4[2 * q], t4[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t4[2 * q], t4[2 * q + 1], 0xDD));
-    __m512i lo = _mm512_castps_si512(_mm512_shuffle_f32x4(s[0], s[1], 0x88));
-    __m512i up = _mm512_castps_si512(_mm512_shuffle_f32x4(s[0], s[1], 0xDD));
-    if (hi) {
-        *hi = up;
-        return lo;
-    }
-    return _mm512_add_epi32(lo, up);
-}
-#undef ADD_I32
-
-/* m[k] = column k of the 16 x 16 matrix whose rows are m[0..15]: within
-   each 128 bits, 4 x 4 blocks by unpacking pairs of values, then of pairs;
-   then the 128-bit blocks moved across, 4 x 4 of them. */
-static inline void transpose16(__m512 *m) {
-    __m512 t[16], u[16];
-    for (int k = 0; k < 8; k++) { /* pairs of rows: elements 0, 1 | 2, 3 of each 128 bits */
-        t[2 * k] = _mm512_unpacklo_ps(m[2 * k], m[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_ps(m[2 * k], m[2 * k + 1]);
-    }
-    for (int q = 0; q < 4; q++) { /* u[4q + e]: rows 4q..4q+3, element e of each 128 bits */
-        __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
-        __m512d c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
-        u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int e = 0; e < 4; e++) { /* column 4L + e: block L of u[e], u[4 + e], u[8 + e], u[12 + e] */
-        __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xEE);
-        __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xEE);
-        m[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-        m[4 + e] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-        m[8 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-        m[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
-    }
-}
-
-#define QD_ROWS 16
-/* ws[k], lane r = the scale of group g + k of row r, whose groups start at
-   wg[r], for QD_ROWS rows and 16 groups g.. (g a multiple of 16): the rows'
-   scales read as rows, then transposed. */
-static inline void row_scales(vfloat *ws, const Matrix *W, const size_t *wg, int g) {
-    const int groups = W->cols / W->group_size;
-    for (int r = 0; r < QD_ROWS; r++)
-        ws[r] = _mm512_castsi512_ps(
-            vi_load_bytes(W->scales + (wg[r] + g) * sizeof(float), (groups - g < 16 ? groups - g : 16) * (int)sizeof(float)));
-    transpose16(ws);
-}
-
-/* The weights (wr: bytes of 8-bit, or of 4-bit values where bits is 4) and
-   the first group (wg) of rows i..i+QD_ROWS-1 of W, the rows past n_rows
-   repeating the last one (their sums are not stored). */
-static inline void weight_rows(const Matrix *W, int i, int n_rows, int bits, const uint8_t **wr, size_t *wg) {
-    for (int r = 0; r < QD_ROWS; r++) {
-        size_t row = (size_t)i + (r < n_rows ? r : n_rows - 1);
-        wr[r] = bits == 8 ? (const uint8_t *)W->q + row * W->cols : W->q4 + row * W->cols / 2;
-        wg[r] = row * (W->cols / W->group_size);
-    }
-}
-
-/* The same outputs for n_rows (at most QD_ROWS) rows i.. of W and one input
-   row x (cols signed bytes; c, s (groups): its starts and scales), one row
-   per lane: for each group, each row's products in lanes of 4 columns,
-   those lanes added up exactly (vi_sums), then the float steps; groups of
-   32 columns two at a time, in the two halves of a vector. The rows'
-   scales of 16 groups at a time are read as rows and transposed. */
-KERNEL void rows_q8(float *out, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x, const int32_t *c,
-                    const float *s, const int bits) {
-    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
-    const uint8_t *wr[QD_ROWS];
-    size_t wg[QD_ROWS];
-    weight_rows(W, i, n_rows, bits, wr, wg);
-    if (next) { /* the next block's scales too: read at its start, they would wait for memory */
-        int after = W->rows - i - QD_ROWS < QD_ROWS ? W->rows - i - QD_ROWS : QD_ROWS;
-        prefetch(W->scales + (size_t)(i + QD_ROWS) * groups * sizeof(float), (size_t)after * groups * sizeof(float));
-    }
-    vfloat acc = vf_zero(), ws[16]; /* ws[k]: the rows' scales of group g - g % 16 + k */
-    for (int g = 0; g < groups; g += gs == 32 ? 2 : 1) {
-        if (g % 16 == 0) row_scales(ws, W, wg, g);
-        __m512i isum[QD_ROWS];
-        for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_setzero_si512();
-        for (int j = g * gs; j < (g + 1) * gs || (gs == 32 && j < cols && j < (g + 2) * gs); j += 64) {
-            int count = (gs == 32 ? cols : (g + 1) * gs) - j;
-            if (next) prefetch(next + (size_t)QD_ROWS * j * bits / 8, (size_t)QD_ROWS * (count < 64 ? count : 64) * bits / 8);
-            __m512i xv = vi_load_bytes(x + j, count);
-            for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_dpbusd_epi32(isum[r], weight_bytes(wr[r] + j * bits / 8, count, bits), xv);
-        }
-        __m512i second = _mm512_setzero_si512(), total = _mm512_add_epi32(vi_sums(isum, gs == 32 ? &second : NULL), _mm512_set1_epi32(c[g]));
-        acc = vf_fma(vi_to_float(total), _mm512_mul_ps(ws[g % 16], vf_set(s[g])), acc);
-        if (gs == 32 && g + 1 < groups) {
-            total = _mm512_add_epi32(second, _mm512_set1_epi32(c[g + 1]));
-            acc = vf_fma(vi_to_float(total), _mm512_mul_ps(ws[(g + 1) % 16], vf_set(s[g + 1])), acc);
+        const vfloat wsg = vf_load(ws + (size_t)g * PACK_ROWS);
+        for (int m = 0; m < N; m++) {
+            __m512i total = sum[m][0];
+            for (int k = 1; k < chains; k++) total = _mm512_add_epi32(total, sum[m][k]);
+            acc[m] = vf_fma(vi_to_float(total), _mm512_mul_ps(wsg, vf_set(s[(size_t)m * groups + g])), acc[m]);
         }
     }
-    float lanes[QD_ROWS];
-    vf_store(lanes, acc);
-    memcpy(out, lanes, (size_t)n_rows * sizeof(float));
-}
-
-/* A few input rows (2 to QQ_INPUTS - 1, group_size a multiple of 16): four
-   at a time, one per 128 bits, 16 columns per lane group: each weight row's
-   16 bytes copied to the four 128-bit blocks, x4 (cols / 16, 4 inputs, 16
-   bytes) the four inputs' same columns. Lane e of block m then holds input
-   m's products of columns 4e.. of every 16; per group, the 4 lanes of a
-   block are added up exactly (within 128 bits, as vi_sums starts), which
-   gives t4[q]: block m = input m, lane e = row 4q + e. c4, s4 (groups, 4
-   inputs, 4 copies): the starts and scales. Then the same float steps. */
-#define QQ_INPUTS 16
-KERNEL void quad_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x4,
-                    const int32_t *c4, const float *s4, int n_in, const int bits) {
-    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
-    const uint8_t *wr[QD_ROWS];
-    size_t wg[QD_ROWS];
-    weight_rows(W, i, n_rows, bits, wr, wg);
-    vfloat acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()}, ws[16];
-    for (int g = 0; g < groups; g++) {
-        if (g % 16 == 0) row_scales(ws, W, wg, g);
-        __m512i isum[QD_ROWS];
-        for (int r = 0; r < QD_ROWS; r++) isum[r] = _mm512_setzero_si512();
-        for (int j = g * gs; j < (g + 1) * gs; j += 16) {
-            if (next && j % 64 == 0) prefetch(next + (size_t)QD_ROWS * j * bits / 8, (size_t)QD_ROWS * 64 * bits / 8);
-            __m512i xv = _mm512_loadu_si512(x4 + (size_t)j * 4);
-            for (int r = 0; r < QD_ROWS; r++) {
-                __m128i w;
-                if (bits == 8) {
-                    w = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(wr[r] + j)), _mm_set1_epi8((char)0x80));
-                } else {
-                    __m128i e = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(wr[r] + j / 2)));
-                    w = _mm_ternarylogic_epi32(e, _mm_slli_epi16(e, 4), _mm_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
-                }
-                isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_broadcast_i32x4(w), xv);
-            }
-        }
-        __m512 t4[4];
-        vi_block_sums(isum, t4);
-        const vfloat xs = vf_load(s4 + (size_t)g * 16);
-        const __m512i start = _mm512_loadu_si512(c4 + (size_t)g * 16);
-        for (int q = 0; q < 4; q++) {
-            vfloat wq; /* rows 4q..4q+3 in every block */
-            switch (q) {
-            case 0: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0x00); break;
-            case 1: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0x55); break;
-            case 2: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0xAA); break;
-            default: wq = _mm512_shuffle_f32x4(ws[g % 16], ws[g % 16], 0xFF);
-            }
-            __m512i total = _mm512_add_epi32(_mm512_castps_si512(t4[q]), start);
-            acc[q] = vf_fma(vi_to_float(total), _mm512_mul_ps(wq, xs), acc[q]);
-        }
-    }
-    for (int q = 0; q < 4; q++) {
-        float lanes[16];
-        vf_store(lanes, acc[q]);
-        for (int m = 0; m < 4 && m < n_in; m++)
-            for (int e = 0; e < 4 && 4 * q + e < n_rows; e++) out[(size_t)m * stride + 4 * q + e] = lanes[4 * m + e];
-    }
+    const __mmask16 stored = (__mmask16)((1u << n_rows) - 1);
+    for (int m = 0; m < n_in; m++) _mm512_mask_storeu_ps(out + (size_t)m * stride, stored, acc[m]);
 }
 #endif
 /* ---- 4-bit weights (version 3), without VNNI ----
@@ -1748,7 +1613,7 @@ static KernelKind kernel_of(const Matrix *W) {
 #ifdef SIMD_WIDTH
     if (W->group_size == 0 && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
 #ifdef VNNI
-    if (W->group_size > 0 && W->group_size % 4 == 0) return W->q4 ? KERNEL_Q4_SIMD : KERNEL_Q8_SIMD;
+    if (W->packed) return W->q4 ? KERNEL_Q4_SIMD : KERNEL_Q8_SIMD;
 #else
     if (!W->q4 && W->group_size > 0 && W->group_size % VI_COLS == 0) return KERNEL_Q8_SIMD;
 #endif
@@ -1767,19 +1632,12 @@ typedef struct {
     int16_t *xq;    /* int8, 4-bit (not VNNI): (n, cols) quantised values */
     float *xs;      /* int8, 4-bit (not VNNI): (n, cols / group_size) their scales */
     float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH) */
-    int8_t *x8;     /* VNNI: n = 1: (cols) xq; n < QQ_INPUTS: as pack_q8_quads says; else (n / 16 rounded up, cols / 4, 16, 4) */
-    int32_t *c8;    /* VNNI: n = 1: (groups) the starts of the group sums; else (n / 16 rounded up, groups, 16) or quads */
-    float *s8;      /* VNNI: the scales xs, laid out as c8 */
+    int8_t *x8;     /* VNNI: (n rounded up to PACK_INPUTS, cols) xq as bytes */
+    int32_t *c8;    /* VNNI: (n rounded up to PACK_INPUTS, groups) the starts of the group sums */
+    float *s8;      /* VNNI: (n rounded up to PACK_INPUTS, groups) the scales xs */
 } Inputs;
 
 #if defined(SIMD_WIDTH) && defined(VNNI)
-/* Lays out quantised rows xq, xs (n, cols) as the VNNI kernels read them,
-   with the start -128 * sum xq (4-bit weights: -8 * sum xq) of each group
-   sum; for n > 1, the rows past n (up to a multiple of 16) are zero, and so
-   are their starts and scales. */
-static int q8_quads(int n, int group_size) { return n > 1 && n < QQ_INPUTS && group_size % 16 == 0; }
-static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs);
-
 /* The start of a group sum of quantised values q (group_size of them;
    NULL: a row past n, whose start is 0). */
 static int32_t group_start(const Inputs *in, const int16_t *q) {
@@ -1788,52 +1646,22 @@ static int32_t group_start(const Inputs *in, const int16_t *q) {
     return (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
 }
 
-/* dst[0..count-1] = q[0..count-1] as bytes (each in -127..127), or zeros
-   where q is NULL: copied in runs, which compilers turn into vector code. */
-static void narrow_bytes(int8_t *restrict dst, const int16_t *restrict q, int count) {
-    if (!q) {
-        memset(dst, 0, (size_t)count);
-        return;
-    }
-    for (int j = 0; j < count; j++) dst[j] = (int8_t)q[j];
-}
-
+/* Lays out quantised rows xq, xs (n, cols) as packed_q8 reads them: x8 the
+   values as bytes, c8 the start -128 * sum xq (4-bit weights: -8 * sum xq)
+   of each group sum, s8 the scales; the rows past n, up to a multiple of
+   PACK_INPUTS, zero. */
 static void pack_q8(Inputs *in, const int16_t *xq, const float *xs) {
     const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
-    const int lanes = n == 1 ? 1 : 16, padded = (n + lanes - 1) / lanes * lanes;
-    if (q8_quads(n, gs)) {
-        pack_q8_quads(in, xq, xs);
-        return;
-    }
-    for (int b = 0; b < padded; b++) {
-        const int16_t *q = xq + (size_t)b * cols;
-        size_t v = (size_t)(b / lanes), lane = (size_t)(b % lanes);
+    for (int b = 0; b < (n + PACK_INPUTS - 1) / PACK_INPUTS * PACK_INPUTS; b++) {
+        const int16_t *q = b < n ? xq + (size_t)b * cols : NULL;
         for (int g = 0; g < groups; g++) {
-            in->c8[(v * groups + g) * lanes + lane] = group_start(in, b < n ? q + (size_t)g * gs : NULL);
-            in->s8[(v * groups + g) * lanes + lane] = b < n ? xs[(size_t)b * groups + g] : 0.0f;
+            in->c8[(size_t)b * groups + g] = group_start(in, q ? q + (size_t)g * gs : NULL);
+            in->s8[(size_t)b * groups + g] = q ? xs[(size_t)b * groups + g] : 0.0f;
         }
-        for (int j = 0; j < cols; j += 4) /* columns j..j+3 of row b: step j / 4 */
-            narrow_bytes(in->x8 + ((v * (cols / 4) + (size_t)j / 4) * lanes + lane) * 4, b < n ? q + j : NULL, 4);
-    }
-}
-
-/* The inputs for quad_q8 (fewer than QQ_INPUTS rows): x8 (n / 4 rounded up,
-   cols / 16, 4 inputs, 16 bytes); c8, s8 (n / 4 rounded up, groups, 4
-   inputs, 4 copies); the rows past n zero. */
-static void pack_q8_quads(Inputs *in, const int16_t *xq, const float *xs) {
-    const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
-    for (int b = 0; b < (n + 3) / 4 * 4; b++) {
-        const int16_t *q = xq + (size_t)b * cols;
-        size_t p = (size_t)(b / 4), m = (size_t)(b % 4);
-        for (int g = 0; g < groups; g++) {
-            int32_t start = group_start(in, b < n ? q + (size_t)g * gs : NULL);
-            for (int e = 0; e < 4; e++) {
-                in->c8[((p * groups + g) * 4 + m) * 4 + e] = start;
-                in->s8[((p * groups + g) * 4 + m) * 4 + e] = b < n ? xs[(size_t)b * groups + g] : 0.0f;
-            }
-        }
-        for (int j = 0; j < cols; j += 16) /* columns j..j+15 of input m */
-            narrow_bytes(in->x8 + ((p * (cols / 16) + (size_t)j / 16) * 4 + m) * 16, b < n ? q + j : NULL, 16);
+        int8_t *dst = in->x8 + (size_t)b * cols;
+        if (!q) memset(dst, 0, (size_t)cols);
+        else
+            for (int j = 0; j < cols; j++) dst[j] = (int8_t)q[j]; /* each in -127..127 */
     }
 }
 #endif
@@ -1906,9 +1734,8 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
     size_t groups = count / W->group_size;
 #if defined(SIMD_WIDTH) && defined(VNNI)
     if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD) {
-        /* rows of x8, and of c8 and s8 (quad_q8: 4 copies of each) */
-        size_t padded = n == 1 ? 1 : (size_t)(n + 15) / 16 * 16;
-        size_t pgroups = (q8_quads(n, W->group_size) ? (size_t)(n + 3) / 4 * 16 : padded) * (W->cols / W->group_size);
+        size_t padded = (size_t)(n + PACK_INPUTS - 1) / PACK_INPUTS * PACK_INPUTS; /* rows of x8, c8 and s8 */
+        size_t pgroups = padded * (W->cols / W->group_size);
         size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, sbytes = (groups * sizeof(float) + 63) / 64 * 64;
         size_t pbytes = (padded * W->cols + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
         char *base = scratch_get(qbytes + sbytes + pbytes + 2 * gbytes);
@@ -1932,33 +1759,25 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
 
 #ifdef SIMD_WIDTH
 #ifdef VNNI
-/* Rows i.. (a block of Q8_BLOCK_ROWS) of an int8 (bits = 8) or 4-bit matrix
-   W times n > 1 input rows, in tiles of QV_ROWS rows by QV_VECTORS vectors
-   of inputs. The tiles write their outputs to `stage`, then whole rows of
-   it go to out: written straight to out, 64 stores rows * 4 bytes apart
-   would keep evicting each other from the cache (rows = 2048: one cache set). */
-KERNEL void matmul_block_q8(float *out, const Matrix *W, int i, const uint8_t *next, const Inputs *in, const int bits) {
-    const int rows = W->rows, cols = W->cols, n = in->n, groups = cols / W->group_size;
-    const int n_block = rows - i < Q8_BLOCK_ROWS ? rows - i : Q8_BLOCK_ROWS;
-    float stage[16 * QV_VECTORS * Q8_BLOCK_ROWS]; /* (inputs, rows of the block) */
-    for (int v = 0; v * 16 < n; v += QV_VECTORS) {
-        const int n_in = n - v * 16 < 16 * QV_VECTORS ? n - v * 16 : 16 * QV_VECTORS;
-        const int8_t *xv = in->x8 + (size_t)v * 16 * cols;
-        const int32_t *cv = in->c8 + (size_t)v * 16 * groups;
-        const float *sv = in->s8 + (size_t)v * 16 * groups;
-        for (int t = 0; t < n_block; t += QV_ROWS) {
-            const int n_rows = n_block - t < QV_ROWS ? n_block - t : QV_ROWS;
-            const uint8_t *pre = v == 0 && next ? next + (size_t)t * cols * bits / 8 : NULL;
-            float *o = stage + t;
-            switch ((n_in + 15) / 16) { /* the vectors left */
-            case 1: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, 1, bits); break;
-            case 2: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, 2, bits); break;
-            case 3: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, 3, bits); break;
-            default: block_q8(o, Q8_BLOCK_ROWS, W, i + t, n_rows, pre, xv, cv, sv, n_in, QV_ROWS, QV_VECTORS, bits);
-            }
+/* The same for any number of input rows (x, c, s as prepare_inputs lays
+   them out): PACK_INPUTS at a time, and fewer in kernels of their own
+   (5 to 7 take the kernel of 8, whose extra rows are zero). */
+KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *next, const Inputs *in, const int bits) {
+    const int rows = W->rows, cols = W->cols, groups = cols / W->group_size, n_rows = rows - i < PACK_ROWS ? rows - i : PACK_ROWS;
+    for (int b = 0; b < in->n; b += PACK_INPUTS) {
+        const int n_in = in->n - b < PACK_INPUTS ? in->n - b : PACK_INPUTS;
+        const uint8_t *pre = b == 0 ? next : NULL;
+        const int8_t *x = in->x8 + (size_t)b * cols;
+        const int32_t *c = in->c8 + (size_t)b * groups;
+        const float *s = in->s8 + (size_t)b * groups;
+        float *o = out + (size_t)b * rows + i;
+        switch (n_in) {
+        case 1: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 1, bits); break;
+        case 2: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 2, bits); break;
+        case 3: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 3, bits); break;
+        case 4: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 4, bits); break;
+        default: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, PACK_INPUTS, bits);
         }
-        for (int b = 0; b < n_in; b++)
-            memcpy(out + (size_t)(v * 16 + b) * rows + i, stage + (size_t)b * Q8_BLOCK_ROWS, (size_t)n_block * sizeof(float));
     }
 }
 #endif
@@ -1982,27 +1801,8 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
         return;
     }
 #ifdef VNNI
-    const int n_rows = rows - i < QD_ROWS ? rows - i : QD_ROWS;
-    if (q8_quads(n, W->group_size)) {
-        const int groups = cols / W->group_size;
-        for (int p = 0; p * 4 < n; p++) {
-            const uint8_t *pre = p == 0 ? next : NULL;
-            const int8_t *x4 = in->x8 + (size_t)p * 4 * cols;
-            const int32_t *c4 = in->c8 + (size_t)p * groups * 16;
-            const float *s4 = in->s8 + (size_t)p * groups * 16;
-            float *o = out + (size_t)p * 4 * rows + i;
-            if (in->kind == KERNEL_Q4_SIMD) quad_q8(o, (size_t)rows, W, i, n_rows, pre, x4, c4, s4, n - 4 * p, 4);
-            else quad_q8(o, (size_t)rows, W, i, n_rows, pre, x4, c4, s4, n - 4 * p, 8);
-        }
-        return;
-    }
-    if (in->kind == KERNEL_Q4_SIMD) {
-        if (n == 1) rows_q8(out + i, W, i, n_rows, next, in->x8, in->c8, in->s8, 4);
-        else matmul_block_q8(out, W, i, next, in, 4);
-    } else {
-        if (n == 1) rows_q8(out + i, W, i, n_rows, next, in->x8, in->c8, in->s8, 8);
-        else matmul_block_q8(out, W, i, next, in, 8);
-    }
+    if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
+    else matmul_packed(out, W, i, next, in, 8);
 #else
     const int groups = cols / W->group_size;
 #ifdef HAVE_Q4_SIMD
@@ -2032,16 +1832,16 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
 /* The rows of a block of matmul_simd, for the kernel and the input rows. */
 static int block_rows(const Inputs *in) {
     if (in->kind == KERNEL_F32_SIMD) return in->n == 1 ? MM_ROWS : MB_ROWS;
-#ifdef VNNI
-    if (q8_quads(in->n, in->group_size)) return QD_ROWS;
-#else
+#ifndef VNNI
     if (in->kind == KERNEL_Q4_SIMD) return MM_ROWS;
 #endif
     return in->n == 1 ? Q8_ONE_ROWS : Q8_BLOCK_ROWS;
 }
 
-/* The weights of row i of W, as stored. */
+/* The weights of row i of W, as the kernels read them: where a block of
+   rows starts. */
 static const void *matrix_weights(const Matrix *W, int i) {
+    if (W->packed) return W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     if (W->w) return W->w + (size_t)i * W->cols;
     if (W->q) return W->q + (size_t)i * W->cols;
     return W->q4 + (size_t)i * W->cols / 2;
@@ -2098,6 +1898,91 @@ static void matmul_shared(const Matrix *const *Ws, float *const *outs, int count
 /* out (n, W.rows) = x (n, W.cols) @ W^T with the fastest kernel that fits. */
 static void matmul(float *out, const float *x, const Matrix *W, int n) {
     matmul_shared(&W, &out, 1, x, n);
+}
+
+/* ---- Packing ---------------------------------------------------------------
+   VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
+   the checkpoint is loaded: for each block of PACK_ROWS rows (the last one
+   padded with zero rows), for each 4 columns, each row's 4 values (int8:
+   wq + 128; 4-bit: its 2 bytes as stored); then each block's scales, group
+   by group, a row a lane. The copy takes the place of the stored matrix,
+   whose pages are given back to the system (only the lookups of the token
+   embedding read it again): the weights are in memory once. */
+
+/* The bytes of W packed (0: W is read as stored), a multiple of 64. */
+static size_t matrix_packed_bytes(const Matrix *W) {
+    if (!matrix_packs(W)) return 0;
+    const size_t blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
+    return (blocks * packed_block_bytes(W) + blocks * (W->cols / W->group_size) * PACK_ROWS * sizeof(float) + 63) / 64 * 64;
+}
+
+/* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned, zeroed). */
+static void matrix_pack(Matrix *W, void *memory) {
+    if (!matrix_packs(W)) return;
+    const int bits = W->q4 ? 4 : 8, cols = W->cols, groups = cols / W->group_size, lane = bits / 2; /* bytes of 4 values */
+    const size_t block = packed_block_bytes(W);
+    uint8_t *p = memory;
+    float *ps = (float *)(p + ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS * block);
+    for (size_t r = 0; r < (size_t)W->rows; r++) {
+        uint8_t *row = p + r / PACK_ROWS * block + r % PACK_ROWS * lane;
+        for (int j = 0; j < cols; j += 4) {
+            uint8_t *dst = row + (size_t)j / 4 * PACK_ROWS * lane;
+            if (bits == 4) memcpy(dst, W->q4 + (r * cols + j) / 2, 2);
+            else
+                for (int k = 0; k < 4; k++) dst[k] = (uint8_t)W->q[r * cols + j + k] ^ 0x80u;
+        }
+        for (int g = 0; g < groups; g++)
+            memcpy(ps + (r / PACK_ROWS * groups + g) * PACK_ROWS + r % PACK_ROWS, W->scales + (r * groups + g) * sizeof(float), sizeof(float));
+    }
+    W->packed = p;
+    W->packed_scales = ps;
+}
+
+/* Gives back the pages of a packed matrix as stored (in the mapped file). */
+static void matrix_release_stored(const Matrix *W) {
+    if (!W->packed) return;
+    size_t count = (size_t)W->rows * W->cols;
+    release_pages(W->q4 ? (const void *)W->q4 : (const void *)W->q, W->q4 ? count / 2 : count);
+    release_pages(W->scales, count / W->group_size * sizeof(float));
+}
+
+/* The matrices of t that a matmul reads: n_layers x 7, then the classifier. */
+static int matmul_matrices(Transformer *t, Matrix **all) {
+    Weights *w = &t->weights;
+    int n = 0;
+    for (int l = 0; w->wq && l < t->config.n_layers; l++) {
+        Matrix *layer[] = {&w->wq[l], &w->wk[l], &w->wv[l], &w->wo[l], &w->w1[l], &w->w2[l], &w->w3[l]};
+        for (int m = 0; m < 7; m++) all[n++] = layer[m];
+    }
+    all[n++] = &w->wcls;
+    return n;
+}
+
+/* Packs every matrix that a matmul reads, all in one allocation (so that
+   the system can give it 2 MB pages), and gives back the pages of each as
+   stored (the classifier's too when it is the token embedding: lookups map
+   them again). */
+static void pack_weights(Transformer *t) {
+    Matrix **all = xcalloc((size_t)t->config.n_layers * 7 + 1, sizeof(Matrix *));
+    int n = matmul_matrices(t, all);
+    size_t bytes = 0;
+    for (int m = 0; m < n; m++) bytes += matrix_packed_bytes(all[m]);
+    if (bytes > 0) {
+        t->packing = alloc_pages(bytes);
+        t->packing_bytes = bytes;
+        char *at = t->packing;
+        for (int m = 0; m < n; m++) {
+            matrix_pack(all[m], at);
+            at += matrix_packed_bytes(all[m]);
+            matrix_release_stored(all[m]); /* at once: the peak of memory is the packed copy and one matrix */
+        }
+    }
+    free(all);
+}
+
+static void unpack_weights(Transformer *t) {
+    if (t->packing) free_pages(t->packing, t->packing_bytes);
+    t->packing = NULL;
 }
 
 /* Rotary position embedding on adjacent pairs: for the pair (v[2i], v[2i+1])

@@ -58,6 +58,17 @@ static int expect(int ok, const char *fmt, ...) {
     return ok;
 }
 
+/* Packs a quantised matrix for the kernels, as pack_weights does for a
+   checkpoint's, where this build packs (VNNI; elsewhere nothing is packed
+   and NULL returned). Returns the memory to free afterwards. */
+static void *pack_for_kernels(Matrix *m) {
+    size_t bytes = matrix_packed_bytes(m);
+    if (bytes == 0) return NULL;
+    void *raw = xcalloc(bytes + 64, 1);
+    matrix_pack(m, (void *)(((uintptr_t)raw + 63) & ~(uintptr_t)63));
+    return raw;
+}
+
 static void end(void) {
     if (case_failed) {
         printf("FAIL %s: %s\n", case_name, case_why);
@@ -1086,6 +1097,7 @@ static void test_kernels(void) {
             for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 7 == 0 ? 10 : 1);
             Matrix m = gs ? (Matrix){.q = q, .scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs}
                           : (Matrix){.w = w, .rows = R, .cols = C};
+            void *packing = pack_for_kernels(&m);
             for (int n = 1; n <= MAXN && !case_failed; n++) {
                 int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
                 for (int i = 0; i < n * R; i++) out[i] = NAN;
@@ -1117,7 +1129,7 @@ static void test_kernels(void) {
                     }
                     expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
                 }
-            free(xq); free(xs); free(w); free(scales); free(q); free(x); free(out); free(one);
+            free(xq); free(xs); free(w); free(scales); free(q); free(x); free(out); free(one); free(packing);
             end();
         }
     }
@@ -1201,6 +1213,11 @@ static void test_quantised_matmul(void) {
                     Matrix m = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs};
                     if (bits == 4) m.q4 = packed;
                     else m.q = qv;
+                    void *packing = pack_for_kernels(&m);
+#ifdef VNNI
+                    expect((kernel_of(&m) == KERNEL_Q4_SIMD || kernel_of(&m) == KERNEL_Q8_SIMD) == (gs % 4 == 0),
+                           "C %d gs %d: the VNNI kernel where the group size is a multiple of 4, and only there", C, gs);
+#endif
                     cases++;
                     for (int i = 0; i < R; i++) {
                         matrix_row(row, &m, i);
@@ -1235,6 +1252,7 @@ static void test_quantised_matmul(void) {
                             }
                         }
                     }
+                    free(packing);
                 }
         expect(cases > 40, "only %d shapes", cases);
         end();
@@ -1278,6 +1296,7 @@ static void test_matmul_vector_shapes(void) {
         begin("matmul int8 (%s), groups of %d: vs exact integer group sums, each batch row = that row alone", KERNEL_NAME, gs);
         const int groups = C / gs;
         Matrix m = {.q = q, .scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs};
+        void *packing = pack_for_kernels(&m);
         quantize_groups(xq, xs, x, (size_t)N * C, gs);
         for (int n = 1; n <= N; n++) {
             matmul(out, x, &m, n);
@@ -1300,6 +1319,7 @@ static void test_matmul_vector_shapes(void) {
                 }
             }
         }
+        free(packing);
         end();
     }
 }
