@@ -12,7 +12,8 @@
      1. data structures: Config, Matrix, Weights, RunState, Transformer
      2. checkpoint loading: mmap, header validation, weight mapping, files
         of the wrong kind named as what they are
-     3. kernels: rmsnorm, softmax, matmul, rope, attention (the math in comments)
+     3. kernels: rmsnorm, softmax, matmul (int8 and 4-bit weights packed
+        at load for the VNNI kernel), rope, attention (the math in comments)
      4. the paged key/value cache (float32, f16 or q8_0 rows: --kv-type;
         past the context with --keep: a ring of slots)
         and the forward pass over a batch of rows
