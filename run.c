@@ -1444,8 +1444,6 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    lanes first: with 4 input rows that took 2.5 times as long (stories110M
    shape, 2 threads, weights in the third-level cache). */
 #define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
-#define Q8_BLOCK_ROWS PACK_ROWS
-#define Q8_ONE_ROWS PACK_ROWS
 
 /* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
    bytes: lane r holds row r's 4 values. 4-bit: each row's 2 bytes widened
@@ -1635,7 +1633,7 @@ typedef struct {
     float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH) */
     int8_t *x8;     /* VNNI: (n rounded up to PACK_INPUTS, cols) xq as bytes */
     int32_t *c8;    /* VNNI: (n rounded up to PACK_INPUTS, groups) the starts of the group sums */
-    float *s8;      /* VNNI: (n rounded up to PACK_INPUTS, groups) the scales xs */
+    float *s8;      /* VNNI: (n rounded up to PACK_INPUTS, groups) the scales xs (zero past n) */
 } Inputs;
 
 #if defined(SIMD_WIDTH) && defined(VNNI)
@@ -1647,18 +1645,15 @@ static int32_t group_start(const Inputs *in, const int16_t *q) {
     return (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
 }
 
-/* Lays out quantised rows xq, xs (n, cols) as packed_q8 reads them: x8 the
+/* Lays out quantised rows xq (n, cols) as packed_q8 reads them: x8 the
    values as bytes, c8 the start -128 * sum xq (4-bit weights: -8 * sum xq)
-   of each group sum, s8 the scales; the rows past n, up to a multiple of
-   PACK_INPUTS, zero. */
-static void pack_q8(Inputs *in, const int16_t *xq, const float *xs) {
+   of each group sum; the rows past n, up to a multiple of PACK_INPUTS,
+   zero. */
+static void pack_q8(Inputs *in, const int16_t *xq) {
     const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
     for (int b = 0; b < (n + PACK_INPUTS - 1) / PACK_INPUTS * PACK_INPUTS; b++) {
         const int16_t *q = b < n ? xq + (size_t)b * cols : NULL;
-        for (int g = 0; g < groups; g++) {
-            in->c8[(size_t)b * groups + g] = group_start(in, q ? q + (size_t)g * gs : NULL);
-            in->s8[(size_t)b * groups + g] = q ? xs[(size_t)b * groups + g] : 0.0f;
-        }
+        for (int g = 0; g < groups; g++) in->c8[(size_t)b * groups + g] = group_start(in, q ? q + (size_t)g * gs : NULL);
         int8_t *dst = in->x8 + (size_t)b * cols;
         if (!q) memset(dst, 0, (size_t)cols);
         else
@@ -1737,16 +1732,16 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
     if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD) {
         size_t padded = (size_t)(n + PACK_INPUTS - 1) / PACK_INPUTS * PACK_INPUTS; /* rows of x8, c8 and s8 */
         size_t pgroups = padded * (W->cols / W->group_size);
-        size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, sbytes = (groups * sizeof(float) + 63) / 64 * 64;
-        size_t pbytes = (padded * W->cols + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
-        char *base = scratch_get(qbytes + sbytes + pbytes + 2 * gbytes);
+        size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
+        size_t pbytes = (padded * W->cols + 63) / 64 * 64;
+        char *base = scratch_get(qbytes + pbytes + 2 * gbytes);
         int16_t *xq = (int16_t *)base;
-        float *xs = (float *)(base + qbytes);
-        in.x8 = (int8_t *)(base + qbytes + sbytes);
-        in.c8 = (int32_t *)(base + qbytes + sbytes + pbytes);
-        in.s8 = (float *)(base + qbytes + sbytes + pbytes + gbytes);
-        quantize_groups(xq, xs, x, count, W->group_size);
-        pack_q8(&in, xq, xs);
+        in.x8 = (int8_t *)(base + qbytes);
+        in.c8 = (int32_t *)(base + qbytes + pbytes);
+        in.s8 = (float *)(base + qbytes + pbytes + gbytes); /* xs itself, its rows past n zero */
+        quantize_groups(xq, in.s8, x, count, W->group_size);
+        memset(in.s8 + groups, 0, (pgroups - groups) * sizeof(float));
+        pack_q8(&in, xq);
         return in;
     }
 #endif
@@ -1833,10 +1828,12 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
 /* The rows of a block of matmul_simd, for the kernel and the input rows. */
 static int block_rows(const Inputs *in) {
     if (in->kind == KERNEL_F32_SIMD) return in->n == 1 ? MM_ROWS : MB_ROWS;
-#ifndef VNNI
+#ifdef VNNI
+    return PACK_ROWS;
+#else
     if (in->kind == KERNEL_Q4_SIMD) return MM_ROWS;
-#endif
     return in->n == 1 ? Q8_ONE_ROWS : Q8_BLOCK_ROWS;
+#endif
 }
 
 /* The weights of row i of W, as the kernels read them: where a block of
