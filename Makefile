@@ -83,7 +83,7 @@ tests/.bin/unit_native: tests/unit.c run.c
 # Sanitizer builds (tests/test_sanitize.sh): AddressSanitizer with its leak
 # checker, and UndefinedBehaviorSanitizer; every report is fatal
 SANFLAGS = -fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1
-SANITIZE_BINS = tests/.bin/run_asan $(if $(wildcard tests/unit.c),tests/.bin/unit_asan) tests/.bin/run_g
+SANITIZE_BINS = tests/.bin/run_asan $(if $(wildcard tests/unit.c),tests/.bin/unit_asan tests/.bin/unit_asan_native) tests/.bin/run_g
 
 tests/.bin/run_asan: run.c
 	@mkdir -p tests/.bin
@@ -92,6 +92,12 @@ tests/.bin/run_asan: run.c
 tests/.bin/unit_asan: tests/unit.c run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ tests/unit.c -lm
+
+# the same on this machine's vector kernels (VNNI: the packed weights; no
+# -fopenmp: the leak checker cannot stop threads at a fork)
+tests/.bin/unit_asan_native: tests/unit.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(SANFLAGS) -DRUN_SIMD -march=native -mtune=generic -o $@ tests/unit.c -lm
 
 # for tests/test_valgrind.sh: debug info, no -march (valgrind has no AVX-512)
 tests/.bin/run_g: run.c

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # run.c and the unit tests built with AddressSanitizer (+ LeakSanitizer) and
-# UndefinedBehaviorSanitizer (make builds tests/.bin/run_asan and unit_asan):
-# the unit tests, the golden outputs, beam search, chat, JSON output, the
-# dim-8 models of the fuzz corpus (every checkpoint layout) and bad inputs.
+# UndefinedBehaviorSanitizer (make builds tests/.bin/run_asan, unit_asan and
+# unit_asan_native): the unit tests (also on this machine's vector kernels),
+# the golden outputs, beam search, chat, JSON output, the dim-8 models of the
+# fuzz corpus (every checkpoint layout) and bad inputs.
 # A case fails on any sanitizer report, whatever the exit status.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ASAN_RUN="${ASAN_RUN:-tests/.bin/run_asan}"
 UNIT_ASAN="${UNIT_ASAN:-tests/.bin/unit_asan}"
+UNIT_ASAN_NATIVE="${UNIT_ASAN_NATIVE:-tests/.bin/unit_asan_native}"
 M="${MODELS_DIR:-../shared/models}"
 T="${TEST_TMP:-/tmp}/sanitize"
 rm -rf "$T" && mkdir -p "$T"
@@ -56,6 +58,17 @@ elif [ ! -f tests/unit.c ]; then
     echo "SKIP asan unit tests: tests/unit.c does not exist yet"
 else
     echo "FAIL asan unit tests: $UNIT_ASAN not built (make tests/.bin/unit_asan)"
+fi
+# the vector kernels this machine has (-march=native; with VNNI, the packed
+# weights). Without the leak checker: in the children that the tests fork
+# after a forward pass it finds a thread of the parent in its registry and
+# says so on stderr, which the one-line checks count; unit_asan checks leaks.
+if [ -x "$UNIT_ASAN_NATIVE" ]; then
+    if check "unit tests, -march=native" 0 env ASAN_OPTIONS="$ASAN_OPTIONS:detect_leaks=0" TEST_TMP="$T" MODELS_DIR="$M" "$UNIT_ASAN_NATIVE"; then
+        pass "unit tests, -march=native ($(grep -c '^PASS' "$LAST_OUT") passed, $(grep -c '^SKIP' "$LAST_OUT") skipped)"
+    fi
+elif [ -f tests/unit.c ]; then
+    echo "FAIL asan unit tests, -march=native: $UNIT_ASAN_NATIVE not built (make tests/.bin/unit_asan_native)"
 fi
 
 # ---- the real model -------------------------------------------------------------
