@@ -1432,7 +1432,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    their stored nibbles are q + 8, unsigned already, and the group sums
    start at -8 * sum xq.
 
-   The kernel reads the weights as pack_matrix lays them out when the
+   The kernel reads the weights as matrix_pack lays them out when the
    checkpoint is loaded: PACK_ROWS rows at a time, columns 4 at a time, each
    row's 4 weights one int32 lane (int8: 4 bytes wq + 128; 4-bit: its 2
    bytes as stored). One vector load gives 4 columns of 16 rows, and one
@@ -1444,6 +1444,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    lanes first: with 4 input rows that took 2.5 times as long (stories110M
    shape, 2 threads, weights in the third-level cache). */
 #define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
+#define PACK_FEW 4     /* up to this many, a kernel of their own; more take PACK_INPUTS's */
 
 /* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
    bytes: lane r holds row r's 4 values. 4-bit: each row's 2 bytes widened
@@ -1631,12 +1632,20 @@ typedef struct {
     int16_t *xq;    /* int8, 4-bit (not VNNI): (n, cols) quantised values */
     float *xs;      /* int8, 4-bit (not VNNI): (n, cols / group_size) their scales */
     float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH) */
-    int8_t *x8;     /* VNNI: (n rounded up to PACK_INPUTS, cols) xq as bytes */
-    int32_t *c8;    /* VNNI: (n rounded up to PACK_INPUTS, groups) the starts of the group sums */
-    float *s8;      /* VNNI: (n rounded up to PACK_INPUTS, groups) the scales xs (zero past n) */
+    int8_t *x8;     /* VNNI: (packed_inputs(n), cols) xq as bytes */
+    int32_t *c8;    /* VNNI: (packed_inputs(n), groups) the starts of the group sums */
+    float *s8;      /* VNNI: (packed_inputs(n), groups) the scales xs (zero past n) */
 } Inputs;
 
 #if defined(SIMD_WIDTH) && defined(VNNI)
+/* The input rows that matmul_packed reads for n: n, or, when the last run
+   of rows is more than PACK_FEW, up to a multiple of PACK_INPUTS (the
+   kernel of PACK_INPUTS reads rows past n, as zeros). */
+static int packed_inputs(int n) {
+    const int last = n % PACK_INPUTS;
+    return last > PACK_FEW ? n - last + PACK_INPUTS : n;
+}
+
 /* The start of a group sum of quantised values q (group_size of them;
    NULL: a row past n, whose start is 0). */
 static int32_t group_start(const Inputs *in, const int16_t *q) {
@@ -1647,11 +1656,10 @@ static int32_t group_start(const Inputs *in, const int16_t *q) {
 
 /* Lays out quantised rows xq (n, cols) as packed_q8 reads them: x8 the
    values as bytes, c8 the start -128 * sum xq (4-bit weights: -8 * sum xq)
-   of each group sum; the rows past n, up to a multiple of PACK_INPUTS,
-   zero. */
+   of each group sum; the rows past n, up to packed_inputs(n), zero. */
 static void pack_q8(Inputs *in, const int16_t *xq) {
     const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
-    for (int b = 0; b < (n + PACK_INPUTS - 1) / PACK_INPUTS * PACK_INPUTS; b++) {
+    for (int b = 0; b < packed_inputs(n); b++) {
         const int16_t *q = b < n ? xq + (size_t)b * cols : NULL;
         for (int g = 0; g < groups; g++) in->c8[(size_t)b * groups + g] = group_start(in, q ? q + (size_t)g * gs : NULL);
         int8_t *dst = in->x8 + (size_t)b * cols;
@@ -1730,7 +1738,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
     size_t groups = count / W->group_size;
 #if defined(SIMD_WIDTH) && defined(VNNI)
     if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD) {
-        size_t padded = (size_t)(n + PACK_INPUTS - 1) / PACK_INPUTS * PACK_INPUTS; /* rows of x8, c8 and s8 */
+        size_t padded = (size_t)packed_inputs(n); /* rows of x8, c8 and s8 */
         size_t pgroups = padded * (W->cols / W->group_size);
         size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
         size_t pbytes = (padded * W->cols + 63) / 64 * 64;
@@ -1756,8 +1764,9 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
 #ifdef SIMD_WIDTH
 #ifdef VNNI
 /* The same for any number of input rows (x, c, s as prepare_inputs lays
-   them out): PACK_INPUTS at a time, and fewer in kernels of their own
-   (5 to 7 take the kernel of 8, whose extra rows are zero). */
+   them out): PACK_INPUTS at a time; a last run of up to PACK_FEW (the cases
+   1 to 4 below) in kernels of their own, of 5 to 7 in the kernel of 8,
+   whose extra rows are zero (packed_inputs). */
 KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *next, const Inputs *in, const int bits) {
     const int rows = W->rows, cols = W->cols, groups = cols / W->group_size, n_rows = rows - i < PACK_ROWS ? rows - i : PACK_ROWS;
     for (int b = 0; b < in->n; b += PACK_INPUTS) {
