@@ -1472,13 +1472,16 @@ static void test_block_allocator(void) {
 
 /* The attention of one row as it was computed before tiles: for each head,
    the scores of positions 0..pos by kv_dot, their softmax, then the values
-   added by kv_axpy in position order; a --keep ring's stretches read with
-   the turned queries (q_turned: 2 x dim). out: (dim). */
+   added by kv_axpy in position order, in chunks of ATTENTION_CHUNK
+   positions, each from zero, whose sums are added in order; a --keep
+   ring's stretches read with the turned queries (q_turned: 2 x dim).
+   out: (dim). */
 static void attention_row_reference(Transformer *t, const BlockTable *table, int layer, int pos, const float *q, const float *q_turned, float *out) {
     const Config *p = &t->config;
     const KVCache *c = &t->state.cache;
     const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads;
     float *att = xcalloc((size_t)pos + 1 + ATTENTION_PAD, sizeof(float)); /* room for attention_softmax */
+    float *sum = xcalloc((size_t)head_size, sizeof(float));
     for (int h = 0; h < p->n_heads; h++) {
         for (int tp = 0; tp <= pos; tp++) {
             int turn = kv_query_turn(table, tp);
@@ -1488,10 +1491,15 @@ static void attention_row_reference(Transformer *t, const BlockTable *table, int
         }
         attention_softmax(att, pos + 1);
         memset(out + h * head_size, 0, head_size * sizeof(float));
-        for (int tp = 0; tp <= pos; tp++)
-            kv_axpy(c, kv_load(c, layer, table, tp, 1), h / kv_mul * head_size, att[tp], out + h * head_size, head_size);
+        for (int c0 = 0; c0 <= pos; c0 += ATTENTION_CHUNK) {
+            memset(sum, 0, head_size * sizeof(float));
+            for (int tp = c0; tp <= pos && tp - c0 < ATTENTION_CHUNK; tp++)
+                kv_axpy(c, kv_load(c, layer, table, tp, 1), h / kv_mul * head_size, att[tp], sum, head_size);
+            for (int i = 0; i < head_size; i++) out[h * head_size + i] += sum[i];
+        }
     }
     free(att);
+    free(sum);
 }
 
 /* Random keys and values at positions 0..n-1 of table t, every layer. */
