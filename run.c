@@ -2601,6 +2601,15 @@ static size_t attention_score_stride(int context) { return (size_t)context + ATT
 #ifdef SIMD_WIDTH
 #define ATTENTION_AHEAD_BYTES 6144
 static int attention_ahead(const KVCache *c) { return (int)((ATTENTION_AHEAD_BYTES + c->row_bytes - 1) / c->row_bytes); }
+/* ahead[] = the keys (values = 0) or values of a table that the kernels
+   prefetch while reading positions t0..t0+n-1: up to n rows from
+   attention_ahead positions on, up to `last`. Returns how many. */
+static int attention_rows_ahead(const KVCache *c, int layer, const BlockTable *table, int t0, int n, int last, int values,
+                                const unsigned char **ahead) {
+    int n_ahead = 0;
+    for (int tp = t0 + attention_ahead(c); tp <= last && n_ahead < n; tp++) ahead[n_ahead++] = kv_load(c, layer, table, tp, values);
+    return n_ahead;
+}
 #endif
 /* Vector builds sum each output of attention over positions in chunks of
    ATTENTION_CHUNK, each from zero, and add the chunks' sums in order: the
@@ -2608,7 +2617,7 @@ static int attention_ahead(const KVCache *c) { return (int)((ATTENTION_AHEAD_BYT
    every path sums alike. Plain builds keep llama2.c's one sum over all
    positions: a chunk longer than any context. */
 #ifdef SIMD_WIDTH
-#define ATTENTION_CHUNK 128
+#define ATTENTION_CHUNK 256
 #else
 #define ATTENTION_CHUNK (1 << 30)
 #endif
@@ -3188,8 +3197,7 @@ static void attention_row_scores(Transformer *t, const Batch *b, int layer, int 
 #ifdef SIMD_WIDTH
     if (kv_vectors(c, 0, head_size)) {
         const unsigned char *ahead[ATTENTION_KEYS];
-        int n_ahead = 0;
-        for (int tp = t0 + attention_ahead(c); tp <= last && n_ahead < n; tp++) ahead[n_ahead++] = kv_load(c, layer, table, tp, 0);
+        const int n_ahead = attention_rows_ahead(c, layer, table, t0, n, last, 0, ahead);
         if (c->type == KV_F16)
             dot_rows(keys, n, q, p->n_heads, kv_mul, head_size, s->att_scale, scores, stride, c->kv_dim, KV_F16, ahead, n_ahead, c->row_bytes);
         else if (c->type == KV_Q8_0)
@@ -3223,8 +3231,7 @@ static void attention_row_values(Transformer *t, const Batch *b, int layer, int 
 #ifdef SIMD_WIDTH
     if (kv_vectors(c, 0, head_size)) {
         const unsigned char *ahead[ATTENTION_KEYS];
-        int n_ahead = 0;
-        for (int tp = t0 + attention_ahead(c); tp <= last && n_ahead < n; tp++) ahead[n_ahead++] = kv_load(c, layer, table, tp, 1);
+        const int n_ahead = attention_rows_ahead(c, layer, table, t0, n, last, 1, ahead);
         if (c->type == KV_F16)
             axpy_rows(values, n, w + t0, stride, out, p->n_heads, kv_mul, head_size, c->kv_dim, KV_F16, ahead, n_ahead, c->row_bytes);
         else if (c->type == KV_Q8_0)
