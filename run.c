@@ -509,7 +509,6 @@ typedef struct {
     size_t row_bytes;    /* one position's key (or value) of one layer */
     unsigned char *key;    /* (n_layers, n_blocks, KV_BLOCK) rows of row_bytes */
     unsigned char *value;  /* (n_layers, n_blocks, KV_BLOCK) rows of row_bytes */
-    size_t bytes;          /* of key, and of value (alloc_pages) */
     int held, peak_held;   /* blocks held by some table now, and at most */
     int *ref;      /* (n_blocks) block tables holding the block */
     /* free blocks (ref 0) in two lists, oldest first, linked through
@@ -2152,6 +2151,9 @@ static size_t kv_row_bytes(int type, int kv_dim) {
     return (size_t)kv_dim * sizeof(float);
 }
 
+/* Bytes of c->key, and of c->value. */
+static size_t kv_array_bytes(const KVCache *c) { return (size_t)c->n_layers * c->n_blocks * KV_BLOCK * c->row_bytes; }
+
 /* A cache of n_blocks blocks of `type`, all free. */
 static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
     int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
@@ -2161,16 +2163,14 @@ static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
     double bytes = 2.0 * row_bytes * p->n_layers * (double)n_blocks * KV_BLOCK;
     if (bytes > (double)(SIZE_MAX / 4))
         die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", bytes);
-    size_t rows = (size_t)p->n_layers * (size_t)n_blocks * KV_BLOCK;
     memset(c, 0, sizeof(*c));
     c->n_blocks = n_blocks;
     c->n_layers = p->n_layers;
     c->kv_dim = kv_dim;
     c->type = type;
     c->row_bytes = row_bytes;
-    c->bytes = rows * row_bytes;
-    c->key = alloc_pages(c->bytes, "the key/value cache");
-    c->value = alloc_pages(c->bytes, "the key/value cache");
+    c->key = alloc_pages(kv_array_bytes(c), "the key/value cache");
+    c->value = alloc_pages(kv_array_bytes(c), "the key/value cache");
     c->ref = xcalloc((size_t)n_blocks, sizeof(int));
     c->prev = xcalloc((size_t)n_blocks, sizeof(int));
     c->next = xcalloc((size_t)n_blocks, sizeof(int));
@@ -2188,8 +2188,8 @@ static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
 }
 
 static void kv_free(KVCache *c) {
-    if (c->key) free_pages(c->key, c->bytes);
-    if (c->value) free_pages(c->value, c->bytes);
+    if (c->key) free_pages(c->key, kv_array_bytes(c));
+    if (c->value) free_pages(c->value, kv_array_bytes(c));
     free(c->ref); free(c->prev); free(c->next); free(c->state);
     free(c->tokens); free(c->parent); free(c->generation); free(c->parent_generation);
     free(c->chain); free(c->bucket);
@@ -3247,10 +3247,10 @@ static void attention_row_values(Transformer *t, const Batch *b, int layer, int 
 }
 
 /* Attention of b's one row: the scores by runs of blocks of keys, the
-   softmax by n_ranges ranges of `range` heads (attention's, one a thread),
-   the values by runs of chunks. The scores lie in thread 0's buffer of
-   scores, which has a row for every head; the chunks' sums in s->chunks. */
-static void attention_lone_row(Transformer *t, const Batch *b, int layer, int range, int n_ranges) {
+   softmax by heads, the values by runs of chunks. The scores lie in thread
+   0's buffer of scores, which has a row for every head; the chunks' sums
+   in s->chunks. */
+static void attention_lone_row(Transformer *t, const Batch *b, int layer) {
     const Config *p = &t->config;
     RunState *s = &t->state;
     const int last = b->pos[0], n_blocks = last / ATTENTION_KEYS + 1, n_chunks = last / ATTENTION_CHUNK + 1;
@@ -3261,8 +3261,7 @@ static void attention_lone_row(Transformer *t, const Batch *b, int layer, int ra
         attention_row_scores(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores + t0, shared.stride);
     }
     PARALLEL_FOR_IF(1)
-    for (int item = 0; item < n_ranges; item++)
-        for (int h = item * range; h < (item + 1) * range && h < p->n_heads; h++) attention_softmax(shared.scores + (size_t)h * shared.stride, last + 1);
+    for (int h = 0; h < p->n_heads; h++) attention_softmax(shared.scores + (size_t)h * shared.stride, last + 1);
     PARALLEL_FOR_IF(1)
     for (int chunk = 0; chunk < n_chunks; chunk++) {
         float *sum = s->chunks + (size_t)chunk * p->dim;
@@ -3301,7 +3300,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     double work = 0; /* multiply-adds */
     for (int r = 0; r < b->n_rows; r++) work += 2.0 * p->dim * (b->pos[r] + 1);
     if (b->n_rows == 1 && threads > 1 && work >= PARALLEL_MIN_WORK) {
-        attention_lone_row(t, b, layer, range, n_ranges);
+        attention_lone_row(t, b, layer);
         return;
     }
     const int score_rows = attention_score_rows(p);
