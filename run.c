@@ -7028,6 +7028,7 @@ static int run_positions(const Options *o, int seq_len) {
 typedef struct {
     const Tokenizer *tok;
     Request **requests; /* (n) in input order; NULL once printed */
+    char *handed;       /* (n) whether request i is done and handed over: the engine holds it no more */
     int n, next_in_order, ordered, failed;
     int done, progress; /* requests done; whether to show that on stderr (a terminal) */
 } BatchOutput;
@@ -7047,7 +7048,10 @@ static void print_request(BatchOutput *out, Request *r) {
     request_free(r);
 }
 
-/* The engine's callback when a request is done. */
+/* The engine's callback when a request is done. In input order, a request
+   is printed (and freed) once handed over, not merely done: requests that
+   finish in the same step are handed over one by one, and the engine still
+   holds the later ones. */
 static void batch_request_done(Request *r, void *user) {
     BatchOutput *out = user;
     if (out->progress) fprintf(stderr, "\rbatch: %d of %d requests done", ++out->done, out->n);
@@ -7055,15 +7059,15 @@ static void batch_request_done(Request *r, void *user) {
         print_request(out, r);
         return;
     }
-    while (out->next_in_order < out->n && out->requests[out->next_in_order]->state == REQUEST_DONE)
-        print_request(out, out->requests[out->next_in_order++]);
+    out->handed[r->index] = 1;
+    while (out->next_in_order < out->n && out->handed[out->next_in_order]) print_request(out, out->requests[out->next_in_order++]);
 }
 
 /* Runs every line as a request of one engine (set up for them) and prints
    the results; returns how many failed. */
 static int run_batch(Engine *e, const Tokenizer *tok, BatchLine *lines, int n, uint64_t clock_seed, int ordered) {
     const int seq_len = e->t->config.seq_len;
-    BatchOutput out = {tok, xcalloc((size_t)n, sizeof(Request *)), n, 0, ordered, 0, 0, isatty(STDERR_FILENO)};
+    BatchOutput out = {tok, xcalloc((size_t)n, sizeof(Request *)), xcalloc((size_t)n, 1), n, 0, ordered, 0, 0, isatty(STDERR_FILENO)};
     for (int i = 0; i < n; i++) {
         int steps = run_positions(&lines[i].o, seq_len), n_prompt = 0;
         int *prompt = encode_prompt(tok, lines[i].prompt, seq_len, &n_prompt);
@@ -7096,6 +7100,7 @@ static int run_batch(Engine *e, const Tokenizer *tok, BatchLine *lines, int n, u
     engine_run(e);
     if (out.progress) fputc('\n', stderr);
     free(out.requests);
+    free(out.handed);
     return out.failed;
 }
 
