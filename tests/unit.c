@@ -701,6 +701,9 @@ static void test_rng(void) {
     end();
 }
 
+/* a draw in 0..n-1 from its own xorshift64* state */
+static int draw_below(uint64_t *state, int n) { return (int)(xorshift64star_ref(state) % (uint32_t)n); }
+
 static void test_samplers(void) {
     begin("sample_argmax: first maximum on ties");
     expect(sample_argmax((const float[]){1, 3, 3, 2}, 4) == 1, "{1,3,3,2}");
@@ -709,6 +712,41 @@ static void test_samplers(void) {
     expect(sample_argmax((const float[]){0, 0, 0, 9}, 4) == 3, "last");
     expect(sample_argmax((const float[]){-INFINITY, -2}, 2) == 1, "-inf");
     expect(sample_argmax((const float[]){4}, 1) == 0, "single");
+    end();
+
+    /* vector builds search run by run (CANDIDATE_RUN values): rows of every
+       length around the runs, the maximum (and its ties, NaNs, +-0, +-inf)
+       put at run starts, run ends, in the tail and at random */
+    begin("sample_argmax on long rows vs the first-maximum loop: runs, tails, ties, NaN, signed zeros, infinities");
+    {
+        static float x[4 * 256 + 40];
+        const int lengths[] = {15, 16, 17, 255, 256, 257, 300, 511, 512, 513, 767, 1000, 4 * 256 + 40};
+        const int spots[] = {0, 1, 15, 16, 17, 255, 256, 257, 511, 512, 767, 768, 1023, 1024, 1030, -1, -1, -1};
+        int failed = 0;
+        uint64_t state = 42; /* its own draws, leaving the shared ones to the tests after it */
+        for (int li = 0; li < (int)(sizeof(lengths) / sizeof(lengths[0])) && !failed; li++) {
+            const int n = lengths[li];
+            for (int trial = 0; trial < 400 && !failed; trial++) {
+                const int kind = trial % 8;
+                for (int i = 0; i < n; i++) x[i] = kind == 7 ? (float)draw_below(&state, 3) : (float)(draw_below(&state, 2000001) - 1000000) * 1e-5f;
+                /* 1 to 3 special values at chosen or random places */
+                for (int k = 0, specials = 1 + draw_below(&state, 3); k < specials; k++) {
+                    int spot = spots[draw_below(&state, (int)(sizeof(spots) / sizeof(spots[0])))];
+                    if (spot < 0 || spot >= n) spot = draw_below(&state, n);
+                    const float big = 10.5f, values[] = {big, big, NAN, 0.0f, -0.0f, INFINITY, -INFINITY};
+                    x[spot] = values[kind < 7 ? kind : draw_below(&state, 7)];
+                    if (kind == 3 || kind == 4) /* signed zeros as the maximum */
+                        for (int i = 0; i < n; i++)
+                            if (x[i] > 0) x[i] = -x[i];
+                }
+                int want = 0; /* the first index whose value is greater than every value before it that is not a NaN */
+                for (int i = 1; i < n; i++)
+                    if (x[i] > x[want]) want = i;
+                int got = sample_argmax(x, n);
+                failed = !expect(got == want, "length %d trial %d: %d (%g) vs %d (%g)", n, trial, got, x[got], want, x[want]);
+            }
+        }
+    }
     end();
 
     begin("sample_mult on a hand-made distribution");
