@@ -1362,6 +1362,41 @@ static void test_matmul_vector_shapes(void) {
     }
 }
 
+/* float32 rows longer than a slice (F32_SLICE: the many-row kernel takes
+   them in slices, its lane sums carried between them): 2096 columns are two
+   slices and a 48-column rest, and n = 1..40 input rows cross F32_SLAB
+   passes. Each batch row bit-identical to that row alone (which the one-row
+   kernel computes in one pass), and against double-precision sums. The
+   values come from draws of their own, so that later tests' data does not
+   depend on this one. */
+static void test_matmul_slices(void) {
+    enum { R = 13, C = 2096, N = 40 };
+    static float w[R * C], x[N * C], out[N * R], one[R];
+    uint64_t state = 0x5eed5111ceULL;
+    for (int i = 0; i < R * C; i++) w[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    begin("matmul float32 (%s), %d columns in slices: vs double, each batch row = that row alone, n = 1..%d", KERNEL_NAME, C, N);
+    Matrix m = {.w = w, .rows = R, .cols = C};
+    for (int n = 1; n <= N && !case_failed; n++) {
+        for (int i = 0; i < n * R; i++) out[i] = NAN;
+        matmul(out, x, &m, n);
+        for (int b = 0; b < n && !case_failed; b++) {
+            matmul(one, x + (size_t)b * C, &m, 1);
+            for (int i = 0; i < R; i++) {
+                double ref = 0, mag = 0;
+                for (int j = 0; j < C; j++) {
+                    ref += (double)w[i * C + j] * x[b * C + j];
+                    mag += fabs((double)w[i * C + j] * x[b * C + j]);
+                }
+                expect(fabs(out[b * R + i] - ref) <= 4e-6 * mag + 1e-7, "n %d row %d out %d: %.9g vs %.9g", n, b, i, out[b * R + i], ref);
+                expect(memcmp(&one[i], &out[b * R + i], sizeof(float)) == 0, "n %d row %d out %d: batch %.9g, alone %.9g", n, b, i,
+                       out[b * R + i], one[i]);
+            }
+        }
+    }
+    end();
+}
+
 /* ------------------------------------------------------------------------ */
 /* The paged cache's block allocator against a plain model of it            */
 /* ------------------------------------------------------------------------ */
@@ -2626,6 +2661,7 @@ int main(void) {
     test_kernels();
     test_quantised_matmul();
     test_matmul_vector_shapes();
+    test_matmul_slices();
     test_block_allocator();
     test_attention_tiles();
     test_kv_f16();
