@@ -1297,6 +1297,29 @@ static void test_quantised_matmul(void) {
     }
 }
 
+/* out (n, rows) = x (n, cols) @ W^T for a float32 W: each output against
+   the double-precision sum (within 4e-6 of the sum of the products'
+   magnitudes), and each row bit-identical to that row computed alone (one:
+   rows floats). */
+static void expect_f32_batch(const Matrix *m, const float *x, int n, float *out, float *one) {
+    const int R = m->rows, C = m->cols;
+    for (int i = 0; i < n * R; i++) out[i] = NAN;
+    matmul(out, x, m, n);
+    for (int b = 0; b < n && !case_failed; b++) {
+        matmul(one, x + (size_t)b * C, m, 1);
+        for (int i = 0; i < R; i++) {
+            double ref = 0, mag = 0;
+            for (int j = 0; j < C; j++) {
+                ref += (double)m->w[(size_t)i * C + j] * x[(size_t)b * C + j];
+                mag += fabs((double)m->w[(size_t)i * C + j] * x[(size_t)b * C + j]);
+            }
+            expect(fabs(out[b * R + i] - ref) <= 4e-6 * mag + 1e-7, "n %d row %d out %d: %.9g vs %.9g", n, b, i, out[b * R + i], ref);
+            expect(memcmp(&one[i], &out[b * R + i], sizeof(float)) == 0, "n %d row %d out %d: batch %.9g, alone %.9g", n, b, i,
+                   out[b * R + i], one[i]);
+        }
+    }
+}
+
 /* The shapes the vector kernels take (columns a multiple of 16, int8 groups
    of 32 and 64; "plain C" builds run them too): against double-precision
    sums, and each row of a batch bit-identical to the same row alone, for
@@ -1315,18 +1338,7 @@ static void test_matmul_vector_shapes(void) {
     begin("matmul float32 (%s), %d columns: vs double, each batch row = that row alone", KERNEL_NAME, C);
     {
         Matrix m = {.w = w, .rows = R, .cols = C};
-        for (int n = 1; n <= N; n++) {
-            matmul(out, x, &m, n);
-            for (int b = 0; b < n; b++) {
-                matmul(one, x + b * C, &m, 1);
-                for (int i = 0; i < R; i++) {
-                    double ref = 0, mag = 0;
-                    for (int j = 0; j < C; j++) { ref += (double)w[i * C + j] * x[b * C + j]; mag += fabs((double)w[i * C + j] * x[b * C + j]); }
-                    expect(fabs(out[b * R + i] - ref) <= 4e-6 * mag + 1e-7, "n %d row %d out %d: %.9g vs %.9g", n, b, i, out[b * R + i], ref);
-                    expect(memcmp(&one[i], &out[b * R + i], sizeof(float)) == 0, "n %d row %d out %d: batch %.9g, alone %.9g", n, b, i, out[b * R + i], one[i]);
-                }
-            }
-        }
+        for (int n = 1; n <= N; n++) expect_f32_batch(&m, x, n, out, one);
     }
     end();
 
@@ -1377,23 +1389,7 @@ static void test_matmul_slices(void) {
     for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
     begin("matmul float32 (%s), %d columns in slices: vs double, each batch row = that row alone, n = 1..%d", KERNEL_NAME, C, N);
     Matrix m = {.w = w, .rows = R, .cols = C};
-    for (int n = 1; n <= N && !case_failed; n++) {
-        for (int i = 0; i < n * R; i++) out[i] = NAN;
-        matmul(out, x, &m, n);
-        for (int b = 0; b < n && !case_failed; b++) {
-            matmul(one, x + (size_t)b * C, &m, 1);
-            for (int i = 0; i < R; i++) {
-                double ref = 0, mag = 0;
-                for (int j = 0; j < C; j++) {
-                    ref += (double)w[i * C + j] * x[b * C + j];
-                    mag += fabs((double)w[i * C + j] * x[b * C + j]);
-                }
-                expect(fabs(out[b * R + i] - ref) <= 4e-6 * mag + 1e-7, "n %d row %d out %d: %.9g vs %.9g", n, b, i, out[b * R + i], ref);
-                expect(memcmp(&one[i], &out[b * R + i], sizeof(float)) == 0, "n %d row %d out %d: batch %.9g, alone %.9g", n, b, i,
-                       out[b * R + i], one[i]);
-            }
-        }
-    }
+    for (int n = 1; n <= N && !case_failed; n++) expect_f32_batch(&m, x, n, out, one);
     end();
 }
 
