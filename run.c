@@ -1369,10 +1369,10 @@ KERNEL void store_sums(float *out, size_t stride, const vfloat *acc, int n_rows,
    starts from the lane sums `from` (NULL: zero) and, but for the last
    slice, leaves them in `to` instead of adding them up (NULL: into out), so
    that every lane adds the same products in the same order as one pass over
-   whole rows. A block reads NR short streams of weights (a row of
-   int8 is about a kilobyte), too short for the hardware prefetchers to
-   follow: the kernels prefetch `next`, the next block of rows (NULL: none),
-   as many bytes at a time as they read. */
+   whole rows. A block reads NR short streams of weights (a row of int8 is
+   about a kilobyte), too short for the hardware prefetchers to follow: the
+   kernels prefetch `next`, the next block of rows (NULL: none), as many
+   bytes at a time as they read. */
 KERNEL void block_f32(float *out, size_t stride, const float *w, size_t ld, int n_rows, const float *next, int share, const float *xp,
                       int n_in, int cols, const vfloat *from, vfloat *to, const int NR, const int NB) {
     const float *wr[MB_MAX];
