@@ -1221,6 +1221,14 @@ static void test_kernels(void) {
     end();
 }
 
+/* a / b in float, correctly rounded, whatever the build's flags: the unit
+   tests' vector builds have reciprocal math (-Ofast), under which a loop of
+   divisions by one value may multiply by its reciprocal instead, a unit in
+   the last place off (x / xs = -104.4999975 came out -104.49999 rather than
+   -104.5, and rounded the other way). One division in a function of its
+   own is left a division. */
+static __attribute__((noinline)) float float_quotient(float a, float b) { return a / b; }
+
 /* Quantised matmul (int8 version 2, 4-bit version 3) against a plain double
    reference written here from the documented formulas: inputs quantised per
    group (xs = max|x| / 127, xq = round half away from zero of x / xs), exact
@@ -1276,7 +1284,7 @@ static void test_quantised_matmul(void) {
                                     float xs = amax / 127.0f;
                                     long isum = 0, isum_abs = 0; /* the vector kernels' partial sums are within isum_abs */
                                     for (int j = 0; j < gs; j++) {
-                                        double r = xs > 0 ? (double)(v[j] / xs) : 0.0;
+                                        double r = xs > 0 ? (double)float_quotient(v[j], xs) : 0.0;
                                         long xq = (long)(r < 0 ? -floor(-r + 0.5) : floor(r + 0.5));
                                         isum += xq * qv[i * C + g * gs + j];
                                         isum_abs += labs(xq * qv[i * C + g * gs + j]);
