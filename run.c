@@ -1016,7 +1016,7 @@ static void unpack_q4_0(const uint8_t *b, int8_t *q, float *scales, float *offse
 }
 
 /* Q4_1, 32 values: f16 d, f16 m, nibbles as Q4_0; value = d n + m, held as
-   d (n - 8) + (m + 8 d) so that q fits the 4-bit layout. */
+   d (n - 8) + (m + 8 d): q fits the 4-bit layout, centred. */
 static void unpack_q4_1(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
     float d = f16_at(b), m = f16_at(b + 2);
     scales[0] = d;
@@ -1027,13 +1027,13 @@ static void unpack_q4_1(const uint8_t *b, int8_t *q, float *scales, float *offse
     }
 }
 
-/* The 5-bit values of Q5_0 and Q5_1: the nibbles as Q4_0 at qs, the fifth
-   bit of value j in bit j of the uint32 at qh. */
-static void five_bit_values(const uint8_t *qh, const uint8_t *qs, int8_t *q, int minus) {
+/* The 5-bit values n - 16 of Q5_0 and Q5_1: the nibbles as Q4_0 at qs, the
+   fifth bit of value j in bit j of the uint32 at qh. */
+static void five_bit_values(const uint8_t *qh, const uint8_t *qs, int8_t *q) {
     uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
     for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(((qs[j] & 15) | ((h >> j) & 1) << 4) - minus);
-        q[j + 16] = (int8_t)(((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - minus);
+        q[j] = (int8_t)(((qs[j] & 15) | ((h >> j) & 1) << 4) - 16);
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16);
     }
 }
 
@@ -1041,14 +1041,17 @@ static void five_bit_values(const uint8_t *qh, const uint8_t *qs, int8_t *q, int
 static void unpack_q5_0(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
     (void)offsets;
     scales[0] = f16_at(b);
-    five_bit_values(b + 2, b + 6, q, 16);
+    five_bit_values(b + 2, b + 6, q);
 }
 
-/* Q5_1, 32 values: f16 d, f16 m, 4 bytes qh, 16 bytes qs; value = d n + m. */
+/* Q5_1, 32 values: f16 d, f16 m, 4 bytes qh, 16 bytes qs; value = d n + m,
+   held as d (n - 16) + (m + 16 d): centred values, so that rounding the
+   inputs to 8 bits errs on the weight's spread, not on its mean. */
 static void unpack_q5_1(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
-    scales[0] = f16_at(b);
-    offsets[0] = f16_at(b + 2);
-    five_bit_values(b + 4, b + 8, q, 0);
+    float d = f16_at(b);
+    scales[0] = d;
+    offsets[0] = f16_at(b + 2) + 16.0f * d;
+    five_bit_values(b + 4, b + 8, q);
 }
 
 /* Q8_0, 32 values: f16 d, 32 int8 q; value = d q. */
@@ -1093,7 +1096,8 @@ static void unpack_q4_k(const uint8_t *b, int8_t *q, float *scales, float *offse
 
 /* Q5_K, 256 values in 8 sub-blocks of 32: f16 d, f16 dmin, 12 bytes of
    scales and minimums, 32 bytes qh (bit g of byte l: the fifth bit of value
-   l of sub-block g), 128 bytes of nibbles as Q4_K; value = (d sc) n - (dmin m). */
+   l of sub-block g), 128 bytes of nibbles as Q4_K; value = (d sc) n - (dmin m),
+   held centred as Q5_1 is: (d sc)(n - 16) + (16 d sc - dmin m). */
 static void unpack_q5_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
     float d = f16_at(b), dmin = f16_at(b + 2);
     const uint8_t *qh = b + 16, *qs = b + 48;
@@ -1101,10 +1105,10 @@ static void unpack_q5_k(const uint8_t *b, int8_t *q, float *scales, float *offse
         int sc, m;
         k_scale_min(b + 4, g, &sc, &m);
         scales[g] = d * (float)sc;
-        offsets[g] = -(dmin * (float)m);
+        offsets[g] = 16.0f * scales[g] - dmin * (float)m;
         for (int l = 0; l < 32; l++) {
             int byte = qs[g / 2 * 32 + l];
-            q[g * 32 + l] = (int8_t)((g % 2 ? byte >> 4 : byte & 15) | ((qh[l] >> g) & 1) << 4);
+            q[g * 32 + l] = (int8_t)(((g % 2 ? byte >> 4 : byte & 15) | ((qh[l] >> g) & 1) << 4) - 16);
         }
     }
 }

@@ -42,7 +42,7 @@
 
 /* ---- heap-backed stand-ins for mmap/munmap ------------------------------ */
 
-#define FUZZ_MAX_MAPPINGS 16
+#define FUZZ_MAX_MAPPINGS 1024 /* a GGUF model converts each tensor into pages of its own */
 static void *fuzz_mappings[FUZZ_MAX_MAPPINGS];
 
 static inline void *fuzz_mmap(void *addr, size_t len, int prot, int flags, int fd, off_t offset) {

@@ -287,6 +287,38 @@ def main():
     for i, text in enumerate(requests):
         write("http", "http%d" % i, text.encode())
 
+    gguf_seeds()
+
+
+def gguf_seeds():
+    """gguf: small random GGUF models written by tests/gguf_ref.py (which
+    needs numpy; without it these seeds are left as they are): a float32
+    llama and a q8_0 qwen2 (the seeds the target's harness check loads), a
+    float model of each other float type, models of each 32-value block
+    type, and one of each K type in ffn_down (rows of 256 values)."""
+    try:
+        import sys
+        sys.path.insert(0, os.path.dirname(HERE))
+        import gguf_ref
+    except ImportError:
+        print("make_seeds.py: no numpy: the gguf seeds are left as they are")
+        return
+    small = dict(dim=16, ffn=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab=8, ctx=16, vocab_meta=False)
+    blocks = dict(small, dim=32)
+    seeds = {
+        "llama-f32": dict(small, rope_freqs=True),
+        "qwen2-q8_0": dict(blocks, arch="qwen2", wtype="Q8_0", tied=True),
+        "llama-f16": dict(small, wtype="F16", tied=True),
+        "llama-bf16": dict(small, wtype="BF16"),
+    }
+    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        seeds["llama-" + t.lower()] = dict(blocks, wtype=t)
+    for t in ("Q4_K", "Q5_K", "Q6_K"):
+        seeds["llama-" + t.lower()] = dict(blocks, ffn=256, wtype="Q8_0", types={"ffn_down.weight": t})
+    for name, kw in seeds.items():
+        meta, tensors = gguf_ref.random_model(seed=len(name), **kw)
+        write("gguf", name, gguf_ref.build_gguf(meta, tensors)[0])
+
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,7 @@
 #
 #   bash tests/fuzz/run_fuzz.sh SECONDS OUT_DIR [TARGET...]
 #
-# For each target (default: all seven): first replays every file of its seed
+# For each target (default: all eight): first replays every file of its seed
 # corpus tests/fuzz/corpus/<target>/ (the regress-* files are inputs that once
 # failed), then fuzzes for SECONDS seconds starting from that corpus. New
 # corpus entries and any crashing input go to OUT_DIR/<target>/, never to the
@@ -18,7 +18,7 @@ seconds="${1:-5}"
 out="${2:-tests/fuzz/.out}"
 shift 2 2>/dev/null || shift $#
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(checkpoint tokenizer encode options generate batch http)
+[ ${#targets[@]} -gt 0 ] || targets=(checkpoint tokenizer encode options generate batch http gguf)
 bin_dir="${FUZZ_BIN:-tests/.bin}"
 export MODELS_DIR="${MODELS_DIR:-../shared/models}"
 # leaks after a caught error are expected (see fuzz_common.h); every
@@ -30,6 +30,7 @@ max_len() {
     case "$1" in
         options | generate) echo 1024 ;;
         checkpoint) echo 16384 ;;
+        gguf) echo 32768 ;;
         *) echo 8192 ;;
     esac
 }

@@ -1,0 +1,376 @@
+#!/usr/bin/env python3
+"""GGUF models: run.c's logits on small random GGUF files of every weight
+type and both architectures against the independent numpy reference
+tests/gguf_ref.py (which agrees with llama.cpp itself to 1e-7, see its
+docstring), generation smoke runs, and malformed files.
+
+Files: written here by gguf_ref (random quant bits with realistic scales;
+dim 256 so the K types fit, ffn 512, 4 heads, vocab 300 with a small
+SentencePiece vocabulary). Logits from tests/.bin/llama3_dump (make
+tests/.bin/llama3_dump); the sanitizer cases use tests/.bin/run_asan (make
+tests/.bin/run_asan) and SKIP without it.
+
+Tolerances (errors: max |run.c - reference| over all logits, relative to
+max |logit|):
+  - F32, F16, BF16: run.c computes in float32 what the reference computes
+    in float64 from the same dequantised weights; float32 rounding of sums
+    of <= 512 products through two layers stays near 1e-6 (llama.cpp's
+    float32 path: 3e-7), so EXACT_TOL = 2e-5.
+  - quantised types: run.c's integer kernels round each matmul's input to
+    int8 per group (32 values, 16 for Q6_K) with scale max|x|/127, half
+    away from zero; for the types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+    each value is split as scale * (n - mid) + (min + mid * scale), mid the
+    middle of n's range, the first part on the int8 inputs and the second
+    on the float sum of the group's inputs (the centred split keeps the
+    int8 rounding's effect as small as llama.cpp's). The reference does
+    the same (forward(..., 'runc')), so
+    the two agree to float32 rounding (QUANT_TIGHT = 2e-4, a little above
+    what llama.cpp reaches with its own rounding emulated: 3e-7) unless an
+    activation lies within float32 rounding of a half-way point: then the
+    two round it differently and the difference cascades through the later
+    roundings. Such a cascade is a second draw of the same rounding noise,
+    so it is bounded by the size of that noise, NOISE = max |exact forward
+    - forward('runc')| (5e-3 .. 3e-2 here); with llama.cpp against its
+    emulation the cascades reached 1.1 x NOISE. We allow 3 x NOISE, and
+    print which regime each case is in. A wrong block layout, scale or
+    RoPE pairing moves logits by tens of percent, far beyond both.
+
+Env: RUN, PYTHON, TEST_TMP. Prints PASS/FAIL/SKIP lines."""
+
+import os
+import struct
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from verdicts import COUNTS, Skip  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import gguf_ref as ref  # noqa: E402
+
+RUN = os.environ.get("RUN", "./run")
+TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "gguf")
+DUMP = os.path.join(HERE, ".bin", "llama3_dump")
+ASAN = os.path.join(HERE, ".bin", "run_asan")
+IDS = [1, 5, 17, 42, 3, 77, 260, 299]
+EXACT_TOL = 2e-5
+QUANT_TIGHT = 2e-4
+CASCADE = 3.0
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+# name -> random_model settings: every architecture's features in four files per type
+VARIANTS = {
+    "llama_untied_gqa_ropefreqs": dict(arch="llama", tied=False, rope_freqs=True, theta=500000.0),
+    "llama_tied_mha": dict(arch="llama", tied=True, n_kv_heads=4, n_layers=1),
+    "qwen2_untied_gqa": dict(arch="qwen2", tied=False, theta=1000000.0, eps=1e-6),
+    "qwen2_tied_mqa": dict(arch="qwen2", tied=True, n_kv_heads=1, n_layers=1),
+}
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, timeout=kw.pop("timeout", 120), **kw)
+
+
+def path(name):
+    os.makedirs(TMP, exist_ok=True)
+    return os.path.join(TMP, name + ".gguf")
+
+
+def write(name, seed, **settings):
+    meta, tensors = ref.random_model(seed=seed, **settings)
+    p = path(name)
+    ref.write_gguf(p, meta, tensors, version=settings.get("version", 3))
+    return p
+
+
+def dump_logits(p, ids):
+    if not os.path.isfile(DUMP):
+        raise AssertionError("%s is missing (make tests/.bin/llama3_dump)" % DUMP)
+    r = sh([DUMP, "logits", p] + [str(i) for i in ids])
+    assert r.returncode == 0, "llama3_dump logits failed (%d): %s" % (r.returncode, r.stderr.decode(errors="replace").strip()[-300:])
+    got = np.array([[float(x) for x in line.split()] for line in r.stdout.decode().splitlines()])
+    assert got.shape[0] == len(ids), "llama3_dump printed %d lines for %d ids" % (got.shape[0], len(ids))
+    return got
+
+
+def compare(p, quantised, ids=IDS):
+    """The verdict's details for one file; raises AssertionError when out of
+    tolerance. Returns a short description of the error seen."""
+    model = ref.Model(ref.read_gguf(p))
+    got = dump_logits(p, ids)
+    exact = ref.forward(model, ids)
+    assert got.shape == exact.shape, "run.c gives %s logits, the reference %s" % (got.shape, exact.shape)
+    scale = float(np.abs(exact).max())
+    if not quantised:
+        per_pos = np.abs(got - exact).max(axis=1) / scale
+        err = float(per_pos.max())
+        bad = np.nonzero(per_pos > EXACT_TOL)[0]
+        assert not len(bad), "max error %.3g (limit %g), first from position %d of %d" % (err, EXACT_TOL, bad[0], len(ids))
+        return "max error %.2g" % err
+    emu = ref.forward(model, ids, "runc")
+    noise = float(np.abs(exact - emu).max()) / scale
+    per_pos = np.abs(got - emu).max(axis=1) / scale
+    err = float(per_pos.max())
+    if err <= QUANT_TIGHT:
+        return "max error %.2g against the int8 emulation" % err
+    first = int(np.nonzero(per_pos > QUANT_TIGHT)[0][0])
+    assert err <= CASCADE * noise, ("max error %.3g against the int8 emulation, from position %d of %d; the activation "
+                                    "rounding's own effect is %.3g, limit %.3g (error against the exact forward %.3g)"
+                                    % (err, first, len(ids), noise, CASCADE * noise,
+                                       float(np.abs(got - exact).max()) / scale))
+    return "max error %.2g from position %d (a rounding flip cascading; noise %.2g, limit %.2g)" % (
+        err, first, noise, CASCADE * noise)
+
+
+def verdict_with_detail(name, fn):
+    """verdicts.case() with the function's result (the errors seen) in the
+    PASS line."""
+    try:
+        detail = fn()
+    except Skip as e:
+        print("SKIP %s: %s" % (name, e), flush=True)
+        COUNTS["SKIP"] += 1
+        return
+    except AssertionError as e:
+        print(("FAIL %s: %s" % (name, e)).replace("\n", "\\n"), flush=True)
+        COUNTS["FAIL"] += 1
+        return
+    except Exception as e:  # a crash is a failure with its reason
+        print(("FAIL %s: exception %s: %s" % (name, type(e).__name__, e)).replace("\n", "\\n"), flush=True)
+        COUNTS["FAIL"] += 1
+        return
+    print("PASS %s (%s)" % (name, detail), flush=True)
+    COUNTS["PASS"] += 1
+
+
+# --- the reference has teeth ------------------------------------------------------
+
+def test_reference_sensitivity():
+    """The comparisons see what they claim to: the RoPE pairing, the
+    rope_freqs factors and qwen2's biases each move the reference's logits."""
+    meta, tensors = ref.random_model(arch="llama", rope_freqs=True, theta=500000.0, seed=3, n_layers=1)
+    g = ref.read_gguf(ref.build_gguf(meta, tensors)[0])
+    m = ref.Model(g)
+    base = ref.forward(m, IDS)
+    scale = np.abs(base).max()
+    m.hp = dict(m.hp, arch="qwen2")
+    assert np.abs(ref.forward(m, IDS) - base).max() > 1e-2 * scale, "RoPE pairs do not matter"
+    m.hp = dict(m.hp, arch="llama")
+    del m.w["rope_freqs.weight"]
+    assert np.abs(ref.forward(m, IDS) - base).max() > 1e-2 * scale, "rope_freqs do not matter"
+    meta, tensors = ref.random_model(arch="qwen2", seed=4, n_layers=1)
+    m = ref.Model(ref.read_gguf(ref.build_gguf(meta, tensors)[0]))
+    base = ref.forward(m, IDS)
+    for b in [k for k in m.w if k.endswith(".bias")]:
+        del m.w[b]
+    assert np.abs(ref.forward(m, IDS) - base).max() > 1e-2 * np.abs(base).max(), "the biases do not matter"
+    return "RoPE pairing, rope_freqs and biases each move the logits by > 1%"
+
+
+# --- logits --------------------------------------------------------------------------
+
+def logits_fn(name, wtype, seed, settings):
+    def fn():
+        p = write(name, seed, wtype=wtype, **settings)
+        return compare(p, wtype not in ref.EXACT_TYPES)
+    return fn
+
+
+def mix_fn(name, seed, settings, types, wtype):
+    """Mixed types in one file, as llama-quantize's K mixes write them."""
+    def fn():
+        p = write(name, seed, wtype=wtype, types=types, **settings)
+        return compare(p, True)
+    return fn
+
+
+def format_variants_fn():
+    """GGUF version 2, general.alignment 64, and metadata of every value
+    type that a reader must skip (arrays of arrays, int64, bool, float64)."""
+    def fn():
+        meta, tensors = ref.random_model(arch="llama", wtype="Q8_0", seed=21, n_layers=1)
+        meta = dict(meta)
+        meta["test.u8"] = ref.Typed(ref.UINT8, 7)
+        meta["test.i16"] = ref.Typed(ref.INT16, -3)
+        meta["test.u64"] = ref.Typed(ref.UINT64, 2 ** 40)
+        meta["test.i64"] = ref.Typed(ref.INT64, -2 ** 40)
+        meta["test.f64"] = ref.Typed(ref.FLOAT64, 0.25)
+        meta["test.bool"] = ref.Typed(ref.BOOL, True)
+        meta["test.strings"] = ref.Typed(ref.ARRAY, ["", "x", "\u00e9t\u00e9"], ref.STRING)
+        meta["test.nested"] = ref.Typed(ref.ARRAY, [ref.Typed(ref.ARRAY, [1, 2], ref.INT8)], ref.ARRAY)
+        meta["test.empty"] = ref.Typed(ref.ARRAY, [], ref.FLOAT64)
+        details = []
+        for version, align in ((2, None), (3, 64), (2, 128)):
+            p = path("format_v%d_a%s" % (version, align))
+            ref.write_gguf(p, meta, tensors, version=version, alignment=align)
+            details.append("v%d/%s: %s" % (version, align or 32, compare(p, True)))
+        return "; ".join(details)
+    return fn
+
+
+# --- generation ------------------------------------------------------------------------
+
+def smoke_fn(name, wtype, settings):
+    def fn():
+        p = write("smoke_" + name, 31, wtype=wtype, **settings)
+        r = sh([RUN, p, "-t", "0", "-n", "8", "-i", "tea"])
+        err = r.stderr.decode(errors="replace").strip()
+        assert r.returncode == 0, "exit %d: %s" % (r.returncode, err[-300:])
+        out = r.stdout.decode(errors="replace")
+        assert out.startswith("tea") and len(out.strip()) > len("tea"), "output %r" % out[:200]
+        # the same with JSON output
+        r = sh([RUN, p, "-t", "0", "-n", "6", "-i", "tea", "-f", "json"])
+        assert r.returncode == 0, "json: exit %d: %s" % (r.returncode, r.stderr.decode(errors="replace")[-300:])
+        return "exit 0, %d bytes of text" % len(out)
+    return fn
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+def base_model(**kw):
+    settings = dict(arch="llama", wtype="Q4_0", n_layers=1, seed=41)
+    settings.update(kw)
+    return ref.random_model(**settings)
+
+
+def bad_files():
+    """{case name: (bytes, words the one-line error must contain)}"""
+    meta, tensors = base_model()
+    good, lay = ref.build_gguf(meta, tensors)
+    files = {}
+
+    def patch(data, at, fmt, value):
+        b = bytearray(data)
+        struct.pack_into("<" + fmt, b, at, value)
+        return bytes(b)
+
+    # truncations: in the magic, the header, the KV section (inside the token
+    # list), the tensor infos, at the data section and inside it, one byte short
+    for label, at in (("magic", 3), ("header", 15), ("kv", lay["kv"] + 30),
+                      ("token_list", lay["key:tokenizer.ggml.tokens"] + 200),
+                      ("infos", lay["infos"] + 9), ("info_offset", lay["offset:blk.0.attn_q.weight"] + 3),
+                      ("data_start", lay["data"]), ("data", (lay["data"] + len(good)) // 2),
+                      ("one_byte_short", len(good) - 1)):
+        files["truncated_" + label] = (good[:at], [])
+    # lengths and counts past the end
+    k0 = lay["kv"]
+    files["key_length_huge"] = (patch(good, k0, "Q", 2 ** 40), [])
+    files["key_length_past_end"] = (patch(good, k0, "Q", len(good)), [])
+    tok = lay["key:tokenizer.ggml.tokens"] + 8 + len("tokenizer.ggml.tokens") + 4 + 4
+    files["array_count_huge"] = (patch(good, tok, "Q", 2 ** 61), [])
+    files["string_in_array_past_end"] = (patch(good, tok + 8, "Q", 2 ** 33), [])
+    files["tensor_count_huge"] = (patch(good, 8, "q", 2 ** 60), [])
+    files["kv_count_huge"] = (patch(good, 16, "q", 2 ** 60), [])
+    files["tensor_count_negative"] = (patch(good, 8, "q", -1), [])
+    # tensor offsets
+    name = "output_norm.weight"
+    files["offset_past_end"] = (patch(good, lay["offset:" + name], "Q", 2 ** 40), [])
+    files["offset_overflow"] = (patch(good, lay["offset:" + name], "Q", 2 ** 64 - 32), [])
+    last = tensors[-1][0]
+    files["last_tensor_past_end"] = (patch(good, lay["offset:" + last], "Q",
+                                           lay["tensor:" + last] - lay["data"] + 64), [])
+    files["offset_misaligned"] = (patch(good, lay["offset:" + name], "Q",
+                                        lay["tensor:" + name] - lay["data"] + 4), [])
+    # an unknown tensor type (20 is IQ4_NL): the error names the type and the tensor
+    files["unknown_type"] = (patch(good, lay["type:blk.0.attn_q.weight"], "I", 20),
+                             ["blk.0.attn_q.weight", ("20", "IQ4_NL")])
+    files["type_out_of_range"] = (patch(good, lay["type:blk.0.attn_k.weight"], "I", 4000),
+                                  ["blk.0.attn_k.weight"])
+    files["version_1"] = (patch(good, 4, "I", 1), [])
+    files["version_4"] = (patch(good, 4, "I", 4), [])
+    files["n_dims_5"] = (patch(good, lay["info:blk.0.attn_q.weight"] + 8 + len("blk.0.attn_q.weight"), "I", 5), [])
+    # unknown architecture: the error names it
+    m2 = {k.replace("llama.", "mamba."): v for k, v in meta.items()}
+    m2["general.architecture"] = "mamba"
+    files["unknown_arch"] = (ref.build_gguf(m2, tensors)[0], ["mamba"])
+    # shape against the hyperparameters: attn_q with 128 rows for dim 256
+    t2 = [(n, t, ne if n != "blk.0.attn_q.weight" else [ne[0], 128],
+           raw if n != "blk.0.attn_q.weight" else raw[:len(raw) // 2]) for n, t, ne, raw in tensors]
+    files["shape_contradicts"] = (ref.build_gguf(meta, t2)[0], [])
+    m3 = dict(meta)
+    m3["llama.embedding_length"] = 128
+    files["embedding_length_contradicts"] = (ref.build_gguf(m3, tensors)[0], [])
+    files["missing_tensor"] = (ref.build_gguf(meta, [x for x in tensors if x[0] != "blk.0.ffn_down.weight"])[0], [])
+    files["missing_layer"] = (ref.build_gguf(dict(meta, **{"llama.block_count": 2}), tensors)[0], [])
+    dup = [x for x in tensors] + [x for x in tensors if x[0] == "output_norm.weight"]
+    files["duplicated_tensor"] = (ref.build_gguf(meta, dup)[0], [])
+    # a vocabulary-only file given as a model
+    files["vocab_only"] = (ref.build_gguf(meta, [])[0], [])
+    return files
+
+
+def check_bad(binary, name, data, words):
+    p = path("bad_" + name)
+    with open(p, "wb") as f:
+        f.write(data)
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:allocator_may_return_null=1:exitcode=99",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=99")
+    try:
+        r = sh([binary, p, "-t", "0", "-n", "4", "-i", "tea"], env=env, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("%s: hangs (60 s)" % name)
+    err = r.stderr.decode(errors="replace")
+    lines = err.splitlines()
+    assert r.returncode == 1, "%s: exit %d, stderr %r" % (name, r.returncode, err[-400:])
+    assert len(lines) == 1 and lines[0].startswith("run: "), "%s: stderr is not one 'run: ' line: %r" % (name, err[-400:])
+    for w in words:
+        alts = w if isinstance(w, tuple) else (w,)
+        assert any(a in lines[0] for a in alts), "%s: the error does not name %s: %r" % (name, " or ".join(alts), lines[0])
+    return lines[0]
+
+
+def bad_fn(binary, files):
+    def fn():
+        if not os.path.isfile(binary):
+            raise Skip("%s is missing (make %s)" % (binary, binary))
+        failures = []
+        for name, (data, words) in files.items():
+            try:
+                check_bad(binary, name, data, words)
+            except AssertionError as e:
+                failures.append(str(e))
+        assert not failures, "%d of %d bad files: %s" % (len(failures), len(files), " | ".join(failures))
+        return "%d files, each one 'run: ' line and exit 1" % len(files)
+    return fn
+
+
+def bad_each(binary, files, prefix):
+    for name, (data, words) in files.items():
+        def fn(name=name, data=data, words=words):
+            if not os.path.isfile(binary):
+                raise Skip("%s is missing (make %s)" % (binary, binary))
+            return check_bad(binary, name, data, words)
+        verdict_with_detail("%s_%s" % (prefix, name), fn)
+
+
+def main():
+    verdict_with_detail("gguf_reference_sensitivity", test_reference_sensitivity)
+    seed = 100
+    for wtype in TYPES:
+        for vname, settings in VARIANTS.items():
+            seed += 1
+            name = "%s_%s" % (wtype, vname)
+            verdict_with_detail("gguf_logits_" + name, logits_fn(name, wtype, seed, settings))
+    # llama-quantize's Q4_K_M: attn_v, ffn_down and output in Q6_K, the rest Q4_K;
+    # and the fallbacks for rows that are not whole 256-blocks
+    verdict_with_detail("gguf_logits_mix_q4_k_m", mix_fn("mix_q4_k_m", 7, VARIANTS["llama_untied_gqa_ropefreqs"],
+                                                          {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K",
+                                                           "output.weight": "Q6_K"}, "Q4_K"))
+    verdict_with_detail("gguf_logits_mix_fallbacks", mix_fn("mix_fallbacks", 8, VARIANTS["qwen2_untied_gqa"],
+                                                            {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1",
+                                                             "attn_v.weight": "Q8_0", "ffn_up.weight": "Q4_1",
+                                                             "ffn_gate.weight": "Q4_0", "token_embd.weight": "Q6_K",
+                                                             "output.weight": "F16", "ffn_down.weight": "BF16"}, "Q5_K"))
+    verdict_with_detail("gguf_format_versions_alignment_metadata", format_variants_fn())
+    verdict_with_detail("gguf_generate_llama_q4_k", smoke_fn("llama_q4_k", "Q4_K", VARIANTS["llama_untied_gqa_ropefreqs"]))
+    verdict_with_detail("gguf_generate_qwen2_q8_0", smoke_fn("qwen2_q8_0", "Q8_0", VARIANTS["qwen2_tied_mqa"]))
+    files = bad_files()
+    bad_each(RUN, files, "gguf_bad")
+    verdict_with_detail("gguf_bad_asan", bad_fn(ASAN, files))
+    print("%d passed, %d failed, %d skipped" % (COUNTS["PASS"], COUNTS["FAIL"], COUNTS["SKIP"]))
+    return 1 if COUNTS["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
