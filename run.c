@@ -456,17 +456,21 @@ typedef struct {
     int rope_scaling;    /* ROPE_SCALING_NONE or ROPE_SCALING_LLAMA3 */
     float rope_factor, rope_low_freq_factor, rope_high_freq_factor; /* llama3 scaling */
     int rope_original_context; /* llama3 scaling: the context the model was trained with */
+    int rope_halves;     /* RoPE turns element i with i + head_size / 2 (GGUF qwen2), not adjacent pairs */
 } Config;
 
 enum { ROPE_SCALING_NONE, ROPE_SCALING_LLAMA3 };
 
 /* A weight matrix W of shape (rows, cols), row-major, applied as W @ x:
    float32 values, or int8 or 4-bit values in groups of group_size consecutive
-   values of a row, value = q * scale of its group ("Q8_0", version 3's Q4). */
+   values of a row, value = q * scale of its group ("Q8_0", version 3's Q4),
+   plus the group's offset for the GGUF types that have one (section 2.2). */
 typedef struct {
     const float *w;     /* float32: (rows, cols); NULL for int8 and 4-bit */
     const int8_t *q;    /* int8: (rows, cols); NULL for 4-bit */
     const char *scales; /* int8, 4-bit: (rows * cols / group_size) float32, maybe unaligned */
+    const float *offsets; /* GGUF types with a minimum: (rows * cols / group_size) float32,
+                             value = q * scale + offset; NULL: no offsets */
     int rows, cols;
     int group_size;     /* 0 for float32 */
     const uint8_t *q4;  /* 4-bit: (rows, cols / 2) bytes, two values each (see section 2) */
@@ -489,6 +493,9 @@ typedef struct {
     Matrix *w2;  /* n_layers x (dim, hidden_dim) */
     Matrix *w3;  /* n_layers x (hidden_dim, dim) */
     Matrix wcls; /* (vocab_size, dim): the embedding itself when shared */
+    const float *bq; /* GGUF qwen2: (n_layers, dim) biases of q; NULL: none */
+    const float *bk; /* (n_layers, kv_dim) biases of k, or NULL */
+    const float *bv; /* (n_layers, kv_dim) biases of v, or NULL */
 } Weights;
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
@@ -552,9 +559,19 @@ typedef struct {
     KVCache cache;
 } RunState;
 
+/* Pages the loader allocated (GGUF tensors converted at load). */
+typedef struct {
+    void *p;
+    size_t bytes;
+} OwnedPages;
+
+struct GGUF; /* section 2.1 */
+enum { VERSION_GGUF = 5 };
+
 typedef struct {
     Config config;
-    int version;      /* 0 legacy, 1 float32 "ak42", 2 int8 "ak42", 3 4-bit "ak42", 4 "ak42" with RoPE and norm settings */
+    int version;      /* 0 legacy, 1 float32 "ak42", 2 int8 "ak42", 3 4-bit "ak42", 4 "ak42" with RoPE and norm
+                         settings; VERSION_GGUF a GGUF file */
     int group_size;   /* versions 2, 3 (and 4 with int8 weights): quantised values per float32 scale */
     float *rope_freq; /* version 4: (head_size / 2) RoPE inverse frequencies; NULL: 10000^(-d/head_size) */
     Weights weights;
@@ -563,6 +580,10 @@ typedef struct {
     size_t file_size;
     void *packing;    /* VNNI builds: the packed matrices (pack_weights), packing_bytes of them */
     size_t packing_bytes;
+    OwnedPages *owned; /* (n_owned) GGUF: converted tensors, norms and biases */
+    int n_owned;
+    struct GGUF *gguf; /* GGUF: the parsed file (its vocabulary is read after the model) */
+    int weight_bits;   /* version 4: 4 for 4-bit weights, else 8 */
 } Transformer;
 
 /* ------------------------------------------------------------------------ */
@@ -573,8 +594,8 @@ typedef struct {
 #define AK42_HEADER_BYTES 256
 #define LEGACY_HEADER_BYTES 28
 
-/* Version 4 headers name their weights' encoding (4-bit is reserved here;
-   its reader is another part of the program). */
+/* Version 4 headers name their weights' encoding: float32, int8 (version
+   2's layout) or 4-bit (version 3's). */
 enum { WEIGHTS_F32 = 0, WEIGHTS_Q8_0 = 1, WEIGHTS_Q4 = 2 };
 
 /* A cursor over the mapped file that refuses to run past its end. */
@@ -655,7 +676,7 @@ static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
     int head_size = p->dim / p->n_heads;
     int kv_dim = head_size * p->n_kv_heads;
     uint64_t L = (uint64_t)p->n_layers, dim = (uint64_t)p->dim;
-    int gs = t->group_size, bits = t->version == 3 ? 4 : 8;
+    int gs = t->group_size, bits = t->version == 3 || t->weight_bits == 4 ? 4 : 8;
     if (t->version >= 1) {
         w->rms_att = take_floats(c, L * dim, "rms_att");
         w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
@@ -791,13 +812,12 @@ static void read_header_v4(Transformer *t, const FileCursor *c) {
     Config *p = &t->config;
     const char *b = c->base;
     int32_t encoding = read_i32(b + 40);
-    if (encoding == WEIGHTS_Q4)
-        die(EXIT_BAD_FILE, "%s: 4-bit weights (encoding 2) are not readable by this build", c->path);
-    if (encoding != WEIGHTS_F32 && encoding != WEIGHTS_Q8_0)
+    if (encoding != WEIGHTS_F32 && encoding != WEIGHTS_Q8_0 && encoding != WEIGHTS_Q4)
         die(EXIT_BAD_FILE, "%s: bad header: unknown weight encoding %d", c->path, encoding);
-    t->group_size = encoding == WEIGHTS_Q8_0 ? read_i32(b + 44) : 0;
-    if (encoding == WEIGHTS_Q8_0 && t->group_size <= 0)
-        die(EXIT_BAD_FILE, "%s: bad header: int8 group size %d", c->path, t->group_size);
+    t->group_size = encoding != WEIGHTS_F32 ? read_i32(b + 44) : 0;
+    t->weight_bits = encoding == WEIGHTS_Q4 ? 4 : 8;
+    if (encoding != WEIGHTS_F32 && t->group_size <= 0)
+        die(EXIT_BAD_FILE, "%s: bad header: %s group size %d", c->path, encoding == WEIGHTS_Q4 ? "4-bit" : "int8", t->group_size);
     p->norm_eps = read_f32(b + 48);
     p->rope_theta = read_f32(b + 52);
     p->rope_scaling = read_i32(b + 56);
@@ -849,7 +869,7 @@ static int read_header(Transformer *t, FileCursor *c) {
         t->version = 0;
         c->offset = LEGACY_HEADER_BYTES;
     }
-    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6], 1e-5f, 10000.0f, ROPE_SCALING_NONE, 0, 0, 0, 0};
+    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6], 1e-5f, 10000.0f, ROPE_SCALING_NONE, 0, 0, 0, 0, 0};
     validate_config(&t->config, c->path);
     if (t->version == 4) read_header_v4(t, c);
     /* whole groups in every row; an int32 group sum of products of int8
@@ -858,7 +878,7 @@ static int read_header(Transformer *t, FileCursor *c) {
     if ((t->version == 2 || t->version == 3 || gs != 0) && (gs <= 0 || t->config.dim % gs != 0 || t->config.hidden_dim % gs != 0))
         die(EXIT_BAD_FILE, "%s: bad header: group size %d does not divide dim %d and hidden_dim %d",
             c->path, gs, t->config.dim, t->config.hidden_dim);
-    if (t->version == 3 && gs % 2 != 0)
+    if ((t->version == 3 || t->weight_bits == 4) && gs % 2 != 0)
         die(EXIT_BAD_FILE, "%s: bad header: group size %d is odd (4-bit values come in pairs)", c->path, gs);
     if (gs > 65536) die(EXIT_BAD_FILE, "%s: bad header: group size %d is above 65536", c->path, gs);
     return shared;
@@ -902,20 +922,759 @@ static void populate(void *data, size_t size) {
 #endif
 }
 
+/* ---- 2.1 GGUF files (llama.cpp's format) ----------------------------------
+   The files people download for llama.cpp, Ollama or LM Studio, read with
+   nothing else (versions 2 and 3, little-endian):
+     "GGUF", uint32 version, uint64 tensor count, uint64 metadata count;
+     metadata: a key (a string: uint64 byte length, the bytes) and a typed
+       value (uint32 type, then the value: an integer, a float, a bool byte,
+       a string, or an array: uint32 element type, uint64 count, elements);
+     tensor infos: a name (string), uint32 dimension count (1 to 4), that
+       many uint64 sizes ne[] (ne[0], the length of a row, first), uint32
+       ggml type, uint64 offset into the data section;
+     padding to general.alignment (default 32), then the data section, each
+       tensor at its offset, a multiple of the alignment.
+   Every count, length and offset is checked against what is left of the
+   file before it is used. The tensors are read in place (float32) or
+   converted once at load into the layouts of section 1 (section 2.2). */
+
+enum {
+    GGUF_UINT8, GGUF_INT8, GGUF_UINT16, GGUF_INT16, GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_BOOL,
+    GGUF_STRING, GGUF_ARRAY, GGUF_UINT64, GGUF_INT64, GGUF_FLOAT64, GGUF_VALUE_TYPES
+};
+#define GGUF_MAX_DIMS 4
+#define GGUF_DEFAULT_ALIGNMENT 32
+
+/* A metadata value where it lies in the mapping: scalars at `at`; arrays
+   `count` elements of type `elem` from `at`. */
+typedef struct {
+    const char *key;      /* key_len bytes, not NUL-terminated */
+    uint64_t key_len;
+    uint32_t type, elem;  /* elem: arrays only */
+    uint64_t count;       /* array elements; 1 for a scalar */
+    const char *at;
+} GGUFValue;
+
+typedef struct {
+    char *name;                 /* NUL-terminated copy */
+    uint32_t n_dims;
+    uint64_t ne[GGUF_MAX_DIMS]; /* sizes, ne[0] the values of a row; 1 past n_dims */
+    uint32_t type;              /* a ggml type (GGMLType) */
+    const char *data;           /* in the mapping */
+    uint64_t bytes;
+} GGUFTensor;
+
+typedef struct GGUF {
+    const char *path;
+    const char *base; /* the mapped file */
+    size_t size;
+    uint32_t version;
+    uint64_t n_values, n_tensors;
+    GGUFValue *values;   /* (n_values) in file order */
+    GGUFTensor *tensors; /* (n_tensors) sorted by name */
+} GGUF;
+
+/* The ggml tensor types, by their number in the file: name, values per
+   block and bytes per block (block 0: a type this program does not read,
+   named for the error). How section 1 holds each type: `bits` 32 (float32),
+   8 (int8 q) or 4 (4-bit q), with a float32 scale per `group` values and,
+   for the types with a minimum (`offsets`), a float32 offset per group:
+   value = q x scale + offset. `unpack` turns one block into that form. */
+typedef void (*GGMLUnpack)(const uint8_t *block, int8_t *q, float *scales, float *offsets);
+typedef struct {
+    const char *name;
+    int block, block_bytes;
+    int bits, group, offsets;
+    GGMLUnpack unpack; /* NULL: float types */
+} GGMLType;
+
+static float half_to_float(uint16_t h); /* section 4 */
+
+static float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* bfloat16: the top 16 bits of a float32 */
+static float bf16_at(const uint8_t *p) {
+    uint32_t x = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 24;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* Q4_0, 32 values: f16 d, then 16 bytes, byte j holding value j in its low
+   nibble n and value j + 16 in its high one; value = d (n - 8). */
+static void unpack_q4_0(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    scales[0] = f16_at(b);
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((b[2 + j] & 15) - 8);
+        q[j + 16] = (int8_t)((b[2 + j] >> 4) - 8);
+    }
+}
+
+/* Q4_1, 32 values: f16 d, f16 m, nibbles as Q4_0; value = d n + m, held as
+   d (n - 8) + (m + 8 d) so that q fits the 4-bit layout. */
+static void unpack_q4_1(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    float d = f16_at(b), m = f16_at(b + 2);
+    scales[0] = d;
+    offsets[0] = m + 8.0f * d;
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((b[4 + j] & 15) - 8);
+        q[j + 16] = (int8_t)((b[4 + j] >> 4) - 8);
+    }
+}
+
+/* The 5-bit values of Q5_0 and Q5_1: the nibbles as Q4_0 at qs, the fifth
+   bit of value j in bit j of the uint32 at qh. */
+static void five_bit_values(const uint8_t *qh, const uint8_t *qs, int8_t *q, int minus) {
+    uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)(((qs[j] & 15) | ((h >> j) & 1) << 4) - minus);
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - minus);
+    }
+}
+
+/* Q5_0, 32 values: f16 d, 4 bytes qh, 16 bytes qs; value = d (n - 16). */
+static void unpack_q5_0(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    scales[0] = f16_at(b);
+    five_bit_values(b + 2, b + 6, q, 16);
+}
+
+/* Q5_1, 32 values: f16 d, f16 m, 4 bytes qh, 16 bytes qs; value = d n + m. */
+static void unpack_q5_1(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    scales[0] = f16_at(b);
+    offsets[0] = f16_at(b + 2);
+    five_bit_values(b + 4, b + 8, q, 0);
+}
+
+/* Q8_0, 32 values: f16 d, 32 int8 q; value = d q. */
+static void unpack_q8_0(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    scales[0] = f16_at(b);
+    memcpy(q, b + 2, 32);
+}
+
+/* The K-quants' 6-bit scale and minimum of sub-block j (0..7), packed in 12
+   bytes: j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 in the
+   nibbles of byte j + 4 with their top 2 bits in the top of bytes j - 4
+   (scale) and j (minimum). */
+static void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *min = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* Q4_K, 256 values in 8 sub-blocks of 32: f16 d, f16 dmin, 12 bytes of
+   scales and minimums, 128 bytes: 4 runs of 32 bytes, run r holding
+   sub-block 2r in its low nibbles and 2r + 1 in its high ones;
+   value = (d sc) n - (dmin m), held as (d sc)(n - 8) + (8 d sc - dmin m). */
+static void unpack_q4_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *qs = b + 16;
+    for (int g = 0; g < 8; g++) {
+        int sc, m;
+        k_scale_min(b + 4, g, &sc, &m);
+        scales[g] = d * (float)sc;
+        offsets[g] = 8.0f * scales[g] - dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int byte = qs[g / 2 * 32 + l];
+            q[g * 32 + l] = (int8_t)((g % 2 ? byte >> 4 : byte & 15) - 8);
+        }
+    }
+}
+
+/* Q5_K, 256 values in 8 sub-blocks of 32: f16 d, f16 dmin, 12 bytes of
+   scales and minimums, 32 bytes qh (bit g of byte l: the fifth bit of value
+   l of sub-block g), 128 bytes of nibbles as Q4_K; value = (d sc) n - (dmin m). */
+static void unpack_q5_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int g = 0; g < 8; g++) {
+        int sc, m;
+        k_scale_min(b + 4, g, &sc, &m);
+        scales[g] = d * (float)sc;
+        offsets[g] = -(dmin * (float)m);
+        for (int l = 0; l < 32; l++) {
+            int byte = qs[g / 2 * 32 + l];
+            q[g * 32 + l] = (int8_t)((g % 2 ? byte >> 4 : byte & 15) | ((qh[l] >> g) & 1) << 4);
+        }
+    }
+}
+
+/* Q6_K, 256 values in 16 sub-blocks of 16: 128 bytes ql (low 4 bits), 64
+   bytes qh (high 2 bits), 16 int8 scales, f16 d. Each half of 128 values
+   reads 64 bytes of ql and 32 of qh: value l (0..31) of its quarters 0..3
+   takes ql[l] low, ql[l + 32] low, ql[l] high, ql[l + 32] high, and bits
+   0-1, 2-3, 4-5, 6-7 of qh[l]; value = (d sc) (n - 32). */
+static void unpack_q6_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    float d = f16_at(b + 208);
+    for (int g = 0; g < 16; g++) scales[g] = d * (float)(int8_t)b[192 + g];
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
+        int8_t *out = q + 128 * half;
+        for (int l = 0; l < 32; l++) {
+            out[l] = (int8_t)(((ql[l] & 15) | (qh[l] & 3) << 4) - 32);
+            out[l + 32] = (int8_t)(((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32);
+            out[l + 64] = (int8_t)(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
+            out[l + 96] = (int8_t)(((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+        }
+    }
+}
+
+static const GGMLType ggml_types[] = {
+    [0] = {"F32", 1, 4, 32, 0, 0, NULL},
+    [1] = {"F16", 1, 2, 32, 0, 0, NULL},
+    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0},
+    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1},
+    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0},
+    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1},
+    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0},
+    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL},
+    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL},
+    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL},
+    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k},
+    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k},
+    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k},
+    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL},
+    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL},
+    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL},
+    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL},
+    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL},
+    [20] = {"IQ4_NL", 0, 0, 0, 0, 0, NULL},
+    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL},
+    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL},
+    [23] = {"IQ4_XS", 0, 0, 0, 0, 0, NULL},
+    [24] = {"I8", 0, 0, 0, 0, 0, NULL},
+    [25] = {"I16", 0, 0, 0, 0, 0, NULL},
+    [26] = {"I32", 0, 0, 0, 0, 0, NULL},
+    [27] = {"I64", 0, 0, 0, 0, 0, NULL},
+    [28] = {"F64", 0, 0, 0, 0, 0, NULL},
+    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL},
+    [30] = {"BF16", 1, 2, 32, 0, 0, NULL},
+    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL},
+    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL},
+};
+#define GGML_TYPES ((int)(sizeof(ggml_types) / sizeof(ggml_types[0])))
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };
+
+/* The type numbered `type`, or NULL when this program does not read it. */
+static const GGMLType *ggml_type(uint32_t type) {
+    return type < (uint32_t)GGML_TYPES && ggml_types[type].block > 0 ? &ggml_types[type] : NULL;
+}
+
+/* ---- Reading the header, the metadata and the tensor infos ---- */
+
+static uint64_t take_u64(FileCursor *c, const char *what) {
+    uint64_t v;
+    memcpy(&v, take_bytes(c, 8, what), 8);
+    return v;
+}
+
+static uint32_t take_u32(FileCursor *c, const char *what) {
+    uint32_t v;
+    memcpy(&v, take_bytes(c, 4, what), 4);
+    return v;
+}
+
+/* A GGUF string: its bytes (not NUL-terminated) and length. */
+static const char *take_gguf_string(FileCursor *c, uint64_t *len, const char *what) {
+    *len = take_u64(c, what);
+    return take_bytes(c, *len, what);
+}
+
+/* Bytes of one value of a fixed-size type; 0 for strings and arrays. */
+static int gguf_scalar_bytes(uint32_t type) {
+    static const int bytes[GGUF_VALUE_TYPES] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    return type < GGUF_VALUE_TYPES ? bytes[type] : 0;
+}
+
+/* Steps over one value of `type` (an array's elements too, nested arrays up
+   to a depth of 8), dying where the file ends first or the type is unknown. */
+static void skip_gguf_value(FileCursor *c, uint32_t type, int depth, const char *key) {
+    if (type >= GGUF_VALUE_TYPES)
+        die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' has unknown value type %u", c->path, key, type);
+    uint64_t len;
+    if (type == GGUF_STRING) take_gguf_string(c, &len, key);
+    else if (type != GGUF_ARRAY) take_bytes(c, (uint64_t)gguf_scalar_bytes(type), key);
+    else {
+        if (depth >= 8) die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' nests arrays deeper than 8", c->path, key);
+        uint32_t elem = take_u32(c, key);
+        uint64_t count = take_u64(c, key);
+        if (elem >= GGUF_VALUE_TYPES)
+            die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' is an array of unknown type %u", c->path, key, elem);
+        int size = gguf_scalar_bytes(elem);
+        /* every element takes at least one byte (a string eight): a count
+           past the end of the file is refused before the loop */
+        if (count > (c->size - c->offset) / (size ? (uint64_t)size : 8))
+            die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' has %llu elements, more than the file holds", c->path, key,
+                (unsigned long long)count);
+        if (size) take_bytes(c, count * (uint64_t)size, key);
+        else
+            for (uint64_t i = 0; i < count; i++) skip_gguf_value(c, elem, depth + 1, key);
+    }
+}
+
+/* A key as a C string, for messages (cut at 200 bytes). */
+static const char *gguf_key_text(const char *key, uint64_t len, char *buf, size_t cap) {
+    size_t n = len < cap - 1 ? (size_t)len : cap - 1;
+    memcpy(buf, key, n);
+    buf[n] = '\0';
+    return buf;
+}
+
+static int compare_tensor_names(const void *a, const void *b) {
+    return strcmp(((const GGUFTensor *)a)->name, ((const GGUFTensor *)b)->name);
+}
+
+/* Reads one tensor info and checks its shape and type. */
+static GGUFTensor take_tensor_info(FileCursor *c) {
+    GGUFTensor x = {0};
+    uint64_t len;
+    const char *name = take_gguf_string(c, &len, "a tensor name");
+    if (len > 4096 || memchr(name, '\0', (size_t)len))
+        die(EXIT_BAD_FILE, "%s: bad GGUF: a tensor name of %llu bytes", c->path, (unsigned long long)len);
+    x.name = xcalloc((size_t)len + 1, 1);
+    memcpy(x.name, name, (size_t)len);
+    x.n_dims = take_u32(c, x.name);
+    if (x.n_dims < 1 || x.n_dims > GGUF_MAX_DIMS)
+        die(EXIT_BAD_FILE, "%s: bad GGUF: tensor '%s' has %u dimensions (1 to 4)", c->path, x.name, x.n_dims);
+    uint64_t count = 1;
+    for (int d = 0; d < GGUF_MAX_DIMS; d++) {
+        x.ne[d] = d < (int)x.n_dims ? take_u64(c, x.name) : 1;
+        if (x.ne[d] == 0 || x.ne[d] > ((uint64_t)1 << 40) || count > ((uint64_t)1 << 62) / x.ne[d])
+            die(EXIT_BAD_FILE, "%s: bad GGUF: tensor '%s' has a dimension of %llu", c->path, x.name, (unsigned long long)x.ne[d]);
+        count *= x.ne[d];
+    }
+    x.type = take_u32(c, x.name);
+    const GGMLType *type = ggml_type(x.type);
+    if (!type) {
+        const char *known = x.type < (uint32_t)GGML_TYPES ? ggml_types[x.type].name : NULL;
+        die(EXIT_BAD_FILE, "%s: tensor '%s' has type %s%s%u, which this program does not read "
+            "(it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K)",
+            c->path, x.name, known ? known : "", known ? " = " : "", x.type);
+    }
+    if (x.ne[0] % (uint64_t)type->block != 0)
+        die(EXIT_BAD_FILE, "%s: bad GGUF: tensor '%s' has rows of %llu values, not whole %s blocks of %d", c->path, x.name,
+            (unsigned long long)x.ne[0], type->name, type->block);
+    x.bytes = count / (uint64_t)type->block * (uint64_t)type->block_bytes;
+    x.data = (const char *)(uintptr_t)take_u64(c, x.name); /* the offset, until the data section is known */
+    return x;
+}
+
+/* Parses the header, the metadata and the tensor infos of a mapped GGUF
+   file, and places each tensor in the data section. */
+static void parse_gguf(GGUF *g, const char *base, size_t size, const char *path) {
+    memset(g, 0, sizeof(*g));
+    g->path = path;
+    g->base = base;
+    g->size = size;
+    FileCursor c = {base, size, 0, path};
+    take_bytes(&c, 4, "the magic");
+    g->version = take_u32(&c, "the version");
+    if (g->version != 2 && g->version != 3)
+        die(EXIT_BAD_FILE, "%s: GGUF version %u (this program reads versions 2 and 3)", path, g->version);
+    g->n_tensors = take_u64(&c, "the tensor count");
+    g->n_values = take_u64(&c, "the metadata count");
+    /* a metadata entry takes at least 12 bytes, a tensor info 24 */
+    if (g->n_values > size / 12 || g->n_tensors > size / 24)
+        die(EXIT_BAD_FILE, "%s: bad GGUF: %llu metadata and %llu tensors cannot fit in %zu bytes", path,
+            (unsigned long long)g->n_values, (unsigned long long)g->n_tensors, size);
+    g->values = xcalloc((size_t)g->n_values, sizeof(GGUFValue));
+    g->tensors = xcalloc((size_t)g->n_tensors, sizeof(GGUFTensor));
+    uint64_t alignment = GGUF_DEFAULT_ALIGNMENT;
+    for (uint64_t i = 0; i < g->n_values; i++) {
+        GGUFValue *v = &g->values[i];
+        char key[208];
+        v->key = take_gguf_string(&c, &v->key_len, "a metadata key");
+        gguf_key_text(v->key, v->key_len, key, sizeof(key));
+        v->type = take_u32(&c, key);
+        v->count = 1;
+        if (v->type == GGUF_ARRAY) {
+            size_t start = c.offset;
+            v->elem = take_u32(&c, key);
+            v->count = take_u64(&c, key);
+            c.offset = start;
+        }
+        v->at = base + c.offset + (v->type == GGUF_ARRAY ? 12 : 0);
+        skip_gguf_value(&c, v->type, 0, key);
+        if (strcmp(key, "general.alignment") == 0) {
+            uint32_t a;
+            if (v->type != GGUF_UINT32) die(EXIT_BAD_FILE, "%s: bad GGUF: general.alignment is not a uint32", path);
+            memcpy(&a, v->at, 4);
+            if (a == 0 || (a & (a - 1)) != 0 || a > 65536)
+                die(EXIT_BAD_FILE, "%s: bad GGUF: general.alignment %u is not a power of two up to 65536", path, a);
+            alignment = a;
+        }
+    }
+    for (uint64_t i = 0; i < g->n_tensors; i++) g->tensors[i] = take_tensor_info(&c);
+    size_t data = (c.offset + alignment - 1) / alignment * alignment;
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        GGUFTensor *x = &g->tensors[i];
+        uint64_t offset = (uint64_t)(uintptr_t)x->data;
+        if (offset % alignment != 0)
+            die(EXIT_BAD_FILE, "%s: bad GGUF: tensor '%s' at offset %llu is not aligned to %llu bytes", path, x->name,
+                (unsigned long long)offset, (unsigned long long)alignment);
+        if (data > size || offset > size - data || x->bytes > size - data - offset)
+            die(EXIT_BAD_FILE, "%s: truncated GGUF: tensor '%s' needs %llu bytes at offset %llu of the data section, the file ends first",
+                path, x->name, (unsigned long long)x->bytes, (unsigned long long)offset);
+        x->data = base + data + offset;
+    }
+    qsort(g->tensors, (size_t)g->n_tensors, sizeof(GGUFTensor), compare_tensor_names);
+    for (uint64_t i = 1; i < g->n_tensors; i++)
+        if (strcmp(g->tensors[i - 1].name, g->tensors[i].name) == 0)
+            die(EXIT_BAD_FILE, "%s: bad GGUF: tensor '%s' appears twice", path, g->tensors[i].name);
+}
+
+static void free_gguf(GGUF *g) {
+    for (uint64_t i = 0; g->tensors && i < g->n_tensors; i++) free(g->tensors[i].name);
+    free(g->tensors);
+    free(g->values);
+    memset(g, 0, sizeof(*g));
+}
+
+/* ---- Looking up metadata and tensors ---- */
+
+static const GGUFValue *gguf_value(const GGUF *g, const char *key) {
+    size_t len = strlen(key);
+    for (uint64_t i = 0; i < g->n_values; i++)
+        if (g->values[i].key_len == len && memcmp(g->values[i].key, key, len) == 0) return &g->values[i];
+    return NULL;
+}
+
+/* The integer at `at` of an integer type, or 0 with *ok = 0 for another type. */
+static int64_t gguf_integer_at(uint32_t type, const char *at, int *ok) {
+    *ok = 1;
+    switch (type) {
+    case GGUF_UINT8: return (uint8_t)at[0];
+    case GGUF_INT8: return (int8_t)at[0];
+    case GGUF_BOOL: return at[0] != 0;
+    case GGUF_UINT16: { uint16_t v; memcpy(&v, at, 2); return v; }
+    case GGUF_INT16: { int16_t v; memcpy(&v, at, 2); return v; }
+    case GGUF_UINT32: { uint32_t v; memcpy(&v, at, 4); return v; }
+    case GGUF_INT32: { int32_t v; memcpy(&v, at, 4); return v; }
+    case GGUF_UINT64: { uint64_t v; memcpy(&v, at, 8); return v > INT64_MAX ? INT64_MAX : (int64_t)v; }
+    case GGUF_INT64: { int64_t v; memcpy(&v, at, 8); return v; }
+    default: *ok = 0; return 0;
+    }
+}
+
+/* The integer metadata `key` in lo..hi, `absent` when the file lacks it
+   (absent < lo: the key is required). */
+static int gguf_int(const GGUF *g, const char *key, int absent, int lo, int hi) {
+    const GGUFValue *v = gguf_value(g, key);
+    if (!v) {
+        if (absent < lo) die(EXIT_BAD_FILE, "%s: GGUF metadata '%s' is missing", g->path, key);
+        return absent;
+    }
+    int ok;
+    int64_t x = gguf_integer_at(v->type, v->at, &ok);
+    if (!ok) die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' is not an integer", g->path, key);
+    if (x < lo || x > hi) die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' is %lld, must be in %d..%d", g->path, key, (long long)x, lo, hi);
+    return (int)x;
+}
+
+/* The float metadata `key`, or `absent`. */
+static float gguf_float(const GGUF *g, const char *key, float absent) {
+    const GGUFValue *v = gguf_value(g, key);
+    if (!v) return absent;
+    if (v->type == GGUF_FLOAT32) return read_f32(v->at);
+    if (v->type == GGUF_FLOAT64) {
+        double d;
+        memcpy(&d, v->at, 8);
+        return (float)d;
+    }
+    die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' is not a float", g->path, key);
+    return 0;
+}
+
+/* The string metadata `key` as a NUL-terminated copy (free it), or NULL. */
+static char *gguf_string(const GGUF *g, const char *key) {
+    const GGUFValue *v = gguf_value(g, key);
+    if (!v) return NULL;
+    if (v->type != GGUF_STRING) die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' is not a string", g->path, key);
+    uint64_t len;
+    memcpy(&len, v->at, 8);
+    char *s = xcalloc((size_t)len + 1, 1);
+    memcpy(s, v->at + 8, (size_t)len);
+    return s;
+}
+
+static const GGUFTensor *gguf_tensor(const GGUF *g, const char *name) {
+    GGUFTensor key = {.name = (char *)name};
+    return g->n_tensors ? bsearch(&key, g->tensors, (size_t)g->n_tensors, sizeof(GGUFTensor), compare_tensor_names) : NULL;
+}
+
+/* ---- 2.2 A model from a GGUF file -------------------------------------------
+   Architectures `llama` and `qwen2`: the hyperparameters from
+   {arch}.embedding_length and the like, the vocabulary size from the token
+   embedding, the weights from tensors named blk.N.attn_q.weight and so on
+   (ne[0] the input width: row-major (out, in) as section 1 holds them).
+   RoPE: llama.cpp's converter permutes a `llama` file's Q and K rows so that
+   adjacent pairs rotate, as run.c always has; `qwen2` files keep Hugging
+   Face's order, where element i turns with element i + head_size / 2 (the
+   halves). Llama 3.1's scaling comes as `rope_freqs.weight`, a factor per
+   frequency that divides the angle. qwen2 adds biases to q, k and v.
+
+   The values are read in place (F32) or converted once: F16 and BF16 to
+   float32 (exact), the block types to int8 or 4-bit values with a float32
+   scale per group and, for the types with a minimum, a float32 offset per
+   group (value = q x scale + offset, as the format defines it; matmul adds
+   the offsets' part as offset x the group's sum of inputs). The stored pages
+   are given back once converted. */
+
+#define GGUF_CONVERT_HINT "convert the original model with `python3 export.py model DIR out.gguf`"
+
+/* Memory the loader allocates for converted tensors, freed with the model. */
+static void *model_pages(Transformer *t, size_t bytes) {
+    t->owned = realloc(t->owned, (size_t)(t->n_owned + 1) * sizeof(*t->owned));
+    if (!t->owned) die(EXIT_BAD_FILE, "out of memory (the list of converted tensors)");
+    void *p = alloc_pages(bytes ? bytes : 1, "converted weights");
+    t->owned[t->n_owned++] = (OwnedPages){p, bytes ? bytes : 1};
+    return p;
+}
+
+/* The tensor `name`, which must have the shape (ne1 rows of ne0); NULL when
+   it is absent and not `required`. */
+static const GGUFTensor *gguf_shaped(const GGUF *g, const char *name, uint64_t ne0, uint64_t ne1, int required) {
+    const GGUFTensor *x = gguf_tensor(g, name);
+    if (!x) {
+        if (required) die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' is missing", g->path, name);
+        return NULL;
+    }
+    if (x->ne[0] != ne0 || x->ne[1] != ne1 || x->ne[2] != 1 || x->ne[3] != 1)
+        die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' has shape [%llu, %llu, %llu, %llu], the metadata make it [%llu, %llu]", g->path, name,
+            (unsigned long long)x->ne[0], (unsigned long long)x->ne[1], (unsigned long long)x->ne[2], (unsigned long long)x->ne[3],
+            (unsigned long long)ne0, (unsigned long long)ne1);
+    return x;
+}
+
+/* The value at index i of a float tensor (F32, F16 or BF16). */
+static float tensor_float(const GGUFTensor *x, size_t i) {
+    const uint8_t *p = (const uint8_t *)x->data;
+    return x->type == GGML_F32 ? read_f32((const char *)p + 4 * i) : x->type == GGML_F16 ? f16_at(p + 2 * i) : bf16_at(p + 2 * i);
+}
+
+/* Copies the vector tensor `name` (n floats) to out; 0 when it is absent
+   and not required. */
+static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int required) {
+    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)n, 1, required);
+    if (!x) return 0;
+    if (!ggml_types[x->type].bits || ggml_types[x->type].unpack)
+        die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' is %s; a vector must be F32, F16 or BF16", g->path, name, ggml_types[x->type].name);
+    for (int i = 0; i < n; i++) out[i] = tensor_float(x, (size_t)i);
+    return 1;
+}
+
+/* Unpacks the blocks of x into values (int8, or 4-bit as section 2 lays
+   them out: value 2k in the low nibble of byte k), scales and offsets. */
+static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *values, float *scales, float *offsets) {
+    const long long blocks = (long long)(x->bytes / (uint64_t)type->block_bytes);
+    const int per = type->block / type->group;
+    PARALLEL_FOR_IF(blocks >= 64)
+    for (long long b = 0; b < blocks; b++) {
+        int8_t q[256];
+        float s[16], o[16];
+        type->unpack((const uint8_t *)x->data + (size_t)b * type->block_bytes, q, s, o);
+        memcpy(scales + (size_t)b * per, s, (size_t)per * sizeof(float));
+        if (offsets) memcpy(offsets + (size_t)b * per, o, (size_t)per * sizeof(float));
+        if (type->bits == 8) memcpy(values + (size_t)b * type->block, q, (size_t)type->block);
+        else
+            for (int j = 0; j < type->block; j += 2)
+                ((uint8_t *)values)[((size_t)b * type->block + j) / 2] = (uint8_t)((q[j] + 8) | (q[j + 1] + 8) << 4);
+    }
+}
+
+/* The matrix tensor `name` of (rows, cols) in section 1's layout: F32 read
+   in place; F16 and BF16 widened; the block types unpacked. */
+static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int rows, int cols) {
+    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, (uint64_t)rows, 1);
+    const GGMLType *type = ggml_type(x->type);
+    const size_t count = (size_t)rows * (size_t)cols;
+    Matrix m = {.rows = rows, .cols = cols};
+    if (x->type == GGML_F32) {
+        if ((uintptr_t)x->data % sizeof(float) != 0)
+            die(EXIT_BAD_FILE, "%s: bad GGUF: F32 tensor '%s' is not aligned to 4 bytes", g->path, name);
+        m.w = (const float *)x->data;
+        return m;
+    }
+    if (!type->unpack) {
+        float *w = model_pages(t, count * sizeof(float));
+        PARALLEL_FOR_IF(count >= 65536)
+        for (size_t i = 0; i < count; i++) w[i] = tensor_float(x, i);
+        m.w = w;
+    } else {
+        const size_t groups = count / (size_t)type->group, value_bytes = ((type->bits == 4 ? count / 2 : count) + 63) / 64 * 64;
+        char *memory = model_pages(t, value_bytes + groups * sizeof(float) * (type->offsets ? 2 : 1));
+        float *scales = (float *)(memory + value_bytes), *offsets = type->offsets ? scales + groups : NULL;
+        unpack_tensor(x, type, (int8_t *)memory, scales, offsets);
+        m.group_size = type->group;
+        m.scales = (const char *)scales;
+        m.offsets = offsets;
+        if (type->bits == 4) m.q4 = (const uint8_t *)memory;
+        else m.q = (const int8_t *)memory;
+    }
+    release_pages(x->data, (size_t)x->bytes); /* read once, never again */
+    return m;
+}
+
+/* n_layers matrices named blk.N.<what>.weight. */
+static Matrix *gguf_layer_matrices(Transformer *t, const GGUF *g, const char *what, int rows, int cols) {
+    Matrix *m = xcalloc((size_t)t->config.n_layers, sizeof(Matrix));
+    for (int l = 0; l < t->config.n_layers; l++) {
+        char name[64];
+        snprintf(name, sizeof(name), "blk.%d.%s.weight", l, what);
+        m[l] = gguf_matrix(t, g, name, rows, cols);
+    }
+    return m;
+}
+
+/* The vectors blk.N.<what> of n floats of every layer, (n_layers, n), into
+   memory of the model; NULL when no layer has one and it is optional. */
+static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what, int n, int required) {
+    const int L = t->config.n_layers;
+    float *v = model_pages(t, (size_t)L * n * sizeof(float));
+    int found = 0;
+    for (int l = 0; l < L; l++) {
+        char name[64];
+        snprintf(name, sizeof(name), "blk.%d.%s", l, what);
+        found += gguf_vector(g, name, v + (size_t)l * n, n, required);
+    }
+    return found ? v : NULL; /* a layer without one adds zeros */
+}
+
+/* The hyperparameters of a `llama` or `qwen2` file; returns whether RoPE
+   turns halves (qwen2). */
+static int gguf_config(Config *p, const GGUF *g, const char *arch) {
+    char key[128];
+#define ARCH_KEY(name) (snprintf(key, sizeof(key), "%s.%s", arch, name), key)
+    p->dim = gguf_int(g, ARCH_KEY("embedding_length"), -1, 1, INT_MAX);
+    p->hidden_dim = gguf_int(g, ARCH_KEY("feed_forward_length"), -1, 1, INT_MAX);
+    p->n_layers = gguf_int(g, ARCH_KEY("block_count"), -1, 1, 65536);
+    p->n_heads = gguf_int(g, ARCH_KEY("attention.head_count"), -1, 1, INT_MAX);
+    p->n_kv_heads = gguf_int(g, ARCH_KEY("attention.head_count_kv"), p->n_heads, 1, INT_MAX);
+    p->seq_len = gguf_int(g, ARCH_KEY("context_length"), -1, 1, INT_MAX);
+    p->norm_eps = gguf_float(g, ARCH_KEY("attention.layer_norm_rms_epsilon"), 1e-5f);
+    p->rope_theta = gguf_float(g, ARCH_KEY("rope.freq_base"), 10000.0f);
+    p->rope_scaling = ROPE_SCALING_NONE;
+    const GGUFTensor *embedding = gguf_tensor(g, "token_embd.weight");
+    if (!embedding) die(EXIT_BAD_FILE, "%s: GGUF tensor 'token_embd.weight' is missing", g->path);
+    if (embedding->ne[1] > INT_MAX) die(EXIT_BAD_FILE, "%s: bad GGUF: %llu tokens", g->path, (unsigned long long)embedding->ne[1]);
+    p->vocab_size = (int)embedding->ne[1];
+    validate_config(p, g->path);
+    if (!(p->norm_eps >= 0.0f && p->norm_eps < 1.0f))
+        die(EXIT_BAD_FILE, "%s: bad GGUF: rms epsilon %g is not in [0, 1)", g->path, p->norm_eps);
+    if (!(p->rope_theta > 0.0f && isfinite(p->rope_theta)))
+        die(EXIT_BAD_FILE, "%s: bad GGUF: rope.freq_base %g must be positive", g->path, p->rope_theta);
+    const int head_size = p->dim / p->n_heads;
+    const char *per_head[] = {"rope.dimension_count", "attention.key_length", "attention.value_length"};
+    for (int i = 0; i < 3; i++) {
+        int n = gguf_int(g, ARCH_KEY(per_head[i]), head_size, 0, INT_MAX);
+        if (n != head_size)
+            die(EXIT_BAD_FILE, "%s: %s is %d, not the head size %d (this program runs whole heads only)", g->path, key, n, head_size);
+    }
+    const GGUFValue *tokens = gguf_value(g, "tokenizer.ggml.tokens");
+    if (tokens && (tokens->type != GGUF_ARRAY || tokens->count != (uint64_t)p->vocab_size))
+        die(EXIT_BAD_FILE, "%s: the vocabulary has %llu tokens, the token embedding %d", g->path,
+            (unsigned long long)(tokens->type == GGUF_ARRAY ? tokens->count : 0), p->vocab_size);
+    return strcmp(arch, "qwen2") == 0;
+#undef ARCH_KEY
+}
+
+/* RoPE's inverse frequencies (head_size / 2): theta^(-2i / head_size),
+   divided by rope_freqs.weight's factors and by a linear scaling factor
+   where the file has them. Computed in double, rounded once to float. */
+static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *arch) {
+    const int half = p->dim / p->n_heads / 2;
+    float *freq = xcalloc((size_t)half, sizeof(float)), *factors = xcalloc((size_t)half, sizeof(float));
+    int have_factors = gguf_vector(g, "rope_freqs.weight", factors, half, 0);
+    char key[128];
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
+    char *scaling = gguf_string(g, key);
+    double linear = 1.0;
+    if (scaling && strcmp(scaling, "linear") == 0) {
+        snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
+        linear = gguf_float(g, key, 1.0f);
+        if (!(linear > 0.0 && isfinite(linear))) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, linear);
+    } else if (scaling && strcmp(scaling, "none") != 0)
+        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, or rope_freqs factors)", g->path, scaling);
+    for (int i = 0; i < half; i++) {
+        if (have_factors && !(factors[i] > 0.0f && isfinite(factors[i])))
+            die(EXIT_BAD_FILE, "%s: bad GGUF: rope_freqs.weight[%d] is %g, must be positive", g->path, i, factors[i]);
+        double f = pow((double)p->rope_theta, -2.0 * i / (2.0 * half)) / linear;
+        freq[i] = (float)(have_factors ? f / factors[i] : f);
+    }
+    free(scaling);
+    free(factors);
+    return freq;
+}
+
+/* Reads the model of a parsed GGUF file into t. */
+static void load_gguf_model(Transformer *t, const GGUF *g) {
+    char *arch = gguf_string(g, "general.architecture");
+    if (!arch) die(EXIT_BAD_FILE, "%s: GGUF metadata 'general.architecture' is missing", g->path);
+    if (strcmp(arch, "llama") != 0 && strcmp(arch, "qwen2") != 0)
+        die(EXIT_BAD_FILE, "%s: GGUF architecture '%s' is not one this program runs (llama, qwen2)", g->path, arch);
+    if (g->n_tensors == 0)
+        die(EXIT_BAD_FILE, "%s: is a vocabulary-only GGUF file (no tensors): it serves `-m tokenize`, or -z for a model", g->path);
+    Config *p = &t->config;
+    p->rope_halves = gguf_config(p, g, arch);
+    t->version = VERSION_GGUF;
+    t->rope_freq = gguf_rope_frequencies(g, p, arch);
+    const int dim = p->dim, hidden = p->hidden_dim, kv_dim = dim / p->n_heads * p->n_kv_heads;
+    Weights *w = &t->weights;
+    w->token_embedding = gguf_matrix(t, g, "token_embd.weight", p->vocab_size, dim);
+    w->wq = gguf_layer_matrices(t, g, "attn_q", dim, dim);
+    w->wk = gguf_layer_matrices(t, g, "attn_k", kv_dim, dim);
+    w->wv = gguf_layer_matrices(t, g, "attn_v", kv_dim, dim);
+    w->wo = gguf_layer_matrices(t, g, "attn_output", dim, dim);
+    w->w1 = gguf_layer_matrices(t, g, "ffn_gate", hidden, dim);
+    w->w2 = gguf_layer_matrices(t, g, "ffn_down", dim, hidden);
+    w->w3 = gguf_layer_matrices(t, g, "ffn_up", hidden, dim);
+    w->rms_att = gguf_layer_vectors(t, g, "attn_norm.weight", dim, 1);
+    w->rms_ffn = gguf_layer_vectors(t, g, "ffn_norm.weight", dim, 1);
+    float *final = model_pages(t, (size_t)dim * sizeof(float));
+    gguf_vector(g, "output_norm.weight", final, dim, 1);
+    w->rms_final = final;
+    w->bq = gguf_layer_vectors(t, g, "attn_q.bias", dim, 0);
+    w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
+    w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
+    w->wcls = gguf_tensor(g, "output.weight") ? gguf_matrix(t, g, "output.weight", p->vocab_size, dim) : w->token_embedding;
+    free(arch);
+}
+
 /* section 3: the matrices as the kernels read them, and their memory freed */
 static void pack_weights(Transformer *t);
 static void unpack_weights(Transformer *t);
 
+static int is_gguf(const void *data, size_t size) { return size >= 4 && memcmp(data, "GGUF", 4) == 0; }
+
+/* Loads a checkpoint: run.c's own formats (section 2) or GGUF (2.1, 2.2),
+   told apart by their content. */
 static void load_checkpoint(Transformer *t, const char *path) {
     memset(t, 0, sizeof(*t));
     t->mapping = map_file(path, &t->file_size, "checkpoint");
-    FileCursor c = {t->mapping, t->file_size, 0, path};
-    int shared = read_header(t, &c);
-    map_weights(t, &c, shared);
-    /* only now: a header's head size is bounded by the file once its weights fit */
-    if (t->version == 4) t->rope_freq = rope_frequencies(&t->config);
+    if (is_gguf(t->mapping, t->file_size)) {
+        t->gguf = xcalloc(1, sizeof(GGUF));
+        parse_gguf(t->gguf, t->mapping, t->file_size, path);
+        load_gguf_model(t, t->gguf);
+    } else {
+        FileCursor c = {t->mapping, t->file_size, 0, path};
+        int shared = read_header(t, &c);
+        map_weights(t, &c, shared);
+        /* only now: a header's head size is bounded by the file once its weights fit */
+        if (t->version == 4) t->rope_freq = rope_frequencies(&t->config);
+    }
     pack_weights(t);
-    if (!t->packing) populate(t->mapping, t->file_size); /* packed: read once already */
+    if (!t->packing && !t->gguf) populate(t->mapping, t->file_size); /* packed or converted: read once already */
 }
 
 static void free_transformer(Transformer *t) {
@@ -924,6 +1683,10 @@ static void free_transformer(Transformer *t) {
     unpack_weights(t);
     free(w->wq); free(w->wk); free(w->wv); free(w->wo);
     free(w->w1); free(w->w2); free(w->w3);
+    for (int i = 0; i < t->n_owned; i++) free_pages(t->owned[i].p, t->owned[i].bytes);
+    free(t->owned);
+    if (t->gguf) free_gguf(t->gguf);
+    free(t->gguf);
     if (t->mapping) unmap(t->mapping, t->file_size);
     memset(t, 0, sizeof(*t));
 }
@@ -1015,7 +1778,8 @@ static int q4_value(const Matrix *W, size_t at) {
     return (at % 2 ? pair >> 4 : pair & 15) - 8;
 }
 
-/* out = row `row` of W in float32: quantised values times their group's scale. */
+/* out = row `row` of W in float32: quantised values times their group's
+   scale, plus its offset where W has them. */
 static void matrix_row(float *out, const Matrix *W, int row) {
     size_t at = (size_t)row * W->cols;
     if (W->group_size == 0) {
@@ -1024,9 +1788,11 @@ static void matrix_row(float *out, const Matrix *W, int row) {
     }
     if (W->q4) {
         for (int j = 0; j < W->cols; j++) out[j] = q4_value(W, at + j) * group_scale(W, (at + j) / W->group_size);
-        return;
+    } else {
+        for (int j = 0; j < W->cols; j++) out[j] = W->q[at + j] * group_scale(W, (at + j) / W->group_size);
     }
-    for (int j = 0; j < W->cols; j++) out[j] = W->q[at + j] * group_scale(W, (at + j) / W->group_size);
+    if (W->offsets)
+        for (int j = 0; j < W->cols; j++) out[j] += W->offsets[(at + j) / W->group_size];
 }
 
 /* Plain C, float32: each output summed left to right. */
@@ -1909,6 +2675,29 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
 }
 #endif
 
+/* out (n, W.rows) += the part of W @ x that W's offsets make (section 2.2:
+   value = q * scale + offset): each row's offsets times the sums of x over
+   their groups. The sums go where prepare_inputs put the kernels' inputs,
+   read no more once the kernels are done. */
+static void add_offsets(float *out, const Matrix *W, const float *x, int n) {
+    const int rows = W->rows, gs = W->group_size, groups = W->cols / gs;
+    float *sums = scratch_get((size_t)n * groups * sizeof(float));
+    for (size_t g = 0; g < (size_t)n * groups; g++) {
+        float sum = 0.0f;
+        for (int j = 0; j < gs; j++) sum += x[g * gs + j];
+        sums[g] = sum;
+    }
+    PARALLEL_FOR_IF((double)rows * groups * n >= PARALLEL_MIN_WORK)
+    for (int i = 0; i < rows; i++) {
+        const float *o = W->offsets + (size_t)i * groups;
+        for (int b = 0; b < n; b++) {
+            float acc = 0.0f;
+            for (int g = 0; g < groups; g++) acc += o[g] * sums[(size_t)b * groups + g];
+            out[(size_t)b * rows + i] += acc;
+        }
+    }
+}
+
 /* outs[m] (n, Ws[m].rows) = x (n, cols) @ Ws[m]^T for `count` matrices of
    the same columns, that read the same inputs: x is quantised or packed once
    for all of them (for up to MATMUL_SHARED_MAX at a time). */
@@ -1932,6 +2721,8 @@ static void matmul_shared(const Matrix *const *Ws, float *const *outs, int count
 #ifdef SIMD_WIDTH
     if (in.kind >= KERNEL_F32_SIMD) matmul_simd(Ws, outs, count, &in);
 #endif
+    for (int m = 0; m < count; m++)
+        if (Ws[m]->offsets) add_offsets(outs[m], Ws[m], x, n);
 }
 
 /* out (n, W.rows) = x (n, W.cols) @ W^T with the fastest kernel that fits. */
@@ -1997,6 +2788,8 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
     return n;
 }
 
+static int shares_storage(const Matrix *a, const Matrix *b) { return a->q == b->q && a->q4 == b->q4; }
+
 /* Packs every matrix that a matmul reads, all in one allocation (so that
    the system can give it 2 MB pages), and gives back the pages of each as
    stored (the classifier's too when it is the token embedding: lookups map
@@ -2013,7 +2806,10 @@ static void pack_weights(Transformer *t) {
         for (int m = 0; m < n; m++) {
             matrix_pack(all[m], at);
             at += matrix_packed_bytes(all[m]);
-            matrix_release_stored(all[m]); /* at once: the peak of memory is the packed copy and one matrix */
+            /* at once: the peak of memory is the packed copy and one matrix;
+               but a converted embedding (GGUF) has no file to map again */
+            if (!t->gguf || !shares_storage(all[m], &t->weights.token_embedding))
+                matrix_release_stored(all[m]);
         }
     }
     free(all);
@@ -2030,19 +2826,22 @@ static void unpack_weights(Transformer *t) {
    0 to 2: `freq` is NULL, computed here exactly as llama2.c does) or comes
    from rope_frequencies() (version 4). q (dim values) is rotated in all
    heads and k (kv_dim values) in the key heads (k may be NULL when kv_dim
-   is 0); each angle's cosine and sine are computed once for all the heads. */
-static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size, const float *freqs) {
+   is 0); each angle's cosine and sine are computed once for all the heads.
+   `halves` (GGUF qwen2, Hugging Face's order): pair i of a head is
+   (v[i], v[i + head_size / 2]) instead, turned by the same angle. */
+static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size, const float *freqs, int halves) {
     for (int head_dim = 0; head_dim < head_size; head_dim += 2) {
         float freq = freqs ? freqs[head_dim / 2] : 1.0f / powf(10000.0f, head_dim / (float)head_size);
         float val = pos * freq;
         float fcr = cosf(val), fci = sinf(val);
-        for (int i = head_dim; i < dim; i += head_size) {
+        const int first = halves ? head_dim / 2 : head_dim, apart = halves ? head_size / 2 : 1;
+        for (int i = first; i < dim; i += head_size) {
             int n_vectors = i < kv_dim ? 2 : 1;
             for (int v = 0; v < n_vectors; v++) {
                 float *vec = v == 0 ? q : k;
-                float v0 = vec[i], v1 = vec[i + 1];
+                float v0 = vec[i], v1 = vec[i + apart];
                 vec[i] = v0 * fcr - v1 * fci;
-                vec[i + 1] = v0 * fci + v1 * fcr;
+                vec[i + apart] = v0 * fci + v1 * fcr;
             }
         }
     }
@@ -3364,6 +4163,13 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     }
 }
 
+/* x (n, size) += layer l's bias (row l of biases, (n_layers, size)) in
+   every row; NULL biases add nothing. */
+static void add_bias(float *x, const float *biases, int l, int n, int size) {
+    for (int r = 0; biases && r < n; r++)
+        for (int i = 0; i < size; i++) x[(size_t)r * size + i] += biases[(size_t)l * size + i];
+}
+
 /* RoPE for a row at position pos of table t: the query q at pos, the key k
    at its physical slot, which is pos but after --keep drops (see kv_slot);
    then, as the ring has turned, the two queries that read its stretches
@@ -3375,15 +4181,15 @@ static void rope_row(const Transformer *t, const BlockTable *table, int pos, flo
         int w = table->slots - table->keep;
         memcpy(q_turned, q, (size_t)dim * sizeof(float));
         memcpy(q_turned + dim, q, (size_t)dim * sizeof(float));
-        rope(q_turned, NULL, pos + table->shift, dim, 0, head_size, t->rope_freq);
-        rope(q_turned + dim, NULL, pos + table->shift - w, dim, 0, head_size, t->rope_freq);
+        rope(q_turned, NULL, pos + table->shift, dim, 0, head_size, t->rope_freq, p->rope_halves);
+        rope(q_turned + dim, NULL, pos + table->shift - w, dim, 0, head_size, t->rope_freq, p->rope_halves);
     }
     if (slot == pos) {
-        rope(q, k, pos, dim, kv_dim, head_size, t->rope_freq);
+        rope(q, k, pos, dim, kv_dim, head_size, t->rope_freq, p->rope_halves);
         return;
     }
-    rope(q, NULL, pos, dim, 0, head_size, t->rope_freq);
-    rope(k, NULL, slot, kv_dim, 0, head_size, t->rope_freq);
+    rope(q, NULL, pos, dim, 0, head_size, t->rope_freq, p->rope_halves);
+    rope(k, NULL, slot, kv_dim, 0, head_size, t->rope_freq, p->rope_halves);
 }
 
 /* Runs the rows of `b` through every layer; returns the logits
@@ -3405,6 +4211,9 @@ static float *forward(Transformer *t, const Batch *b) {
         const Matrix *qkv[3] = {&w->wq[l], &w->wk[l], &w->wv[l]};
         float *const qkv_out[3] = {s->q, s->k, s->v};
         matmul_shared(qkv, qkv_out, 3, s->xb, n);
+        add_bias(s->q, w->bq, l, n, dim); /* GGUF qwen2 */
+        add_bias(s->k, w->bk, l, n, kv_dim);
+        add_bias(s->v, w->bv, l, n, kv_dim);
         /* rows write distinct cache positions, so threads can share them */
         PARALLEL_FOR_IF(n >= 8)
         for (int r = 0; r < n; r++) {

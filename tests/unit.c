@@ -1199,7 +1199,7 @@ static void test_kernels(void) {
                 int pos = positions[pi];
                 float q[64], k[64], q0[64], k0[64];
                 for (int i = 0; i < dim; i++) { q0[i] = q[i] = rand_uniform(-1, 1); k0[i] = k[i] = rand_uniform(-1, 1); }
-                rope(q, k, pos, dim, kv_dim, hs, NULL);
+                rope(q, k, pos, dim, kv_dim, hs, NULL, 0);
                 for (int i = 0; i < dim; i += 2) {
                     int j = (i % hs) / 2; /* pair index inside the head */
                     double theta = pos * pow(10000.0, -2.0 * j / hs);
