@@ -7659,10 +7659,12 @@ static int append_text_tokens(const Tokenizer *tok, const char *text, int *out, 
     return fits;
 }
 
-/* The special token `name` that the Llama 3 template needs. */
+/* The special token `name` that the chat template needs. */
 static int template_token(const Tokenizer *tok, const char *name) {
-    int id = tok->byte_level ? lookup_special(tok, name) : -1;
-    if (id < 0) die(EXIT_USAGE, "the llama3 chat template needs the token %s, which this tokenizer lacks (use --chat-template llama2)", name);
+    int id = tok->special ? lookup_special(tok, name) : -1;
+    if (id < 0)
+        die(EXIT_USAGE, "the %s chat template needs the token %s, which this tokenizer lacks (use --chat-template llama2)",
+            chat_family_names[tok->chat_template], name);
     return id;
 }
 
@@ -7713,10 +7715,59 @@ static int *render_chat_turn_llama3(const Tokenizer *tok, const char *system_pro
     return out;
 }
 
+/* Appends one message of a template that opens it with a role token and
+   closes it with an end token, then a newline: ChatML's
+   <|im_start|>role\ncontent<|im_end|>\n and Phi-3's <|role|>\ncontent<|end|>\n
+   (content NULL: only the opening, which the reply follows). */
+static int append_tagged_message(const Tokenizer *tok, const char *role, const char *content, int *out, int *n, int room) {
+    int chatml = tok->chat_template == CHAT_CHATML;
+    char name[32];
+    snprintf(name, sizeof(name), "<|%s|>", role);
+    if (*n + 1 > room) return 0;
+    out[(*n)++] = template_token(tok, chatml ? "<|im_start|>" : name);
+    const char *body = content ? content : "";
+    char *text = xcalloc(strlen(role) + strlen(body) + 2, 1);
+    sprintf(text, "%s\n%s", chatml ? role : "", body);
+    int fits = append_text_tokens(tok, text, out, n, room);
+    free(text);
+    if (!fits || !content) return fits;
+    if (*n + 1 > room) return 0;
+    out[(*n)++] = template_token(tok, chatml ? "<|im_end|>" : "<|end|>");
+    return append_text_tokens(tok, "\n", out, n, room);
+}
+
+/* The ChatML (Qwen, SmolLM) or Phi-3 template for one user turn, as tokens:
+   BOS in the first turn when the vocabulary adds one, else the newline that
+   follows the previous reply's end token; the system message (first turn,
+   when given), the user message, and the assistant's opening. Neither adds
+   a default system message of its own. */
+static int *render_chat_turn_tagged(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
+                                    int *n_tokens) {
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 32) + 16;
+    int *out = xcalloc(bound < (size_t)room ? bound : (size_t)room + 1, sizeof(int)), n = 0;
+    int fits = 1;
+    if (first && tok->add_bos) {
+        if (room < 1) fits = 0;
+        else out[n++] = tok->bos;
+    }
+    if (!first) fits = append_text_tokens(tok, "\n", out, &n, room);
+    if (fits && system_prompt && system_prompt[0] != '\0') fits = append_tagged_message(tok, "system", system_prompt, out, &n, room);
+    if (fits) fits = append_tagged_message(tok, "user", user, out, &n, room);
+    if (fits) fits = append_tagged_message(tok, "assistant", NULL, out, &n, room);
+    if (!fits) {
+        free(out);
+        return NULL;
+    }
+    *n_tokens = n;
+    return out;
+}
+
 /* The tokens of one user turn in the tokenizer's chat template (see
    --chat-template); NULL when they need more than `room` positions. */
 static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room, int *n_tokens) {
     if (tok->chat_template == CHAT_LLAMA3) return render_chat_turn_llama3(tok, system_prompt, user, first, room, n_tokens);
+    if (tok->chat_template == CHAT_CHATML || tok->chat_template == CHAT_PHI3)
+        return render_chat_turn_tagged(tok, system_prompt, user, first, room, n_tokens);
     char *rendered = render_chat_turn(system_prompt, user);
     int *tokens = encode_prompt(tok, rendered, room, n_tokens);
     free(rendered);
@@ -7854,7 +7905,7 @@ static void free_conversation(Conversation *c) {
    with BOS, else the end-of-turn token (EOS for llama2.c's tokenizers), also
    for a reply cut short (length limit, stop string, Ctrl-C). */
 static int reply_end_token(const Tokenizer *tok, const Hypothesis *h) {
-    return strcmp(h->stop, "bos") == 0 ? tok->bos : tok->end_of_turn;
+    return strcmp(h->stop, "bos") == 0 ? tok->bos : turn_end_token(tok);
 }
 
 /* An interactive conversation over a context of `steps` positions. Each
@@ -8013,7 +8064,7 @@ typedef struct {
     int ordered;               /* --ordered: batch results in input order */
     int format_given;          /* whether -f was given */
     Controls controls;         /* --min-new-tokens ... --stop */
-    int chat_template;         /* --chat-template: CHAT_LLAMA2 or CHAT_LLAMA3; -1: the tokenizer's */
+    int chat_template;         /* --chat-template: CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML or CHAT_PHI3; -1: the tokenizer's */
     const char *draft_file;    /* --draft: the draft model's checkpoint; NULL: none */
     int lookup;                /* --lookup: prompt lookup's N-gram size; 0: off */
     int draft_max;             /* --draft-max: tokens drafted per step, at most */
@@ -8055,7 +8106,7 @@ static const char *usage_text =
     "                                likeliest, in [0, 1]; 0 is off (default 0)\n"
     "  --stop <string>               end the text before this string (repeatable, up to 16)\n"
     "  --max-new-tokens <int>  new tokens at most per reply (chat) or after the prompt (default: no limit)\n"
-    "  --chat-template <string>  llama2 or llama3 (default: the tokenizer file's)\n"
+    "  --chat-template <string>  llama2, llama3, chatml or phi3 (default: the tokenizer file's)\n"
     "  --draft <file>    speculative decoding with this draft model (same vocabulary): the same output\n"
     "                    as without it, faster when the draft guesses right (generate, chat, --batch);\n"
     "                    with -t > 0 each token is still drawn as without it (same seed, same text)\n"
@@ -8222,9 +8273,10 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
     if (strcmp(flag, "--chat-template") == 0) {
         const char *v = option_value(argc, argv, i);
-        if (strcmp(v, "llama2") == 0) o->chat_template = CHAT_LLAMA2;
-        else if (strcmp(v, "llama3") == 0) o->chat_template = CHAT_LLAMA3;
-        else usage_error("--chat-template must be llama2 or llama3, got '%s'", v);
+        o->chat_template = -1;
+        for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
+            if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
+        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml or phi3, got '%s'", v);
         return 2;
     }
     usage_error("unknown option '%s'", flag);
@@ -9242,7 +9294,7 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
             free(turn);
         } else if (strcmp(roles[i], "assistant") == 0 && i > 0 && strcmp(roles[i - 1], "user") == 0) {
             if (!append_text_tokens(tok, contents[i], out, &count, room) || count + 1 > room) break;
-            out[count++] = tok->end_of_turn;
+            out[count++] = turn_end_token(tok);
         } else {
             *why = "messages must be an optional system message, then user and assistant messages in turn";
             free(out);
