@@ -4274,8 +4274,14 @@ static float *forward_rows(Transformer *t, BlockTable *table, const int *tokens,
 /* The fixed ids of tokenizer.bin files; "tk42" files name their own. */
 enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
 
-enum { CHAT_LLAMA2, CHAT_LLAMA3 }; /* chat template families */
+/* chat template families: [INST] (Llama 2), header tokens (Llama 3),
+   <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3) */
+enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3 };
 #define MAX_END_TOKENS 8
+
+/* byte-level pre-tokenizers (how text is split before BPE), by the names
+   GGUF files give them in tokenizer.ggml.pre; "tk42" files are PRE_LLAMA3 */
+enum { PRE_LLAMA3 = 1, PRE_QWEN2, PRE_GPT2, PRE_SMOLLM, PRE_DEEPSEEK_LLM, PRE_DEEPSEEK_CODER };
 
 typedef struct {
     const char *str;
@@ -4302,18 +4308,26 @@ typedef struct {
     int n_end;
     int end[MAX_END_TOKENS];  /* tokens that end a reply */
     int end_of_turn;          /* the token that closes a turn in the chat template */
-    int chat_template;        /* CHAT_LLAMA2 or CHAT_LLAMA3 */
+    int chat_template;        /* CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML or CHAT_PHI3 */
     int eos_ends_generate;    /* generate mode stops at an end token (llama2.c does not) */
+    int add_bos, add_eos;     /* encode(..., bos = 1, ...) adds BOS (and EOS) only if the vocabulary says so */
+    int fixed_ids;            /* a tokenizer.bin: BOS 1 and EOS 2, whose pieces are "\n<s>\n" and "\n</s>\n" */
+    int byte_token[256];      /* the token of each single byte (-1: none): <0xNN> in SentencePiece */
+    int n_user;               /* user-defined tokens (GGUF), matched in text before anything else, */
+    int *user_tokens;         /* (n_user) longest first, as llama.cpp and Hugging Face match added tokens */
     /* byte-level BPE only (5.2) */
     int byte_level;
     int *piece_len;           /* (vocab_size) bytes of each piece: pieces may hold NUL */
-    unsigned char *special;   /* (vocab_size) 1: never produced from plain text */
-    int byte_token[256];      /* the token of each single byte */
+    unsigned char *special;   /* (vocab_size) 1: never produced from plain text (user-defined tokens only by matching) */
+    int pre;                  /* PRE_LLAMA3, ... */
+    int ignore_merges;        /* a split piece that is itself a token is taken whole */
     MergeRule *merges;        /* (merge_mask + 1) hash table on (left, right) */
     int merge_mask;
     int n_letter, n_number;
     int *letter_ranges;       /* (n_letter, 2) first and last code point of \p{L} runs, ascending */
     int *number_ranges;       /* (n_number, 2) the same for \p{N} */
+    int n_punct;
+    int *punct_ranges;        /* (n_punct, 2) \p{P}: GGUF vocabularies only */
     int n_sorted;             /* ordinary (not special) pieces in sorted_vocab */
 } Tokenizer;
 
@@ -4362,6 +4376,9 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
     t->eos = t->end[0] = t->end_of_turn = TOKEN_EOS;
     t->n_end = 1;
     t->chat_template = CHAT_LLAMA2;
+    t->add_bos = 1;
+    t->fixed_ids = 1;
+    for (int b = 0; b < 256; b++) t->byte_token[b] = b + BYTE_TOKEN_OFFSET < vocab_size ? b + BYTE_TOKEN_OFFSET : -1;
     if (size < 4) die(EXIT_BAD_FILE, "%s: truncated tokenizer: no max_token_length", path);
     int32_t max_len = read_i32((const char *)data);
     if (max_len <= 0 || max_len > (1 << 20))
@@ -4407,6 +4424,8 @@ static void free_tokenizer(Tokenizer *t) {
     free(t->merges);
     free(t->letter_ranges);
     free(t->number_ranges);
+    free(t->punct_ranges);
+    free(t->user_tokens);
     memset(t, 0, sizeof(*t));
 }
 
@@ -4466,22 +4485,19 @@ static void consider_merge(const Tokenizer *t, const int *ids, int left, int rig
         heap_push(heap, n_heap, (Merge){t->vocab_scores[id], left, right, ids[left], ids[right], id});
 }
 
-/* Encodes `text` into `tokens` (room for encode_capacity() ids) and returns the
-   count: optional BOS, a dummy-prefix space for non-empty text, each UTF-8
-   code point as its piece or else as byte tokens <0xNN> (id byte + 3), then
-   merges of the best-scoring adjacent pair, leftmost first, until none is in
-   the vocabulary. A heap of candidate merges gives llama2.c's result in
-   O(n log n) instead of its O(n^2) rescans. Returns -1 (and names the byte in
-   *bad_byte) when a byte has no token. A byte-level tokenizer's text goes to
-   encode_byte_level() (5.2). */
-static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *tokens, int *bad_byte) {
-    if (t->byte_level) return encode_byte_level(t, text, bos, eos, tokens);
+/* SentencePiece's encoding of one text (no special tokens in it), appended
+   at `tokens`; returns the count, or -1 (naming the byte in *bad_byte) when a
+   byte has no token. A dummy-prefix space first (when asked and the text is
+   not empty), each UTF-8 code point as its piece or else as byte tokens
+   <0xNN>, then merges of the best-scoring adjacent pair, leftmost first, until
+   none is in the vocabulary. A heap of candidate merges gives llama2.c's
+   result in O(n log n) instead of its O(n^2) rescans. */
+static int encode_sentencepiece(const Tokenizer *t, const char *text, int dummy_prefix, int *tokens, int *bad_byte) {
     char *buffer = xcalloc((size_t)t->max_token_length * 2 + 3, 1);
     int n = 0;
-    if (bos) tokens[n++] = t->bos;
-    if (text[0] != '\0') {
-        int dummy_prefix = lookup_piece(t, " ");
-        if (dummy_prefix != -1) tokens[n++] = dummy_prefix;
+    if (dummy_prefix && text[0] != '\0') {
+        int space = lookup_piece(t, " ");
+        if (space != -1) tokens[n++] = space;
     }
     /* code points: a lead byte and up to three continuation bytes (10xxxxxx) */
     size_t len = 0;
@@ -4495,8 +4511,8 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
             tokens[n++] = id;
         } else {
             for (size_t i = 0; i < len; i++) {
-                int byte_id = (unsigned char)buffer[i] + BYTE_TOKEN_OFFSET;
-                if (byte_id >= t->vocab_size) {
+                int byte_id = t->byte_token[(unsigned char)buffer[i]];
+                if (byte_id < 0) {
                     *bad_byte = (unsigned char)buffer[i];
                     free(buffer);
                     return -1;
@@ -4529,12 +4545,61 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
     int out = 0;
     for (int i = 0; i < n; i++)
         if (tokens[i] >= 0) tokens[out++] = tokens[i];
-    if (eos) tokens[out++] = t->eos;
     free(prev);
     free(next);
     free(heap);
     free(buffer);
     return out;
+}
+
+/* A stretch of the text: plain text from `start`, `len` bytes long, or
+   (token >= 0) a user-defined token found there. */
+typedef struct {
+    int start, len, token;
+} Fragment;
+
+static Fragment *split_user_tokens(const Tokenizer *t, const char *text, size_t len, int *n_fragments);
+
+/* Encodes `text` into `tokens` (room for encode_capacity() ids) and returns the
+   count: BOS when asked and the vocabulary adds one, the text's tokens, EOS
+   when asked (or with BOS, when the vocabulary adds it). Returns -1 (and names
+   the byte in *bad_byte) when a byte has no token. A byte-level tokenizer's
+   text goes to encode_byte_level() (5.2). In a SentencePiece vocabulary from a
+   GGUF file, user-defined tokens are cut out of the text first; each stretch
+   of text between them is encoded alone, with the dummy prefix when it
+   starts the text or follows such a token, as llama.cpp does. */
+static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *tokens, int *bad_byte) {
+    if (t->byte_level) return encode_byte_level(t, text, bos, eos, tokens);
+    int n = 0;
+    if (bos && t->add_bos) tokens[n++] = t->bos;
+    if (t->n_user == 0) {
+        int count = encode_sentencepiece(t, text, 1, tokens + n, bad_byte);
+        if (count < 0) return -1;
+        n += count;
+    } else {
+        int n_fragments;
+        Fragment *f = split_user_tokens(t, text, strlen(text), &n_fragments);
+        char *piece = xcalloc(strlen(text) + 1, 1);
+        for (int i = 0; i < n_fragments; i++) {
+            if (f[i].token >= 0) {
+                tokens[n++] = f[i].token;
+                continue;
+            }
+            memcpy(piece, text + f[i].start, (size_t)f[i].len);
+            piece[f[i].len] = '\0';
+            int count = encode_sentencepiece(t, piece, i == 0 || f[i - 1].token >= 0, tokens + n, bad_byte);
+            if (count < 0) {
+                free(piece);
+                free(f);
+                return -1;
+            }
+            n += count;
+        }
+        free(piece);
+        free(f);
+    }
+    if (eos || (bos && t->add_eos)) tokens[n++] = t->eos;
+    return n;
 }
 
 /* The text of `token` following `prev_token`: the space that SentencePiece
@@ -4565,9 +4630,10 @@ static int piece_is_printable(const Tokenizer *t, const char *piece) {
 
 /* Room encode() needs for a text of `len` bytes: llama2.c's bound of one id
    per byte plus BOS, EOS and the dummy prefix; byte-level BPE replaces each
-   invalid byte by U+FFFD (three bytes, so up to three ids). */
+   invalid byte by U+FFFD (three bytes, so up to three ids); user-defined
+   tokens cut SentencePiece text into stretches that each get a dummy prefix. */
 static size_t encode_capacity(const Tokenizer *t, size_t len) {
-    return (t->byte_level ? 3 * len : len) + 3;
+    return (t->byte_level ? 3 * len : t->n_user ? 2 * len : len) + 3;
 }
 
 /* ---- 5.2 byte-level BPE (Llama 3) ---------------------------------------
@@ -4660,6 +4726,9 @@ static void load_byte_level_tokenizer(Tokenizer *t, const unsigned char *data, s
     if (h[6] != CHAT_LLAMA2 && h[6] != CHAT_LLAMA3) die(EXIT_BAD_FILE, "%s: bad tokenizer: unknown chat template %d", path, h[6]);
     if (h[7] != 1) die(EXIT_BAD_FILE, "%s: bad tokenizer: unknown pre-tokenizer %d", path, h[7]);
     t->byte_level = 1;
+    t->pre = PRE_LLAMA3;
+    t->ignore_merges = 1;
+    t->add_bos = 1;
     t->max_token_length = h[3];
     t->bos = h[4];
     t->end_of_turn = h[5];
@@ -4842,59 +4911,256 @@ static void free_code_points(CodePoints *c) {
     free(c->cp); free(c->bytes); free(c->offset); free(c->cls);
 }
 
-/* The end of the run of code points of class `cls` starting at i. */
-static int run_end(const CodePoints *c, int i, int cls) {
-    while (i < c->n && c->cls[i] == cls) i++;
+/* The end of the run of code points of class `cls` starting at i, before b. */
+static int run_end(const CodePoints *c, int i, int b, int cls) {
+    while (i < b && c->cls[i] == cls) i++;
     return i;
 }
 
 static int is_newline(int cp) { return cp == '\r' || cp == '\n'; }
 
-/* The end of the piece that Llama 3's pre-tokenizer splits off at code point
-   i (< c->n): the first of its alternatives that matches at i, in order,
+/* ---- Pre-tokenizers --------------------------------------------------------
+   A pre-tokenizer cuts the text into pieces that BPE then encodes one by one.
+   Each is a list of stages, as llama.cpp runs its list of regular
+   expressions: a stage cuts every piece of the stage before into its matches
+   and the stretches between them. A stage is a function that finds the next
+   match in a piece [from, b): it returns the match's end and sets *start, or
+   returns -1 when there is none. The regular expressions (from llama.cpp's
+   llama-vocab.cpp, as Hugging Face's tokenizer.json files give them) are
+   written out by hand: \s is Unicode's White_Space, \p{L}, \p{N} and \p{P}
+   Unicode's general categories, white space taking precedence. */
+typedef int (*SplitStage)(const Tokenizer *t, const CodePoints *c, int from, int b, int *start);
+
+/* The Llama 3 (and Qwen2) expression at code point i (< b): the first of its
+   alternatives that matches at i, in order,
      (?i:'s|'t|'re|'ve|'m|'ll|'d)     a contraction
      [^\r\n\p{L}\p{N}]?\p{L}+         letters, after at most one other non-newline
-     \p{N}{1,3}                       up to three digits
+     \p{N}{1,max_digits}              up to three digits (Qwen2: one)
       ?[^\s\p{L}\p{N}]+[\r\n]*        punctuation, after at most a space, with its newlines
      \s*[\r\n]+                       white space up to its last newline
      \s+(?!\S)                        white space but the last before a non-space
      \s+                              white space
    Every code point starts some alternative, so the pieces cover the text. */
-static int split_piece_end(const CodePoints *c, int i) {
+static int llama3_piece_end(const CodePoints *c, int i, int b, int max_digits) {
     const int *cp = c->cp;
     const unsigned char *cls = c->cls;
-    if (cp[i] == '\'' && i + 1 < c->n) {
-        int a = cp[i + 1] | 0x20, b = i + 2 < c->n ? cp[i + 2] | 0x20 : 0;
+    if (cp[i] == '\'' && i + 1 < b) {
+        int a = cp[i + 1] | 0x20, a2 = i + 2 < b ? cp[i + 2] | 0x20 : 0;
         /* (?i) also folds U+017F (long s) to s */
         if (a == 's' || a == 't' || a == 'm' || a == 'd' || cp[i + 1] == 0x17F) return i + 2;
-        if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 3;
+        if ((a == 'r' && a2 == 'e') || (a == 'v' && a2 == 'e') || (a == 'l' && a2 == 'l')) return i + 3;
     }
-    if (cls[i] == CP_LETTER) return run_end(c, i, CP_LETTER);
-    if (cls[i] != CP_NUMBER && !is_newline(cp[i]) && i + 1 < c->n && cls[i + 1] == CP_LETTER) return run_end(c, i + 1, CP_LETTER);
+    if (cls[i] == CP_LETTER) return run_end(c, i, b, CP_LETTER);
+    if (cls[i] != CP_NUMBER && !is_newline(cp[i]) && i + 1 < b && cls[i + 1] == CP_LETTER) return run_end(c, i + 1, b, CP_LETTER);
     if (cls[i] == CP_NUMBER) {
         int j = i;
-        while (j < c->n && j < i + 3 && cls[j] == CP_NUMBER) j++;
+        while (j < b && j < i + max_digits && cls[j] == CP_NUMBER) j++;
         return j;
     }
-    int from = cp[i] == ' ' && i + 1 < c->n && cls[i + 1] == CP_OTHER ? i + 1 : i;
+    int from = cp[i] == ' ' && i + 1 < b && cls[i + 1] == CP_OTHER ? i + 1 : i;
     if (cls[from] == CP_OTHER) {
-        int j = run_end(c, from, CP_OTHER);
-        while (j < c->n && is_newline(cp[j])) j++;
+        int j = run_end(c, from, b, CP_OTHER);
+        while (j < b && is_newline(cp[j])) j++;
         return j;
     }
     /* white space from i to j */
-    int j = run_end(c, i, CP_SPACE), last_newline = -1;
+    int j = run_end(c, i, b, CP_SPACE), last_newline = -1;
     for (int k = i; k < j; k++)
         if (is_newline(cp[k])) last_newline = k;
     if (last_newline >= 0) return last_newline + 1;
-    if (j < c->n && j - 1 > i) return j - 1;
+    if (j < b && j - 1 > i) return j - 1;
     return j;
+}
+
+static int stage_llama3(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    (void)t;
+    *start = from;
+    return llama3_piece_end(c, from, b, 3);
+}
+
+static int stage_qwen2(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    (void)t;
+    *start = from;
+    return llama3_piece_end(c, from, b, 1);
+}
+
+/* GPT-2's expression at code point `from`, as llama.cpp matches it:
+     's|'t|'re|'ve|'m|'ll|'d          a contraction (lower case only)
+      ?\p{L}+ |  ?\p{N}+              letters or numbers, after at most a space
+      ?[^\s\p{L}\p{N}]+               anything else, after at most a space
+     \s+(?!\S)                        white space but the last before a non-space
+   and a code point that none matches (a lone space before a non-space) is a
+   piece of its own. */
+static int stage_gpt2(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    (void)t;
+    const int *cp = c->cp;
+    int i = from;
+    *start = from;
+    if (cp[i] == '\'' && i + 1 < b) {
+        int n = cp[i + 1], n2 = i + 2 < b ? cp[i + 2] : 0;
+        if (n == 's' || n == 't' || n == 'm' || n == 'd') return i + 2;
+        if ((n == 'r' && n2 == 'e') || (n == 'v' && n2 == 'e') || (n == 'l' && n2 == 'l')) return i + 3;
+    }
+    int k = cp[i] == ' ' && i + 1 < b ? i + 1 : i; /* after the optional space */
+    if (!(cp[i] == ' ' && k == i)) {
+        int cls = c->cls[k];
+        if (cls != CP_SPACE) return run_end(c, k, b, cls);
+    }
+    int j = run_end(c, i, b, CP_SPACE);
+    if (j - i > 1 && j < b) return j - 1;
+    return j > i ? j : i + 1;
+}
+
+static int is_newline_at(const Tokenizer *t, const CodePoints *c, int i) { (void)t; return is_newline(c->cp[i]); }
+static int is_number_at(const Tokenizer *t, const CodePoints *c, int i) { (void)t; return c->cls[i] == CP_NUMBER; }
+static int is_letter_at(const Tokenizer *t, const CodePoints *c, int i) { (void)t; return c->cls[i] == CP_LETTER; }
+static int is_punct_at(const Tokenizer *t, const CodePoints *c, int i) {
+    return c->cls[i] != CP_SPACE && in_ranges(t->punct_ranges, t->n_punct, c->cp[i]);
+}
+
+/* DeepSeek LLM's own letters: its expression's list of Latin, Greek,
+   Cyrillic, Armenian, Georgian, Cherokee, Glagolitic, Coptic... ranges
+   (llama.cpp's llama-vocab.cpp, from DeepSeek's tokenizer.json). */
+static const int deepseek_letters[][2] = {
+    {0x41, 0x5A}, {0x61, 0x7A}, {0xB5, 0xB5}, {0xC0, 0xD6}, {0xD8, 0xF6}, {0xF8, 0x1BA}, {0x1BC, 0x1BF}, {0x1C4, 0x293},
+    {0x295, 0x2AF}, {0x370, 0x373}, {0x376, 0x377}, {0x37B, 0x37D}, {0x37F, 0x37F}, {0x386, 0x386}, {0x388, 0x38A}, {0x38C, 0x38C},
+    {0x38E, 0x3A1}, {0x3A3, 0x3F5}, {0x3F7, 0x481}, {0x48A, 0x52F}, {0x531, 0x556}, {0x10A0, 0x10C5}, {0x13A0, 0x13F5}, {0x13F8, 0x13FD},
+    {0x1C90, 0x1CBA}, {0x1CBD, 0x1CBF}, {0x1D00, 0x1D2B}, {0x1D6B, 0x1D77}, {0x1D79, 0x1D9A}, {0x1E00, 0x1F15}, {0x1F18, 0x1F1D}, {0x1F20, 0x1F45},
+    {0x1F48, 0x1F4D}, {0x1F50, 0x1F57}, {0x1F59, 0x1F59}, {0x1F5B, 0x1F5B}, {0x1F5D, 0x1F5D}, {0x1F5F, 0x1F7D}, {0x1F80, 0x1FB4}, {0x1FB6, 0x1FBC},
+    {0x1FBE, 0x1FBE}, {0x1FC2, 0x1FC4}, {0x1FC6, 0x1FCC}, {0x1FD0, 0x1FD3}, {0x1FD6, 0x1FDB}, {0x1FE0, 0x1FEC}, {0x1FF2, 0x1FF4}, {0x1FF6, 0x1FFC},
+    {0x2102, 0x2102}, {0x2107, 0x2107}, {0x210A, 0x2113}, {0x2115, 0x2115}, {0x2119, 0x211D}, {0x2124, 0x2124}, {0x2126, 0x2126}, {0x2128, 0x2128},
+    {0x212A, 0x212D}, {0x212F, 0x2134}, {0x2139, 0x2139}, {0x213C, 0x213F}, {0x2145, 0x2149}, {0x214E, 0x214E}, {0x2183, 0x2184}, {0x2C00, 0x2C7B},
+    {0x2C7E, 0x2CE4}, {0x2CEB, 0x2CEE}, {0x2CF2, 0x2CF3}, {0xA640, 0xA66D}, {0xA680, 0xA69B}, {0xA722, 0xA76F}, {0xA771, 0xA787}, {0xA78B, 0xA78E},
+    {0xAB70, 0xABBF}, {0xFB00, 0xFB06}, {0xFB13, 0xFB17}, {0xFF21, 0xFF3A}, {0xFF41, 0xFF5A}, {0x10400, 0x1044F}, {0x104B0, 0x104D3}, {0x104D8, 0x104FB},
+    {0x10C80, 0x10CB2}, {0x10CC0, 0x10CF2}, {0x118A0, 0x118DF}, {0x1E900, 0x1E943},
+};
+
+/* DeepSeek LLM's punctuation: [!-/:-~！-／：-～‘-‟　-。], ASCII and full-width
+   punctuation, the curly quotes, and U+3000..U+3002 of which the first, an
+   ideographic space, is white space and so never matches (llama.cpp matches
+   white space as \s only). */
+static const int deepseek_punct[][2] = {{0x21, 0x2F}, {0x3A, 0x7E}, {0x2018, 0x201F}, {0x3001, 0x3002}, {0xFF01, 0xFF0F}, {0xFF1A, 0xFF5E}};
+
+static int is_deepseek_letter_at(const Tokenizer *t, const CodePoints *c, int i) {
+    (void)t;
+    return c->cls[i] != CP_SPACE && in_ranges(&deepseek_letters[0][0], (int)(sizeof(deepseek_letters) / sizeof(deepseek_letters[0])), c->cp[i]);
+}
+static int is_deepseek_punct_at(const Tokenizer *t, const CodePoints *c, int i) {
+    (void)t;
+    return c->cls[i] != CP_SPACE && in_ranges(&deepseek_punct[0][0], (int)(sizeof(deepseek_punct) / sizeof(deepseek_punct[0])), c->cp[i]);
+}
+
+/* [一-龥ࠀ-一가-퟿]: U+0800..U+9FA5 and the Hangul U+AC00..U+D7FF, white space
+   (U+2000.., U+3000) excepted. */
+static int is_deepseek_cjk_at(const Tokenizer *t, const CodePoints *c, int i) {
+    (void)t;
+    int cp = c->cp[i];
+    return c->cls[i] != CP_SPACE && ((cp >= 0x800 && cp <= 0x9FA5) || (cp >= 0xAC00 && cp <= 0xD7FF));
+}
+
+/* The next run of `test` code points (at most `max` of them: 0 for no limit),
+   with an optional white space before it when `space` is set: \s?X+, X+ or X. */
+static int next_run(const Tokenizer *t, const CodePoints *c, int from, int b, int *start, int space, int max,
+                    int (*test)(const Tokenizer *, const CodePoints *, int)) {
+    for (int i = from; i < b; i++) {
+        int first = i;
+        if (space && c->cls[i] == CP_SPACE && i + 1 < b && test(t, c, i + 1)) first = i + 1;
+        else if (!test(t, c, i)) continue;
+        int j = first;
+        while (j < b && test(t, c, j) && (max == 0 || j - first < max)) j++;
+        *start = i;
+        return j;
+    }
+    return -1;
+}
+
+static int stage_newline(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 0, 1, is_newline_at);
+}
+static int stage_digit(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 0, 1, is_number_at);
+}
+static int stage_digits(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 0, 0, is_number_at);
+}
+static int stage_space_letters(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 1, 0, is_letter_at);
+}
+static int stage_space_punct(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 1, 0, is_punct_at);
+}
+static int stage_deepseek_letters(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 1, 0, is_deepseek_letter_at);
+}
+static int stage_deepseek_punct(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 1, 0, is_deepseek_punct_at);
+}
+static int stage_cjk(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    return next_run(t, c, from, b, start, 0, 0, is_deepseek_cjk_at);
+}
+
+/* \s+$: the white space that ends the piece. */
+static int stage_trailing_space(const Tokenizer *t, const CodePoints *c, int from, int b, int *start) {
+    (void)t;
+    int i = b;
+    while (i > from && c->cls[i - 1] == CP_SPACE) i--;
+    if (i == b) return -1;
+    *start = i;
+    return b;
+}
+
+/* The stages of each pre-tokenizer (llama.cpp's list for its name). */
+static int pre_tokenizer_stages(int pre, SplitStage *stages) {
+    int n = 0;
+    switch (pre) {
+    case PRE_LLAMA3: stages[n++] = stage_llama3; break;
+    case PRE_QWEN2: stages[n++] = stage_qwen2; break;
+    case PRE_GPT2: stages[n++] = stage_gpt2; break;
+    case PRE_SMOLLM: stages[n++] = stage_digit; stages[n++] = stage_gpt2; break;
+    case PRE_DEEPSEEK_LLM:
+        stages[n++] = stage_newline; stages[n++] = stage_deepseek_letters; stages[n++] = stage_deepseek_punct;
+        stages[n++] = stage_trailing_space; stages[n++] = stage_cjk; stages[n++] = stage_digits;
+        break;
+    case PRE_DEEPSEEK_CODER:
+        stages[n++] = stage_newline; stages[n++] = stage_space_letters; stages[n++] = stage_space_punct;
+        stages[n++] = stage_cjk; stages[n++] = stage_digit;
+        break;
+    }
+    return n;
+}
+
+/* Cuts the code points [a, b) into pieces: returns their count and their
+   ends in *ends (the caller frees it). Pieces are never empty, so there are
+   at most b - a. */
+static int split_pieces(const Tokenizer *t, const CodePoints *c, int a, int b, int **ends) {
+    SplitStage stages[8];
+    int n_stages = pre_tokenizer_stages(t->pre, stages);
+    int n = 0, *cur = xcalloc((size_t)(b - a) + 1, sizeof(int));
+    if (b > a) cur[n++] = b;
+    for (int s = 0; s < n_stages; s++) {
+        int m = 0, *next = xcalloc((size_t)(b - a) + 1, sizeof(int));
+        for (int p = 0, lo = a; p < n; lo = cur[p++]) {
+            int hi = cur[p];
+            for (int i = lo; i < hi;) {
+                int start, end = stages[s](t, c, i, hi, &start);
+                if (end < 0) start = end = hi;
+                if (start > i) next[m++] = start; /* the stretch before the match */
+                if (end > start) next[m++] = end;
+                i = end;
+            }
+        }
+        free(cur);
+        cur = next;
+        n = m;
+    }
+    *ends = cur;
+    return n;
 }
 
 /* BPE on the bytes of one split piece: appends its tokens to `out` and
    returns how many. */
 static int bpe_piece(const Tokenizer *t, const char *bytes, int len, int *out) {
-    int whole = lookup_bytes(t, bytes, len);
+    int whole = t->ignore_merges ? lookup_bytes(t, bytes, len) : -1;
     if (whole >= 0) {
         out[0] = whole;
         return 1;
@@ -4938,21 +5204,596 @@ static int bpe_piece(const Tokenizer *t, const char *bytes, int len, int *out) {
     return n;
 }
 
-/* Encodes `text` with a byte-level tokenizer: optional BOS, the split
-   pieces' BPE tokens, optional EOS. Every byte has a token, so it cannot
-   fail. */
+/* The index of the code point that starts at byte `offset` of c's text. */
+static int code_point_at(const CodePoints *c, int offset) {
+    int lo = 0, hi = c->n;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (c->offset[mid] < offset) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Encodes `text` with a byte-level tokenizer: BOS when asked and the
+   vocabulary adds one, then user-defined tokens cut out of the text and the
+   BPE tokens of each piece the pre-tokenizer splits the rest into, EOS when
+   asked (or with BOS, when the vocabulary adds it). Every byte of well-formed
+   UTF-8 has a token, so it cannot fail. */
 static int encode_byte_level(const Tokenizer *t, const char *text, int bos, int eos, int *tokens) {
     CodePoints c = decode_code_points(t, text);
     int n = 0;
-    if (bos) tokens[n++] = t->bos;
-    for (int i = 0; i < c.n;) {
-        int j = split_piece_end(&c, i);
-        n += bpe_piece(t, c.bytes + c.offset[i], c.offset[j] - c.offset[i], tokens + n);
-        i = j;
+    if (bos && t->add_bos) tokens[n++] = t->bos;
+    int n_fragments = 1;
+    Fragment whole = {0, c.offset[c.n], -1}, *f = &whole;
+    if (t->n_user > 0) f = split_user_tokens(t, c.bytes, (size_t)c.offset[c.n], &n_fragments);
+    for (int k = 0; k < n_fragments; k++) {
+        if (f[k].token >= 0) {
+            tokens[n++] = f[k].token;
+            continue;
+        }
+        int a = code_point_at(&c, f[k].start), b = code_point_at(&c, f[k].start + f[k].len), *ends;
+        int n_pieces = split_pieces(t, &c, a, b, &ends);
+        for (int p = 0, i = a; p < n_pieces; i = ends[p++])
+            n += bpe_piece(t, c.bytes + c.offset[i], c.offset[ends[p]] - c.offset[i], tokens + n);
+        free(ends);
     }
-    if (eos) tokens[n++] = t->eos;
+    if (f != &whole) free(f);
+    if (eos || (bos && t->add_eos)) tokens[n++] = t->eos;
     free_code_points(&c);
     return n;
+}
+
+/* ---- 5.3 vocabularies from GGUF files ----------------------------------------
+   A GGUF file holds its vocabulary as metadata (tokenizer.ggml.*), which the
+   loader (section 2) copies into a GGUFVocab. Two kinds:
+   - "llama": SentencePiece, as tokenizer.bin (5.1): pieces with U+2581 for
+     the space, scores, and byte tokens <0xNN> of type 6. The ids come from the
+     file, so BOS, EOS and the byte tokens are wherever it puts them.
+   - "gpt2": byte-level BPE, as "tk42" (5.2): tokens written in GPT-2's
+     byte-to-unicode alphabet (each byte one printable code point), merges as
+     "left right" in that alphabet, best first, and tokenizer.ggml.pre naming
+     the split before BPE.
+   Token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6
+   byte. Control, unknown and unused tokens are never produced from text (the
+   chat template inserts them by id). User-defined tokens are written as text
+   (not in GPT-2's alphabet) and are found in the text before anything else,
+   longest first, as Hugging Face matches its non-special added tokens and
+   llama.cpp its user-defined ones; DeepSeek's vocabularies have them (their
+   "ü", for one, is a user-defined token). */
+
+/* A vocabulary as a GGUF file holds it (tokenizer.ggml.*), copied out of the file. */
+typedef struct {
+    const char *model;        /* tokenizer.ggml.model: "llama" (SentencePiece) or "gpt2" (byte-level BPE); NUL-terminated */
+    const char *pre;          /* tokenizer.ggml.pre, or NULL when absent */
+    int n_tokens;
+    char **tokens;            /* (n_tokens) as stored: SentencePiece pieces with U+2581, or GPT-2 byte-mapped strings; NUL-terminated copies */
+    int *token_lens;          /* (n_tokens) their byte lengths */
+    const float *scores;      /* (n_tokens) tokenizer.ggml.scores, or NULL */
+    const int *types;         /* (n_tokens) tokenizer.ggml.token_type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte), or NULL */
+    int n_merges;
+    char **merges;            /* (n_merges) tokenizer.ggml.merges "left right", NUL-terminated copies */
+    int bos, eos, eot, eom, unk, pad; /* tokenizer.ggml.*_token_id, -1 when absent */
+    int add_bos, add_eos;     /* tokenizer.ggml.add_bos_token / add_eos_token: 0, 1, or -1 when absent */
+    const char *chat_template;/* tokenizer.chat_template, or NULL */
+} GGUFVocab;
+
+enum { TOKEN_TYPE_NORMAL = 1, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNUSED, TOKEN_TYPE_BYTE };
+
+/* The runs of code points of one Unicode general category (first letter). */
+typedef struct {
+    int first, last;
+    char category;
+} UnicodeRange;
+
+/* BEGIN_UNICODE_RANGES: Unicode 14.0.0 (Python 3.11's unicodedata), written by
+   tests/gen_unicode_ranges.py: 971 runs of \p{L}, \p{N} and \p{P} */
+static const UnicodeRange unicode_ranges[] = {
+    {0x21, 0x23, 'P'}, {0x25, 0x2A, 'P'}, {0x2C, 0x2F, 'P'}, {0x30, 0x39, 'N'}, {0x3A, 0x3B, 'P'}, {0x3F, 0x40, 'P'},
+    {0x41, 0x5A, 'L'}, {0x5B, 0x5D, 'P'}, {0x5F, 0x5F, 'P'}, {0x61, 0x7A, 'L'}, {0x7B, 0x7B, 'P'}, {0x7D, 0x7D, 'P'},
+    {0xA1, 0xA1, 'P'}, {0xA7, 0xA7, 'P'}, {0xAA, 0xAA, 'L'}, {0xAB, 0xAB, 'P'}, {0xB2, 0xB3, 'N'}, {0xB5, 0xB5, 'L'},
+    {0xB6, 0xB7, 'P'}, {0xB9, 0xB9, 'N'}, {0xBA, 0xBA, 'L'}, {0xBB, 0xBB, 'P'}, {0xBC, 0xBE, 'N'}, {0xBF, 0xBF, 'P'},
+    {0xC0, 0xD6, 'L'}, {0xD8, 0xF6, 'L'}, {0xF8, 0x2C1, 'L'}, {0x2C6, 0x2D1, 'L'}, {0x2E0, 0x2E4, 'L'}, {0x2EC, 0x2EC, 'L'},
+    {0x2EE, 0x2EE, 'L'}, {0x370, 0x374, 'L'}, {0x376, 0x377, 'L'}, {0x37A, 0x37D, 'L'}, {0x37E, 0x37E, 'P'}, {0x37F, 0x37F, 'L'},
+    {0x386, 0x386, 'L'}, {0x387, 0x387, 'P'}, {0x388, 0x38A, 'L'}, {0x38C, 0x38C, 'L'}, {0x38E, 0x3A1, 'L'}, {0x3A3, 0x3F5, 'L'},
+    {0x3F7, 0x481, 'L'}, {0x48A, 0x52F, 'L'}, {0x531, 0x556, 'L'}, {0x559, 0x559, 'L'}, {0x55A, 0x55F, 'P'}, {0x560, 0x588, 'L'},
+    {0x589, 0x58A, 'P'}, {0x5BE, 0x5BE, 'P'}, {0x5C0, 0x5C0, 'P'}, {0x5C3, 0x5C3, 'P'}, {0x5C6, 0x5C6, 'P'}, {0x5D0, 0x5EA, 'L'},
+    {0x5EF, 0x5F2, 'L'}, {0x5F3, 0x5F4, 'P'}, {0x609, 0x60A, 'P'}, {0x60C, 0x60D, 'P'}, {0x61B, 0x61B, 'P'}, {0x61D, 0x61F, 'P'},
+    {0x620, 0x64A, 'L'}, {0x660, 0x669, 'N'}, {0x66A, 0x66D, 'P'}, {0x66E, 0x66F, 'L'}, {0x671, 0x6D3, 'L'}, {0x6D4, 0x6D4, 'P'},
+    {0x6D5, 0x6D5, 'L'}, {0x6E5, 0x6E6, 'L'}, {0x6EE, 0x6EF, 'L'}, {0x6F0, 0x6F9, 'N'}, {0x6FA, 0x6FC, 'L'}, {0x6FF, 0x6FF, 'L'},
+    {0x700, 0x70D, 'P'}, {0x710, 0x710, 'L'}, {0x712, 0x72F, 'L'}, {0x74D, 0x7A5, 'L'}, {0x7B1, 0x7B1, 'L'}, {0x7C0, 0x7C9, 'N'},
+    {0x7CA, 0x7EA, 'L'}, {0x7F4, 0x7F5, 'L'}, {0x7F7, 0x7F9, 'P'}, {0x7FA, 0x7FA, 'L'}, {0x800, 0x815, 'L'}, {0x81A, 0x81A, 'L'},
+    {0x824, 0x824, 'L'}, {0x828, 0x828, 'L'}, {0x830, 0x83E, 'P'}, {0x840, 0x858, 'L'}, {0x85E, 0x85E, 'P'}, {0x860, 0x86A, 'L'},
+    {0x870, 0x887, 'L'}, {0x889, 0x88E, 'L'}, {0x8A0, 0x8C9, 'L'}, {0x904, 0x939, 'L'}, {0x93D, 0x93D, 'L'}, {0x950, 0x950, 'L'},
+    {0x958, 0x961, 'L'}, {0x964, 0x965, 'P'}, {0x966, 0x96F, 'N'}, {0x970, 0x970, 'P'}, {0x971, 0x980, 'L'}, {0x985, 0x98C, 'L'},
+    {0x98F, 0x990, 'L'}, {0x993, 0x9A8, 'L'}, {0x9AA, 0x9B0, 'L'}, {0x9B2, 0x9B2, 'L'}, {0x9B6, 0x9B9, 'L'}, {0x9BD, 0x9BD, 'L'},
+    {0x9CE, 0x9CE, 'L'}, {0x9DC, 0x9DD, 'L'}, {0x9DF, 0x9E1, 'L'}, {0x9E6, 0x9EF, 'N'}, {0x9F0, 0x9F1, 'L'}, {0x9F4, 0x9F9, 'N'},
+    {0x9FC, 0x9FC, 'L'}, {0x9FD, 0x9FD, 'P'}, {0xA05, 0xA0A, 'L'}, {0xA0F, 0xA10, 'L'}, {0xA13, 0xA28, 'L'}, {0xA2A, 0xA30, 'L'},
+    {0xA32, 0xA33, 'L'}, {0xA35, 0xA36, 'L'}, {0xA38, 0xA39, 'L'}, {0xA59, 0xA5C, 'L'}, {0xA5E, 0xA5E, 'L'}, {0xA66, 0xA6F, 'N'},
+    {0xA72, 0xA74, 'L'}, {0xA76, 0xA76, 'P'}, {0xA85, 0xA8D, 'L'}, {0xA8F, 0xA91, 'L'}, {0xA93, 0xAA8, 'L'}, {0xAAA, 0xAB0, 'L'},
+    {0xAB2, 0xAB3, 'L'}, {0xAB5, 0xAB9, 'L'}, {0xABD, 0xABD, 'L'}, {0xAD0, 0xAD0, 'L'}, {0xAE0, 0xAE1, 'L'}, {0xAE6, 0xAEF, 'N'},
+    {0xAF0, 0xAF0, 'P'}, {0xAF9, 0xAF9, 'L'}, {0xB05, 0xB0C, 'L'}, {0xB0F, 0xB10, 'L'}, {0xB13, 0xB28, 'L'}, {0xB2A, 0xB30, 'L'},
+    {0xB32, 0xB33, 'L'}, {0xB35, 0xB39, 'L'}, {0xB3D, 0xB3D, 'L'}, {0xB5C, 0xB5D, 'L'}, {0xB5F, 0xB61, 'L'}, {0xB66, 0xB6F, 'N'},
+    {0xB71, 0xB71, 'L'}, {0xB72, 0xB77, 'N'}, {0xB83, 0xB83, 'L'}, {0xB85, 0xB8A, 'L'}, {0xB8E, 0xB90, 'L'}, {0xB92, 0xB95, 'L'},
+    {0xB99, 0xB9A, 'L'}, {0xB9C, 0xB9C, 'L'}, {0xB9E, 0xB9F, 'L'}, {0xBA3, 0xBA4, 'L'}, {0xBA8, 0xBAA, 'L'}, {0xBAE, 0xBB9, 'L'},
+    {0xBD0, 0xBD0, 'L'}, {0xBE6, 0xBF2, 'N'}, {0xC05, 0xC0C, 'L'}, {0xC0E, 0xC10, 'L'}, {0xC12, 0xC28, 'L'}, {0xC2A, 0xC39, 'L'},
+    {0xC3D, 0xC3D, 'L'}, {0xC58, 0xC5A, 'L'}, {0xC5D, 0xC5D, 'L'}, {0xC60, 0xC61, 'L'}, {0xC66, 0xC6F, 'N'}, {0xC77, 0xC77, 'P'},
+    {0xC78, 0xC7E, 'N'}, {0xC80, 0xC80, 'L'}, {0xC84, 0xC84, 'P'}, {0xC85, 0xC8C, 'L'}, {0xC8E, 0xC90, 'L'}, {0xC92, 0xCA8, 'L'},
+    {0xCAA, 0xCB3, 'L'}, {0xCB5, 0xCB9, 'L'}, {0xCBD, 0xCBD, 'L'}, {0xCDD, 0xCDE, 'L'}, {0xCE0, 0xCE1, 'L'}, {0xCE6, 0xCEF, 'N'},
+    {0xCF1, 0xCF2, 'L'}, {0xD04, 0xD0C, 'L'}, {0xD0E, 0xD10, 'L'}, {0xD12, 0xD3A, 'L'}, {0xD3D, 0xD3D, 'L'}, {0xD4E, 0xD4E, 'L'},
+    {0xD54, 0xD56, 'L'}, {0xD58, 0xD5E, 'N'}, {0xD5F, 0xD61, 'L'}, {0xD66, 0xD78, 'N'}, {0xD7A, 0xD7F, 'L'}, {0xD85, 0xD96, 'L'},
+    {0xD9A, 0xDB1, 'L'}, {0xDB3, 0xDBB, 'L'}, {0xDBD, 0xDBD, 'L'}, {0xDC0, 0xDC6, 'L'}, {0xDE6, 0xDEF, 'N'}, {0xDF4, 0xDF4, 'P'},
+    {0xE01, 0xE30, 'L'}, {0xE32, 0xE33, 'L'}, {0xE40, 0xE46, 'L'}, {0xE4F, 0xE4F, 'P'}, {0xE50, 0xE59, 'N'}, {0xE5A, 0xE5B, 'P'},
+    {0xE81, 0xE82, 'L'}, {0xE84, 0xE84, 'L'}, {0xE86, 0xE8A, 'L'}, {0xE8C, 0xEA3, 'L'}, {0xEA5, 0xEA5, 'L'}, {0xEA7, 0xEB0, 'L'},
+    {0xEB2, 0xEB3, 'L'}, {0xEBD, 0xEBD, 'L'}, {0xEC0, 0xEC4, 'L'}, {0xEC6, 0xEC6, 'L'}, {0xED0, 0xED9, 'N'}, {0xEDC, 0xEDF, 'L'},
+    {0xF00, 0xF00, 'L'}, {0xF04, 0xF12, 'P'}, {0xF14, 0xF14, 'P'}, {0xF20, 0xF33, 'N'}, {0xF3A, 0xF3D, 'P'}, {0xF40, 0xF47, 'L'},
+    {0xF49, 0xF6C, 'L'}, {0xF85, 0xF85, 'P'}, {0xF88, 0xF8C, 'L'}, {0xFD0, 0xFD4, 'P'}, {0xFD9, 0xFDA, 'P'}, {0x1000, 0x102A, 'L'},
+    {0x103F, 0x103F, 'L'}, {0x1040, 0x1049, 'N'}, {0x104A, 0x104F, 'P'}, {0x1050, 0x1055, 'L'}, {0x105A, 0x105D, 'L'}, {0x1061, 0x1061, 'L'},
+    {0x1065, 0x1066, 'L'}, {0x106E, 0x1070, 'L'}, {0x1075, 0x1081, 'L'}, {0x108E, 0x108E, 'L'}, {0x1090, 0x1099, 'N'}, {0x10A0, 0x10C5, 'L'},
+    {0x10C7, 0x10C7, 'L'}, {0x10CD, 0x10CD, 'L'}, {0x10D0, 0x10FA, 'L'}, {0x10FB, 0x10FB, 'P'}, {0x10FC, 0x1248, 'L'}, {0x124A, 0x124D, 'L'},
+    {0x1250, 0x1256, 'L'}, {0x1258, 0x1258, 'L'}, {0x125A, 0x125D, 'L'}, {0x1260, 0x1288, 'L'}, {0x128A, 0x128D, 'L'}, {0x1290, 0x12B0, 'L'},
+    {0x12B2, 0x12B5, 'L'}, {0x12B8, 0x12BE, 'L'}, {0x12C0, 0x12C0, 'L'}, {0x12C2, 0x12C5, 'L'}, {0x12C8, 0x12D6, 'L'}, {0x12D8, 0x1310, 'L'},
+    {0x1312, 0x1315, 'L'}, {0x1318, 0x135A, 'L'}, {0x1360, 0x1368, 'P'}, {0x1369, 0x137C, 'N'}, {0x1380, 0x138F, 'L'}, {0x13A0, 0x13F5, 'L'},
+    {0x13F8, 0x13FD, 'L'}, {0x1400, 0x1400, 'P'}, {0x1401, 0x166C, 'L'}, {0x166E, 0x166E, 'P'}, {0x166F, 0x167F, 'L'}, {0x1681, 0x169A, 'L'},
+    {0x169B, 0x169C, 'P'}, {0x16A0, 0x16EA, 'L'}, {0x16EB, 0x16ED, 'P'}, {0x16EE, 0x16F0, 'N'}, {0x16F1, 0x16F8, 'L'}, {0x1700, 0x1711, 'L'},
+    {0x171F, 0x1731, 'L'}, {0x1735, 0x1736, 'P'}, {0x1740, 0x1751, 'L'}, {0x1760, 0x176C, 'L'}, {0x176E, 0x1770, 'L'}, {0x1780, 0x17B3, 'L'},
+    {0x17D4, 0x17D6, 'P'}, {0x17D7, 0x17D7, 'L'}, {0x17D8, 0x17DA, 'P'}, {0x17DC, 0x17DC, 'L'}, {0x17E0, 0x17E9, 'N'}, {0x17F0, 0x17F9, 'N'},
+    {0x1800, 0x180A, 'P'}, {0x1810, 0x1819, 'N'}, {0x1820, 0x1878, 'L'}, {0x1880, 0x1884, 'L'}, {0x1887, 0x18A8, 'L'}, {0x18AA, 0x18AA, 'L'},
+    {0x18B0, 0x18F5, 'L'}, {0x1900, 0x191E, 'L'}, {0x1944, 0x1945, 'P'}, {0x1946, 0x194F, 'N'}, {0x1950, 0x196D, 'L'}, {0x1970, 0x1974, 'L'},
+    {0x1980, 0x19AB, 'L'}, {0x19B0, 0x19C9, 'L'}, {0x19D0, 0x19DA, 'N'}, {0x1A00, 0x1A16, 'L'}, {0x1A1E, 0x1A1F, 'P'}, {0x1A20, 0x1A54, 'L'},
+    {0x1A80, 0x1A89, 'N'}, {0x1A90, 0x1A99, 'N'}, {0x1AA0, 0x1AA6, 'P'}, {0x1AA7, 0x1AA7, 'L'}, {0x1AA8, 0x1AAD, 'P'}, {0x1B05, 0x1B33, 'L'},
+    {0x1B45, 0x1B4C, 'L'}, {0x1B50, 0x1B59, 'N'}, {0x1B5A, 0x1B60, 'P'}, {0x1B7D, 0x1B7E, 'P'}, {0x1B83, 0x1BA0, 'L'}, {0x1BAE, 0x1BAF, 'L'},
+    {0x1BB0, 0x1BB9, 'N'}, {0x1BBA, 0x1BE5, 'L'}, {0x1BFC, 0x1BFF, 'P'}, {0x1C00, 0x1C23, 'L'}, {0x1C3B, 0x1C3F, 'P'}, {0x1C40, 0x1C49, 'N'},
+    {0x1C4D, 0x1C4F, 'L'}, {0x1C50, 0x1C59, 'N'}, {0x1C5A, 0x1C7D, 'L'}, {0x1C7E, 0x1C7F, 'P'}, {0x1C80, 0x1C88, 'L'}, {0x1C90, 0x1CBA, 'L'},
+    {0x1CBD, 0x1CBF, 'L'}, {0x1CC0, 0x1CC7, 'P'}, {0x1CD3, 0x1CD3, 'P'}, {0x1CE9, 0x1CEC, 'L'}, {0x1CEE, 0x1CF3, 'L'}, {0x1CF5, 0x1CF6, 'L'},
+    {0x1CFA, 0x1CFA, 'L'}, {0x1D00, 0x1DBF, 'L'}, {0x1E00, 0x1F15, 'L'}, {0x1F18, 0x1F1D, 'L'}, {0x1F20, 0x1F45, 'L'}, {0x1F48, 0x1F4D, 'L'},
+    {0x1F50, 0x1F57, 'L'}, {0x1F59, 0x1F59, 'L'}, {0x1F5B, 0x1F5B, 'L'}, {0x1F5D, 0x1F5D, 'L'}, {0x1F5F, 0x1F7D, 'L'}, {0x1F80, 0x1FB4, 'L'},
+    {0x1FB6, 0x1FBC, 'L'}, {0x1FBE, 0x1FBE, 'L'}, {0x1FC2, 0x1FC4, 'L'}, {0x1FC6, 0x1FCC, 'L'}, {0x1FD0, 0x1FD3, 'L'}, {0x1FD6, 0x1FDB, 'L'},
+    {0x1FE0, 0x1FEC, 'L'}, {0x1FF2, 0x1FF4, 'L'}, {0x1FF6, 0x1FFC, 'L'}, {0x2010, 0x2027, 'P'}, {0x2030, 0x2043, 'P'}, {0x2045, 0x2051, 'P'},
+    {0x2053, 0x205E, 'P'}, {0x2070, 0x2070, 'N'}, {0x2071, 0x2071, 'L'}, {0x2074, 0x2079, 'N'}, {0x207D, 0x207E, 'P'}, {0x207F, 0x207F, 'L'},
+    {0x2080, 0x2089, 'N'}, {0x208D, 0x208E, 'P'}, {0x2090, 0x209C, 'L'}, {0x2102, 0x2102, 'L'}, {0x2107, 0x2107, 'L'}, {0x210A, 0x2113, 'L'},
+    {0x2115, 0x2115, 'L'}, {0x2119, 0x211D, 'L'}, {0x2124, 0x2124, 'L'}, {0x2126, 0x2126, 'L'}, {0x2128, 0x2128, 'L'}, {0x212A, 0x212D, 'L'},
+    {0x212F, 0x2139, 'L'}, {0x213C, 0x213F, 'L'}, {0x2145, 0x2149, 'L'}, {0x214E, 0x214E, 'L'}, {0x2150, 0x2182, 'N'}, {0x2183, 0x2184, 'L'},
+    {0x2185, 0x2189, 'N'}, {0x2308, 0x230B, 'P'}, {0x2329, 0x232A, 'P'}, {0x2460, 0x249B, 'N'}, {0x24EA, 0x24FF, 'N'}, {0x2768, 0x2775, 'P'},
+    {0x2776, 0x2793, 'N'}, {0x27C5, 0x27C6, 'P'}, {0x27E6, 0x27EF, 'P'}, {0x2983, 0x2998, 'P'}, {0x29D8, 0x29DB, 'P'}, {0x29FC, 0x29FD, 'P'},
+    {0x2C00, 0x2CE4, 'L'}, {0x2CEB, 0x2CEE, 'L'}, {0x2CF2, 0x2CF3, 'L'}, {0x2CF9, 0x2CFC, 'P'}, {0x2CFD, 0x2CFD, 'N'}, {0x2CFE, 0x2CFF, 'P'},
+    {0x2D00, 0x2D25, 'L'}, {0x2D27, 0x2D27, 'L'}, {0x2D2D, 0x2D2D, 'L'}, {0x2D30, 0x2D67, 'L'}, {0x2D6F, 0x2D6F, 'L'}, {0x2D70, 0x2D70, 'P'},
+    {0x2D80, 0x2D96, 'L'}, {0x2DA0, 0x2DA6, 'L'}, {0x2DA8, 0x2DAE, 'L'}, {0x2DB0, 0x2DB6, 'L'}, {0x2DB8, 0x2DBE, 'L'}, {0x2DC0, 0x2DC6, 'L'},
+    {0x2DC8, 0x2DCE, 'L'}, {0x2DD0, 0x2DD6, 'L'}, {0x2DD8, 0x2DDE, 'L'}, {0x2E00, 0x2E2E, 'P'}, {0x2E2F, 0x2E2F, 'L'}, {0x2E30, 0x2E4F, 'P'},
+    {0x2E52, 0x2E5D, 'P'}, {0x3001, 0x3003, 'P'}, {0x3005, 0x3006, 'L'}, {0x3007, 0x3007, 'N'}, {0x3008, 0x3011, 'P'}, {0x3014, 0x301F, 'P'},
+    {0x3021, 0x3029, 'N'}, {0x3030, 0x3030, 'P'}, {0x3031, 0x3035, 'L'}, {0x3038, 0x303A, 'N'}, {0x303B, 0x303C, 'L'}, {0x303D, 0x303D, 'P'},
+    {0x3041, 0x3096, 'L'}, {0x309D, 0x309F, 'L'}, {0x30A0, 0x30A0, 'P'}, {0x30A1, 0x30FA, 'L'}, {0x30FB, 0x30FB, 'P'}, {0x30FC, 0x30FF, 'L'},
+    {0x3105, 0x312F, 'L'}, {0x3131, 0x318E, 'L'}, {0x3192, 0x3195, 'N'}, {0x31A0, 0x31BF, 'L'}, {0x31F0, 0x31FF, 'L'}, {0x3220, 0x3229, 'N'},
+    {0x3248, 0x324F, 'N'}, {0x3251, 0x325F, 'N'}, {0x3280, 0x3289, 'N'}, {0x32B1, 0x32BF, 'N'}, {0x3400, 0x4DBF, 'L'}, {0x4E00, 0xA48C, 'L'},
+    {0xA4D0, 0xA4FD, 'L'}, {0xA4FE, 0xA4FF, 'P'}, {0xA500, 0xA60C, 'L'}, {0xA60D, 0xA60F, 'P'}, {0xA610, 0xA61F, 'L'}, {0xA620, 0xA629, 'N'},
+    {0xA62A, 0xA62B, 'L'}, {0xA640, 0xA66E, 'L'}, {0xA673, 0xA673, 'P'}, {0xA67E, 0xA67E, 'P'}, {0xA67F, 0xA69D, 'L'}, {0xA6A0, 0xA6E5, 'L'},
+    {0xA6E6, 0xA6EF, 'N'}, {0xA6F2, 0xA6F7, 'P'}, {0xA717, 0xA71F, 'L'}, {0xA722, 0xA788, 'L'}, {0xA78B, 0xA7CA, 'L'}, {0xA7D0, 0xA7D1, 'L'},
+    {0xA7D3, 0xA7D3, 'L'}, {0xA7D5, 0xA7D9, 'L'}, {0xA7F2, 0xA801, 'L'}, {0xA803, 0xA805, 'L'}, {0xA807, 0xA80A, 'L'}, {0xA80C, 0xA822, 'L'},
+    {0xA830, 0xA835, 'N'}, {0xA840, 0xA873, 'L'}, {0xA874, 0xA877, 'P'}, {0xA882, 0xA8B3, 'L'}, {0xA8CE, 0xA8CF, 'P'}, {0xA8D0, 0xA8D9, 'N'},
+    {0xA8F2, 0xA8F7, 'L'}, {0xA8F8, 0xA8FA, 'P'}, {0xA8FB, 0xA8FB, 'L'}, {0xA8FC, 0xA8FC, 'P'}, {0xA8FD, 0xA8FE, 'L'}, {0xA900, 0xA909, 'N'},
+    {0xA90A, 0xA925, 'L'}, {0xA92E, 0xA92F, 'P'}, {0xA930, 0xA946, 'L'}, {0xA95F, 0xA95F, 'P'}, {0xA960, 0xA97C, 'L'}, {0xA984, 0xA9B2, 'L'},
+    {0xA9C1, 0xA9CD, 'P'}, {0xA9CF, 0xA9CF, 'L'}, {0xA9D0, 0xA9D9, 'N'}, {0xA9DE, 0xA9DF, 'P'}, {0xA9E0, 0xA9E4, 'L'}, {0xA9E6, 0xA9EF, 'L'},
+    {0xA9F0, 0xA9F9, 'N'}, {0xA9FA, 0xA9FE, 'L'}, {0xAA00, 0xAA28, 'L'}, {0xAA40, 0xAA42, 'L'}, {0xAA44, 0xAA4B, 'L'}, {0xAA50, 0xAA59, 'N'},
+    {0xAA5C, 0xAA5F, 'P'}, {0xAA60, 0xAA76, 'L'}, {0xAA7A, 0xAA7A, 'L'}, {0xAA7E, 0xAAAF, 'L'}, {0xAAB1, 0xAAB1, 'L'}, {0xAAB5, 0xAAB6, 'L'},
+    {0xAAB9, 0xAABD, 'L'}, {0xAAC0, 0xAAC0, 'L'}, {0xAAC2, 0xAAC2, 'L'}, {0xAADB, 0xAADD, 'L'}, {0xAADE, 0xAADF, 'P'}, {0xAAE0, 0xAAEA, 'L'},
+    {0xAAF0, 0xAAF1, 'P'}, {0xAAF2, 0xAAF4, 'L'}, {0xAB01, 0xAB06, 'L'}, {0xAB09, 0xAB0E, 'L'}, {0xAB11, 0xAB16, 'L'}, {0xAB20, 0xAB26, 'L'},
+    {0xAB28, 0xAB2E, 'L'}, {0xAB30, 0xAB5A, 'L'}, {0xAB5C, 0xAB69, 'L'}, {0xAB70, 0xABE2, 'L'}, {0xABEB, 0xABEB, 'P'}, {0xABF0, 0xABF9, 'N'},
+    {0xAC00, 0xD7A3, 'L'}, {0xD7B0, 0xD7C6, 'L'}, {0xD7CB, 0xD7FB, 'L'}, {0xF900, 0xFA6D, 'L'}, {0xFA70, 0xFAD9, 'L'}, {0xFB00, 0xFB06, 'L'},
+    {0xFB13, 0xFB17, 'L'}, {0xFB1D, 0xFB1D, 'L'}, {0xFB1F, 0xFB28, 'L'}, {0xFB2A, 0xFB36, 'L'}, {0xFB38, 0xFB3C, 'L'}, {0xFB3E, 0xFB3E, 'L'},
+    {0xFB40, 0xFB41, 'L'}, {0xFB43, 0xFB44, 'L'}, {0xFB46, 0xFBB1, 'L'}, {0xFBD3, 0xFD3D, 'L'}, {0xFD3E, 0xFD3F, 'P'}, {0xFD50, 0xFD8F, 'L'},
+    {0xFD92, 0xFDC7, 'L'}, {0xFDF0, 0xFDFB, 'L'}, {0xFE10, 0xFE19, 'P'}, {0xFE30, 0xFE52, 'P'}, {0xFE54, 0xFE61, 'P'}, {0xFE63, 0xFE63, 'P'},
+    {0xFE68, 0xFE68, 'P'}, {0xFE6A, 0xFE6B, 'P'}, {0xFE70, 0xFE74, 'L'}, {0xFE76, 0xFEFC, 'L'}, {0xFF01, 0xFF03, 'P'}, {0xFF05, 0xFF0A, 'P'},
+    {0xFF0C, 0xFF0F, 'P'}, {0xFF10, 0xFF19, 'N'}, {0xFF1A, 0xFF1B, 'P'}, {0xFF1F, 0xFF20, 'P'}, {0xFF21, 0xFF3A, 'L'}, {0xFF3B, 0xFF3D, 'P'},
+    {0xFF3F, 0xFF3F, 'P'}, {0xFF41, 0xFF5A, 'L'}, {0xFF5B, 0xFF5B, 'P'}, {0xFF5D, 0xFF5D, 'P'}, {0xFF5F, 0xFF65, 'P'}, {0xFF66, 0xFFBE, 'L'},
+    {0xFFC2, 0xFFC7, 'L'}, {0xFFCA, 0xFFCF, 'L'}, {0xFFD2, 0xFFD7, 'L'}, {0xFFDA, 0xFFDC, 'L'}, {0x10000, 0x1000B, 'L'}, {0x1000D, 0x10026, 'L'},
+    {0x10028, 0x1003A, 'L'}, {0x1003C, 0x1003D, 'L'}, {0x1003F, 0x1004D, 'L'}, {0x10050, 0x1005D, 'L'}, {0x10080, 0x100FA, 'L'}, {0x10100, 0x10102, 'P'},
+    {0x10107, 0x10133, 'N'}, {0x10140, 0x10178, 'N'}, {0x1018A, 0x1018B, 'N'}, {0x10280, 0x1029C, 'L'}, {0x102A0, 0x102D0, 'L'}, {0x102E1, 0x102FB, 'N'},
+    {0x10300, 0x1031F, 'L'}, {0x10320, 0x10323, 'N'}, {0x1032D, 0x10340, 'L'}, {0x10341, 0x10341, 'N'}, {0x10342, 0x10349, 'L'}, {0x1034A, 0x1034A, 'N'},
+    {0x10350, 0x10375, 'L'}, {0x10380, 0x1039D, 'L'}, {0x1039F, 0x1039F, 'P'}, {0x103A0, 0x103C3, 'L'}, {0x103C8, 0x103CF, 'L'}, {0x103D0, 0x103D0, 'P'},
+    {0x103D1, 0x103D5, 'N'}, {0x10400, 0x1049D, 'L'}, {0x104A0, 0x104A9, 'N'}, {0x104B0, 0x104D3, 'L'}, {0x104D8, 0x104FB, 'L'}, {0x10500, 0x10527, 'L'},
+    {0x10530, 0x10563, 'L'}, {0x1056F, 0x1056F, 'P'}, {0x10570, 0x1057A, 'L'}, {0x1057C, 0x1058A, 'L'}, {0x1058C, 0x10592, 'L'}, {0x10594, 0x10595, 'L'},
+    {0x10597, 0x105A1, 'L'}, {0x105A3, 0x105B1, 'L'}, {0x105B3, 0x105B9, 'L'}, {0x105BB, 0x105BC, 'L'}, {0x10600, 0x10736, 'L'}, {0x10740, 0x10755, 'L'},
+    {0x10760, 0x10767, 'L'}, {0x10780, 0x10785, 'L'}, {0x10787, 0x107B0, 'L'}, {0x107B2, 0x107BA, 'L'}, {0x10800, 0x10805, 'L'}, {0x10808, 0x10808, 'L'},
+    {0x1080A, 0x10835, 'L'}, {0x10837, 0x10838, 'L'}, {0x1083C, 0x1083C, 'L'}, {0x1083F, 0x10855, 'L'}, {0x10857, 0x10857, 'P'}, {0x10858, 0x1085F, 'N'},
+    {0x10860, 0x10876, 'L'}, {0x10879, 0x1087F, 'N'}, {0x10880, 0x1089E, 'L'}, {0x108A7, 0x108AF, 'N'}, {0x108E0, 0x108F2, 'L'}, {0x108F4, 0x108F5, 'L'},
+    {0x108FB, 0x108FF, 'N'}, {0x10900, 0x10915, 'L'}, {0x10916, 0x1091B, 'N'}, {0x1091F, 0x1091F, 'P'}, {0x10920, 0x10939, 'L'}, {0x1093F, 0x1093F, 'P'},
+    {0x10980, 0x109B7, 'L'}, {0x109BC, 0x109BD, 'N'}, {0x109BE, 0x109BF, 'L'}, {0x109C0, 0x109CF, 'N'}, {0x109D2, 0x109FF, 'N'}, {0x10A00, 0x10A00, 'L'},
+    {0x10A10, 0x10A13, 'L'}, {0x10A15, 0x10A17, 'L'}, {0x10A19, 0x10A35, 'L'}, {0x10A40, 0x10A48, 'N'}, {0x10A50, 0x10A58, 'P'}, {0x10A60, 0x10A7C, 'L'},
+    {0x10A7D, 0x10A7E, 'N'}, {0x10A7F, 0x10A7F, 'P'}, {0x10A80, 0x10A9C, 'L'}, {0x10A9D, 0x10A9F, 'N'}, {0x10AC0, 0x10AC7, 'L'}, {0x10AC9, 0x10AE4, 'L'},
+    {0x10AEB, 0x10AEF, 'N'}, {0x10AF0, 0x10AF6, 'P'}, {0x10B00, 0x10B35, 'L'}, {0x10B39, 0x10B3F, 'P'}, {0x10B40, 0x10B55, 'L'}, {0x10B58, 0x10B5F, 'N'},
+    {0x10B60, 0x10B72, 'L'}, {0x10B78, 0x10B7F, 'N'}, {0x10B80, 0x10B91, 'L'}, {0x10B99, 0x10B9C, 'P'}, {0x10BA9, 0x10BAF, 'N'}, {0x10C00, 0x10C48, 'L'},
+    {0x10C80, 0x10CB2, 'L'}, {0x10CC0, 0x10CF2, 'L'}, {0x10CFA, 0x10CFF, 'N'}, {0x10D00, 0x10D23, 'L'}, {0x10D30, 0x10D39, 'N'}, {0x10E60, 0x10E7E, 'N'},
+    {0x10E80, 0x10EA9, 'L'}, {0x10EAD, 0x10EAD, 'P'}, {0x10EB0, 0x10EB1, 'L'}, {0x10F00, 0x10F1C, 'L'}, {0x10F1D, 0x10F26, 'N'}, {0x10F27, 0x10F27, 'L'},
+    {0x10F30, 0x10F45, 'L'}, {0x10F51, 0x10F54, 'N'}, {0x10F55, 0x10F59, 'P'}, {0x10F70, 0x10F81, 'L'}, {0x10F86, 0x10F89, 'P'}, {0x10FB0, 0x10FC4, 'L'},
+    {0x10FC5, 0x10FCB, 'N'}, {0x10FE0, 0x10FF6, 'L'}, {0x11003, 0x11037, 'L'}, {0x11047, 0x1104D, 'P'}, {0x11052, 0x1106F, 'N'}, {0x11071, 0x11072, 'L'},
+    {0x11075, 0x11075, 'L'}, {0x11083, 0x110AF, 'L'}, {0x110BB, 0x110BC, 'P'}, {0x110BE, 0x110C1, 'P'}, {0x110D0, 0x110E8, 'L'}, {0x110F0, 0x110F9, 'N'},
+    {0x11103, 0x11126, 'L'}, {0x11136, 0x1113F, 'N'}, {0x11140, 0x11143, 'P'}, {0x11144, 0x11144, 'L'}, {0x11147, 0x11147, 'L'}, {0x11150, 0x11172, 'L'},
+    {0x11174, 0x11175, 'P'}, {0x11176, 0x11176, 'L'}, {0x11183, 0x111B2, 'L'}, {0x111C1, 0x111C4, 'L'}, {0x111C5, 0x111C8, 'P'}, {0x111CD, 0x111CD, 'P'},
+    {0x111D0, 0x111D9, 'N'}, {0x111DA, 0x111DA, 'L'}, {0x111DB, 0x111DB, 'P'}, {0x111DC, 0x111DC, 'L'}, {0x111DD, 0x111DF, 'P'}, {0x111E1, 0x111F4, 'N'},
+    {0x11200, 0x11211, 'L'}, {0x11213, 0x1122B, 'L'}, {0x11238, 0x1123D, 'P'}, {0x11280, 0x11286, 'L'}, {0x11288, 0x11288, 'L'}, {0x1128A, 0x1128D, 'L'},
+    {0x1128F, 0x1129D, 'L'}, {0x1129F, 0x112A8, 'L'}, {0x112A9, 0x112A9, 'P'}, {0x112B0, 0x112DE, 'L'}, {0x112F0, 0x112F9, 'N'}, {0x11305, 0x1130C, 'L'},
+    {0x1130F, 0x11310, 'L'}, {0x11313, 0x11328, 'L'}, {0x1132A, 0x11330, 'L'}, {0x11332, 0x11333, 'L'}, {0x11335, 0x11339, 'L'}, {0x1133D, 0x1133D, 'L'},
+    {0x11350, 0x11350, 'L'}, {0x1135D, 0x11361, 'L'}, {0x11400, 0x11434, 'L'}, {0x11447, 0x1144A, 'L'}, {0x1144B, 0x1144F, 'P'}, {0x11450, 0x11459, 'N'},
+    {0x1145A, 0x1145B, 'P'}, {0x1145D, 0x1145D, 'P'}, {0x1145F, 0x11461, 'L'}, {0x11480, 0x114AF, 'L'}, {0x114C4, 0x114C5, 'L'}, {0x114C6, 0x114C6, 'P'},
+    {0x114C7, 0x114C7, 'L'}, {0x114D0, 0x114D9, 'N'}, {0x11580, 0x115AE, 'L'}, {0x115C1, 0x115D7, 'P'}, {0x115D8, 0x115DB, 'L'}, {0x11600, 0x1162F, 'L'},
+    {0x11641, 0x11643, 'P'}, {0x11644, 0x11644, 'L'}, {0x11650, 0x11659, 'N'}, {0x11660, 0x1166C, 'P'}, {0x11680, 0x116AA, 'L'}, {0x116B8, 0x116B8, 'L'},
+    {0x116B9, 0x116B9, 'P'}, {0x116C0, 0x116C9, 'N'}, {0x11700, 0x1171A, 'L'}, {0x11730, 0x1173B, 'N'}, {0x1173C, 0x1173E, 'P'}, {0x11740, 0x11746, 'L'},
+    {0x11800, 0x1182B, 'L'}, {0x1183B, 0x1183B, 'P'}, {0x118A0, 0x118DF, 'L'}, {0x118E0, 0x118F2, 'N'}, {0x118FF, 0x11906, 'L'}, {0x11909, 0x11909, 'L'},
+    {0x1190C, 0x11913, 'L'}, {0x11915, 0x11916, 'L'}, {0x11918, 0x1192F, 'L'}, {0x1193F, 0x1193F, 'L'}, {0x11941, 0x11941, 'L'}, {0x11944, 0x11946, 'P'},
+    {0x11950, 0x11959, 'N'}, {0x119A0, 0x119A7, 'L'}, {0x119AA, 0x119D0, 'L'}, {0x119E1, 0x119E1, 'L'}, {0x119E2, 0x119E2, 'P'}, {0x119E3, 0x119E3, 'L'},
+    {0x11A00, 0x11A00, 'L'}, {0x11A0B, 0x11A32, 'L'}, {0x11A3A, 0x11A3A, 'L'}, {0x11A3F, 0x11A46, 'P'}, {0x11A50, 0x11A50, 'L'}, {0x11A5C, 0x11A89, 'L'},
+    {0x11A9A, 0x11A9C, 'P'}, {0x11A9D, 0x11A9D, 'L'}, {0x11A9E, 0x11AA2, 'P'}, {0x11AB0, 0x11AF8, 'L'}, {0x11C00, 0x11C08, 'L'}, {0x11C0A, 0x11C2E, 'L'},
+    {0x11C40, 0x11C40, 'L'}, {0x11C41, 0x11C45, 'P'}, {0x11C50, 0x11C6C, 'N'}, {0x11C70, 0x11C71, 'P'}, {0x11C72, 0x11C8F, 'L'}, {0x11D00, 0x11D06, 'L'},
+    {0x11D08, 0x11D09, 'L'}, {0x11D0B, 0x11D30, 'L'}, {0x11D46, 0x11D46, 'L'}, {0x11D50, 0x11D59, 'N'}, {0x11D60, 0x11D65, 'L'}, {0x11D67, 0x11D68, 'L'},
+    {0x11D6A, 0x11D89, 'L'}, {0x11D98, 0x11D98, 'L'}, {0x11DA0, 0x11DA9, 'N'}, {0x11EE0, 0x11EF2, 'L'}, {0x11EF7, 0x11EF8, 'P'}, {0x11FB0, 0x11FB0, 'L'},
+    {0x11FC0, 0x11FD4, 'N'}, {0x11FFF, 0x11FFF, 'P'}, {0x12000, 0x12399, 'L'}, {0x12400, 0x1246E, 'N'}, {0x12470, 0x12474, 'P'}, {0x12480, 0x12543, 'L'},
+    {0x12F90, 0x12FF0, 'L'}, {0x12FF1, 0x12FF2, 'P'}, {0x13000, 0x1342E, 'L'}, {0x14400, 0x14646, 'L'}, {0x16800, 0x16A38, 'L'}, {0x16A40, 0x16A5E, 'L'},
+    {0x16A60, 0x16A69, 'N'}, {0x16A6E, 0x16A6F, 'P'}, {0x16A70, 0x16ABE, 'L'}, {0x16AC0, 0x16AC9, 'N'}, {0x16AD0, 0x16AED, 'L'}, {0x16AF5, 0x16AF5, 'P'},
+    {0x16B00, 0x16B2F, 'L'}, {0x16B37, 0x16B3B, 'P'}, {0x16B40, 0x16B43, 'L'}, {0x16B44, 0x16B44, 'P'}, {0x16B50, 0x16B59, 'N'}, {0x16B5B, 0x16B61, 'N'},
+    {0x16B63, 0x16B77, 'L'}, {0x16B7D, 0x16B8F, 'L'}, {0x16E40, 0x16E7F, 'L'}, {0x16E80, 0x16E96, 'N'}, {0x16E97, 0x16E9A, 'P'}, {0x16F00, 0x16F4A, 'L'},
+    {0x16F50, 0x16F50, 'L'}, {0x16F93, 0x16F9F, 'L'}, {0x16FE0, 0x16FE1, 'L'}, {0x16FE2, 0x16FE2, 'P'}, {0x16FE3, 0x16FE3, 'L'}, {0x17000, 0x187F7, 'L'},
+    {0x18800, 0x18CD5, 'L'}, {0x18D00, 0x18D08, 'L'}, {0x1AFF0, 0x1AFF3, 'L'}, {0x1AFF5, 0x1AFFB, 'L'}, {0x1AFFD, 0x1AFFE, 'L'}, {0x1B000, 0x1B122, 'L'},
+    {0x1B150, 0x1B152, 'L'}, {0x1B164, 0x1B167, 'L'}, {0x1B170, 0x1B2FB, 'L'}, {0x1BC00, 0x1BC6A, 'L'}, {0x1BC70, 0x1BC7C, 'L'}, {0x1BC80, 0x1BC88, 'L'},
+    {0x1BC90, 0x1BC99, 'L'}, {0x1BC9F, 0x1BC9F, 'P'}, {0x1D2E0, 0x1D2F3, 'N'}, {0x1D360, 0x1D378, 'N'}, {0x1D400, 0x1D454, 'L'}, {0x1D456, 0x1D49C, 'L'},
+    {0x1D49E, 0x1D49F, 'L'}, {0x1D4A2, 0x1D4A2, 'L'}, {0x1D4A5, 0x1D4A6, 'L'}, {0x1D4A9, 0x1D4AC, 'L'}, {0x1D4AE, 0x1D4B9, 'L'}, {0x1D4BB, 0x1D4BB, 'L'},
+    {0x1D4BD, 0x1D4C3, 'L'}, {0x1D4C5, 0x1D505, 'L'}, {0x1D507, 0x1D50A, 'L'}, {0x1D50D, 0x1D514, 'L'}, {0x1D516, 0x1D51C, 'L'}, {0x1D51E, 0x1D539, 'L'},
+    {0x1D53B, 0x1D53E, 'L'}, {0x1D540, 0x1D544, 'L'}, {0x1D546, 0x1D546, 'L'}, {0x1D54A, 0x1D550, 'L'}, {0x1D552, 0x1D6A5, 'L'}, {0x1D6A8, 0x1D6C0, 'L'},
+    {0x1D6C2, 0x1D6DA, 'L'}, {0x1D6DC, 0x1D6FA, 'L'}, {0x1D6FC, 0x1D714, 'L'}, {0x1D716, 0x1D734, 'L'}, {0x1D736, 0x1D74E, 'L'}, {0x1D750, 0x1D76E, 'L'},
+    {0x1D770, 0x1D788, 'L'}, {0x1D78A, 0x1D7A8, 'L'}, {0x1D7AA, 0x1D7C2, 'L'}, {0x1D7C4, 0x1D7CB, 'L'}, {0x1D7CE, 0x1D7FF, 'N'}, {0x1DA87, 0x1DA8B, 'P'},
+    {0x1DF00, 0x1DF1E, 'L'}, {0x1E100, 0x1E12C, 'L'}, {0x1E137, 0x1E13D, 'L'}, {0x1E140, 0x1E149, 'N'}, {0x1E14E, 0x1E14E, 'L'}, {0x1E290, 0x1E2AD, 'L'},
+    {0x1E2C0, 0x1E2EB, 'L'}, {0x1E2F0, 0x1E2F9, 'N'}, {0x1E7E0, 0x1E7E6, 'L'}, {0x1E7E8, 0x1E7EB, 'L'}, {0x1E7ED, 0x1E7EE, 'L'}, {0x1E7F0, 0x1E7FE, 'L'},
+    {0x1E800, 0x1E8C4, 'L'}, {0x1E8C7, 0x1E8CF, 'N'}, {0x1E900, 0x1E943, 'L'}, {0x1E94B, 0x1E94B, 'L'}, {0x1E950, 0x1E959, 'N'}, {0x1E95E, 0x1E95F, 'P'},
+    {0x1EC71, 0x1ECAB, 'N'}, {0x1ECAD, 0x1ECAF, 'N'}, {0x1ECB1, 0x1ECB4, 'N'}, {0x1ED01, 0x1ED2D, 'N'}, {0x1ED2F, 0x1ED3D, 'N'}, {0x1EE00, 0x1EE03, 'L'},
+    {0x1EE05, 0x1EE1F, 'L'}, {0x1EE21, 0x1EE22, 'L'}, {0x1EE24, 0x1EE24, 'L'}, {0x1EE27, 0x1EE27, 'L'}, {0x1EE29, 0x1EE32, 'L'}, {0x1EE34, 0x1EE37, 'L'},
+    {0x1EE39, 0x1EE39, 'L'}, {0x1EE3B, 0x1EE3B, 'L'}, {0x1EE42, 0x1EE42, 'L'}, {0x1EE47, 0x1EE47, 'L'}, {0x1EE49, 0x1EE49, 'L'}, {0x1EE4B, 0x1EE4B, 'L'},
+    {0x1EE4D, 0x1EE4F, 'L'}, {0x1EE51, 0x1EE52, 'L'}, {0x1EE54, 0x1EE54, 'L'}, {0x1EE57, 0x1EE57, 'L'}, {0x1EE59, 0x1EE59, 'L'}, {0x1EE5B, 0x1EE5B, 'L'},
+    {0x1EE5D, 0x1EE5D, 'L'}, {0x1EE5F, 0x1EE5F, 'L'}, {0x1EE61, 0x1EE62, 'L'}, {0x1EE64, 0x1EE64, 'L'}, {0x1EE67, 0x1EE6A, 'L'}, {0x1EE6C, 0x1EE72, 'L'},
+    {0x1EE74, 0x1EE77, 'L'}, {0x1EE79, 0x1EE7C, 'L'}, {0x1EE7E, 0x1EE7E, 'L'}, {0x1EE80, 0x1EE89, 'L'}, {0x1EE8B, 0x1EE9B, 'L'}, {0x1EEA1, 0x1EEA3, 'L'},
+    {0x1EEA5, 0x1EEA9, 'L'}, {0x1EEAB, 0x1EEBB, 'L'}, {0x1F100, 0x1F10C, 'N'}, {0x1FBF0, 0x1FBF9, 'N'}, {0x20000, 0x2A6DF, 'L'}, {0x2A700, 0x2B738, 'L'},
+    {0x2B740, 0x2B81D, 'L'}, {0x2B820, 0x2CEA1, 'L'}, {0x2CEB0, 0x2EBE0, 'L'}, {0x2F800, 0x2FA1D, 'L'}, {0x30000, 0x3134A, 'L'},
+}; /* END_UNICODE_RANGES */
+
+/* The (first, last) ranges of `category` from the table above; *n gets their count. */
+static int *unicode_category_ranges(char category, int *n) {
+    int count = 0, total = (int)(sizeof(unicode_ranges) / sizeof(unicode_ranges[0]));
+    int *r = xcalloc(2 * (size_t)total, sizeof(int));
+    for (int i = 0; i < total; i++)
+        if (unicode_ranges[i].category == category) {
+            r[2 * count] = unicode_ranges[i].first;
+            r[2 * count + 1] = unicode_ranges[i].last;
+            count++;
+        }
+    *n = count;
+    return r;
+}
+
+/* The user-defined tokens of `text` (len bytes) and the stretches of text
+   between them, in order; *n_fragments gets their count. As llama.cpp does:
+   each token in turn, longest first, cuts every stretch of text left where
+   it occurs, leftmost first. Tokens whose first two bytes never occur
+   together in the text are not searched for. */
+static Fragment *split_user_tokens(const Tokenizer *t, const char *text, size_t len, int *n_fragments) {
+    Fragment *f = xcalloc(len + 1, sizeof(Fragment)), *next = xcalloc(len + 1, sizeof(Fragment));
+    int n = 0;
+    if (len > 0) f[n++] = (Fragment){0, (int)len, -1};
+    unsigned char *pairs = xcalloc(65536 / 8, 1), bytes[256] = {0};
+    for (size_t i = 0; i < len; i++) {
+        bytes[(unsigned char)text[i]] = 1;
+        if (i + 1 < len) {
+            unsigned pair = (unsigned char)text[i] << 8 | (unsigned char)text[i + 1];
+            pairs[pair >> 3] |= (unsigned char)(1u << (pair & 7));
+        }
+    }
+    for (int u = 0; u < t->n_user; u++) {
+        int id = t->user_tokens[u], tl = t->piece_len[id];
+        const char *tok = t->vocab[id];
+        unsigned pair = tl >= 2 ? (unsigned char)tok[0] << 8 | (unsigned char)tok[1] : 0;
+        if (tl == 0 || !bytes[(unsigned char)tok[0]] || (tl >= 2 && !(pairs[pair >> 3] & (1u << (pair & 7))))) continue;
+        int m = 0;
+        for (int k = 0; k < n; k++) {
+            if (f[k].token >= 0) {
+                next[m++] = f[k];
+                continue;
+            }
+            int at = f[k].start, end = f[k].start + f[k].len;
+            for (int i = at; i + tl <= end; i++) {
+                if (text[i] != tok[0] || memcmp(text + i, tok, (size_t)tl) != 0) continue;
+                if (i > at) next[m++] = (Fragment){at, i - at, -1};
+                next[m++] = (Fragment){i, tl, id};
+                at = i + tl;
+                i = at - 1;
+            }
+            if (end > at) next[m++] = (Fragment){at, end - at, -1};
+        }
+        Fragment *swap = f;
+        f = next;
+        next = swap;
+        n = m;
+    }
+    free(next);
+    free(pairs);
+    *n_fragments = n;
+    return f;
+}
+
+/* GPT-2's alphabet: bytes 0x21..0x7E, 0xA1..0xAC and 0xAE..0xFF are written as
+   the code point of the same number, the other 68 bytes, in order, as
+   U+0100..U+0143. Returns the byte code point cp stands for, or -1. */
+static int gpt2_byte_of(int cp) {
+    if ((cp >= 0x21 && cp <= 0x7E) || (cp >= 0xA1 && cp <= 0xAC) || (cp >= 0xAE && cp <= 0xFF)) return cp;
+    if (cp < 0x100 || cp > 0x143) return -1;
+    int k = cp - 0x100; /* the k-th byte outside those ranges */
+    for (int b = 0; b < 256; b++) {
+        int own = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        if (!own && k-- == 0) return b;
+    }
+    return -1;
+}
+
+/* Writes the bytes that GPT-2-alphabet text s (len bytes) stands for to out
+   (room for len bytes); returns their count, or -1 when s is not in that
+   alphabet. */
+static int gpt2_unmap(const char *s, int len, char *out) {
+    int n = 0;
+    for (int i = 0; i < len;) {
+        int step, cp = decode_utf8((const unsigned char *)s + i, (size_t)(len - i), &step);
+        int b = cp == 0xFFFD ? -1 : gpt2_byte_of(cp);
+        if (b < 0) return -1;
+        out[n++] = (char)b;
+        i += step;
+    }
+    return n;
+}
+
+/* The pre-tokenizer of a tokenizer.ggml.pre name (llama.cpp's names for the
+   splits implemented here), or 0. */
+static int pre_tokenizer_of(const char *name) {
+    static const struct { const char *name; int pre; } names[] = {
+        {"llama-bpe", PRE_LLAMA3}, {"llama3", PRE_LLAMA3}, {"llama-v3", PRE_LLAMA3}, {"falcon3", PRE_LLAMA3},
+        {"smaug-bpe", PRE_LLAMA3}, {"dbrx", PRE_LLAMA3},
+        {"qwen2", PRE_QWEN2}, {"deepseek-r1-qwen", PRE_QWEN2}, {"megrez", PRE_QWEN2}, {"stablelm2", PRE_QWEN2},
+        {"gpt-2", PRE_GPT2}, {"phi-2", PRE_GPT2}, {"mpt", PRE_GPT2}, {"olmo", PRE_GPT2},
+        {"smollm", PRE_SMOLLM}, {"starcoder", PRE_SMOLLM}, {"refact", PRE_SMOLLM}, {"codeshell", PRE_SMOLLM},
+        {"deepseek-llm", PRE_DEEPSEEK_LLM}, {"deepseek-coder", PRE_DEEPSEEK_CODER},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(name, names[i].name) == 0) return names[i].pre;
+    return 0;
+}
+
+/* The id of the control or user-defined token spelled `text`, or -1. */
+static int lookup_special(const Tokenizer *t, const char *text);
+
+/* The chat template family of a tokenizer.chat_template, by its markers; -1
+   when it has none of them. */
+static int chat_family_of(const char *tmpl) {
+    if (strstr(tmpl, "<|start_header_id|>")) return CHAT_LLAMA3;
+    if (strstr(tmpl, "<|im_start|>")) return CHAT_CHATML;
+    if (strstr(tmpl, "<|user|>")) return CHAT_PHI3;
+    if (strstr(tmpl, "[INST]")) return CHAT_LLAMA2;
+    return -1;
+}
+
+static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3"};
+
+/* The token that closes a turn in the tokenizer's chat template: Llama 3's
+   <|eot_id|>, ChatML's <|im_end|>, Phi-3's <|end|> where the vocabulary has
+   them, else the file's end of turn. */
+static int turn_end_token(const Tokenizer *t) {
+    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>"};
+    const char *name = names[t->chat_template];
+    int id = name && t->special ? lookup_special(t, name) : -1;
+    return id >= 0 ? id : t->end_of_turn;
+}
+
+/* Adds `token` to the end tokens unless it is one already (or there is no room). */
+static void add_end_token(Tokenizer *t, int token) {
+    if (token < 0 || is_eos_token(t, token) || t->n_end == MAX_END_TOKENS) return;
+    t->end[t->n_end++] = token;
+}
+
+/* An id from the file: -1 (absent) or a token. */
+static int vocab_id(const GGUFVocab *v, int id, const char *what, const char *path) {
+    if (id < -1 || id >= v->n_tokens) die(EXIT_BAD_FILE, "%s: bad vocabulary: %s %d is not a token (%d tokens)", path, what, id, v->n_tokens);
+    return id;
+}
+
+static const Tokenizer *sorting_user_tokens;
+
+/* Longest first, then by id. */
+static int compare_user_tokens(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    int lx = sorting_user_tokens->piece_len[x], ly = sorting_user_tokens->piece_len[y];
+    return lx != ly ? (lx < ly) - (lx > ly) : (x > y) - (x < y);
+}
+
+/* SentencePiece pieces as tokenizer.bin holds them: U+2581 becomes a space
+   (what llama2.c's export does), and the byte tokens <0xNN> are found by name. */
+static void load_gguf_sentencepiece(Tokenizer *t, const GGUFVocab *v, const char *path) {
+    int n = v->n_tokens;
+    t->vocab_scores = xcalloc((size_t)n, sizeof(float));
+    for (int i = 0; i < n; i++) {
+        const char *src = v->tokens[i];
+        int len = v->token_lens[i], out = 0;
+        char *piece = xcalloc((size_t)len + 1, 1);
+        for (int k = 0; k < len; k++) {
+            if (k + 2 < len && memcmp(src + k, "\xE2\x96\x81", 3) == 0) {
+                piece[out++] = ' ';
+                k += 2;
+            } else {
+                piece[out++] = src[k];
+            }
+        }
+        t->vocab[i] = piece;
+        t->piece_len[i] = out;
+        if (out > t->max_token_length) t->max_token_length = out;
+        if (v->scores) {
+            if (isnan(v->scores[i]))
+                die(EXIT_BAD_FILE, "%s: bad vocabulary: token %d has the score NaN", path, i);
+            t->vocab_scores[i] = v->scores[i];
+        }
+    }
+    t->sorted_vocab = xcalloc((size_t)n, sizeof(TokenIndex));
+    for (int i = 0; i < n; i++) t->sorted_vocab[i] = (TokenIndex){t->vocab[i], i};
+    qsort(t->sorted_vocab, (size_t)n, sizeof(TokenIndex), compare_tokens);
+    /* byte b: the token <0xNN>, else the token that is the byte itself (llama.cpp's order) */
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof(name), "<0x%02X>", b);
+        int id = lookup_piece(t, name);
+        if (id < 0 && b != 0) {
+            name[0] = (char)b;
+            name[1] = '\0';
+            id = lookup_piece(t, name);
+        }
+        t->byte_token[b] = id;
+    }
+}
+
+/* Byte-level BPE: ordinary tokens back to bytes from GPT-2's alphabet; the
+   merges by id, best rank first. */
+static void load_gguf_byte_level(Tokenizer *t, const GGUFVocab *v, const char *path) {
+    int n = v->n_tokens;
+    t->byte_level = 1;
+    const char *pre = v->pre ? v->pre : "(none)";
+    t->pre = v->pre ? pre_tokenizer_of(v->pre) : 0;
+    if (!t->pre)
+        die(EXIT_BAD_FILE, "%s: unknown pre-tokenizer '%s' (tokenizer.ggml.pre): this program splits text as llama-bpe, qwen2, gpt-2, smollm, deepseek-llm and deepseek-coder do",
+            path, pre);
+    t->ignore_merges = t->pre == PRE_LLAMA3 && strcmp(pre, "smaug-bpe") != 0 && strcmp(pre, "dbrx") != 0;
+    for (int b = 0; b < 256; b++) t->byte_token[b] = -1;
+    for (int i = 0; i < n; i++) {
+        int len = v->token_lens[i], type = v->types ? v->types[i] : TOKEN_TYPE_NORMAL;
+        char *piece = xcalloc((size_t)len + 1, 1);
+        int out = -1;
+        if (type == TOKEN_TYPE_NORMAL || type == TOKEN_TYPE_BYTE) out = gpt2_unmap(v->tokens[i], len, piece);
+        if (out < 0) {
+            /* control, user-defined...: written as they read; an ordinary
+               token outside GPT-2's alphabet could never come out of BPE */
+            memcpy(piece, v->tokens[i], (size_t)len);
+            out = len;
+            t->special[i] = 1;
+        }
+        t->vocab[i] = piece;
+        t->piece_len[i] = out;
+        if (out > t->max_token_length) t->max_token_length = out;
+        if (!t->special[i] && out == 1 && t->byte_token[(unsigned char)piece[0]] < 0) t->byte_token[(unsigned char)piece[0]] = i;
+    }
+    /* every byte of well-formed UTF-8 needs a token (0xC0, 0xC1 and 0xF5..0xFF never occur) */
+    for (int b = 0; b < 0xF5; b++)
+        if (t->byte_token[b] < 0 && b != 0xC0 && b != 0xC1)
+            die(EXIT_BAD_FILE, "%s: bad vocabulary: no token for the byte 0x%02X", path, b);
+
+    t->sorted_vocab = xcalloc((size_t)n, sizeof(TokenIndex));
+    int n_sorted = 0;
+    for (int i = 0; i < n; i++)
+        if (!t->special[i]) t->sorted_vocab[n_sorted++] = (TokenIndex){t->vocab[i], i};
+    sorting_tokenizer = t;
+    qsort(t->sorted_vocab, (size_t)n_sorted, sizeof(TokenIndex), compare_token_index_bytes);
+    t->n_sorted = n_sorted;
+
+    /* merges, in a hash table at most half full; a merge whose parts or
+       result are not ordinary tokens can never apply (Hugging Face refuses
+       such files), so it is left out */
+    int cap = 2;
+    while (cap < 2 * v->n_merges) cap *= 2;
+    t->merge_mask = cap - 1;
+    t->merges = xcalloc((size_t)cap, sizeof(MergeRule));
+    for (int i = 0; i < cap; i++) t->merges[i].left = -1;
+    for (int r = 0; r < v->n_merges; r++) {
+        const char *m = v->merges[r], *space = m[0] ? strchr(m + 1, ' ') : NULL;
+        if (!space) die(EXIT_BAD_FILE, "%s: bad vocabulary: merge %d is not \"left right\"", path, r);
+        int ll = (int)(space - m), lr = (int)strlen(space + 1);
+        char *bytes = xcalloc((size_t)(ll + lr) + 1, 1);
+        int bl = gpt2_unmap(m, ll, bytes), br = bl < 0 ? -1 : gpt2_unmap(space + 1, lr, bytes + bl);
+        int left = bl > 0 ? lookup_bytes(t, bytes, bl) : -1, right = br > 0 ? lookup_bytes(t, bytes + bl, br) : -1;
+        int merged = left >= 0 && right >= 0 ? lookup_bytes(t, bytes, bl + br) : -1;
+        free(bytes);
+        if (merged < 0 || find_merge(t, left, right)) continue; /* a repeated pair keeps its best rank */
+        uint32_t i = merge_hash(left, right) & (uint32_t)t->merge_mask;
+        while (t->merges[i].left >= 0) i = (i + 1) & (uint32_t)t->merge_mask;
+        t->merges[i] = (MergeRule){left, right, merged, r};
+    }
+    t->letter_ranges = unicode_category_ranges('L', &t->n_letter);
+    t->number_ranges = unicode_category_ranges('N', &t->n_number);
+    t->punct_ranges = unicode_category_ranges('P', &t->n_punct);
+}
+
+/* Builds t from v (path names the file in errors); dies with a one-line
+   error on anything malformed or unsupported. */
+static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *path) {
+    memset(t, 0, sizeof(*t));
+    if (!v->model) die(EXIT_BAD_FILE, "%s: the file has no vocabulary (tokenizer.ggml.model)", path);
+    int spm = strcmp(v->model, "llama") == 0;
+    if (!spm && strcmp(v->model, "gpt2") != 0)
+        die(EXIT_BAD_FILE, "%s: unknown tokenizer '%s' (tokenizer.ggml.model): this program reads llama (SentencePiece) and gpt2 (byte-level BPE)",
+            path, v->model);
+    if (spm && v->pre && strcmp(v->pre, "default") != 0)
+        die(EXIT_BAD_FILE, "%s: unknown pre-tokenizer '%s' (tokenizer.ggml.pre) for a SentencePiece vocabulary (only 'default')", path, v->pre);
+    if (v->n_tokens < 1 || !v->tokens || !v->token_lens) die(EXIT_BAD_FILE, "%s: bad vocabulary: no tokens (tokenizer.ggml.tokens)", path);
+    if (v->n_merges < 0 || (v->n_merges > 0 && !v->merges)) die(EXIT_BAD_FILE, "%s: bad vocabulary: %d merges", path, v->n_merges);
+    int n = v->n_tokens;
+    t->vocab_size = n;
+    t->vocab = xcalloc((size_t)n, sizeof(char *));
+    t->piece_len = xcalloc((size_t)n, sizeof(int));
+    t->special = xcalloc((size_t)n, 1);
+    for (int i = 0; i < n; i++) {
+        int type = v->types ? v->types[i] : TOKEN_TYPE_NORMAL;
+        if (type < TOKEN_TYPE_NORMAL || type > TOKEN_TYPE_BYTE)
+            die(EXIT_BAD_FILE, "%s: bad vocabulary: token %d has the type %d (1 to 6)", path, i, type);
+        if (v->token_lens[i] < 0 || !v->tokens[i]) die(EXIT_BAD_FILE, "%s: bad vocabulary: token %d has no text", path, i);
+        t->special[i] = type == TOKEN_TYPE_UNKNOWN || type == TOKEN_TYPE_CONTROL || type == TOKEN_TYPE_USER_DEFINED || type == TOKEN_TYPE_UNUSED;
+    }
+    if (spm) load_gguf_sentencepiece(t, v, path);
+    else load_gguf_byte_level(t, v, path);
+    if (t->max_token_length < 1) t->max_token_length = 1;
+
+    /* user-defined tokens, longest first */
+    t->user_tokens = xcalloc((size_t)n, sizeof(int));
+    for (int i = 0; i < n; i++)
+        if (v->types && v->types[i] == TOKEN_TYPE_USER_DEFINED && t->piece_len[i] > 0) t->user_tokens[t->n_user++] = i;
+    sorting_user_tokens = t;
+    qsort(t->user_tokens, (size_t)t->n_user, sizeof(int), compare_user_tokens);
+
+    /* special ids; SentencePiece's BOS and EOS are 1 and 2 unless the file says
+       otherwise, as llama.cpp assumes */
+    int bos = vocab_id(v, v->bos, "BOS", path), eos = vocab_id(v, v->eos, "EOS", path);
+    int eot = vocab_id(v, v->eot, "end of turn", path), eom = vocab_id(v, v->eom, "end of message", path);
+    vocab_id(v, v->unk, "unknown token", path);
+    vocab_id(v, v->pad, "padding token", path);
+    if (spm && bos < 0 && n > 1) bos = 1;
+    if (spm && eos < 0 && n > 2) eos = 2;
+    if (eos < 0) eos = eot >= 0 ? eot : eom;
+    if (eos < 0) die(EXIT_BAD_FILE, "%s: bad vocabulary: no end token (tokenizer.ggml.eos_token_id)", path);
+    t->add_bos = v->add_bos >= 0 ? v->add_bos : spm || t->pre == PRE_LLAMA3;
+    t->add_eos = v->add_eos > 0;
+    if (t->add_bos && bos < 0) die(EXIT_BAD_FILE, "%s: bad vocabulary: it adds BOS but names none (tokenizer.ggml.bos_token_id)", path);
+    /* the engine takes BOS for an end of text too: without one, EOS stands in */
+    t->bos = bos >= 0 ? bos : eos;
+    t->eos = eos;
+    t->n_end = 0;
+    add_end_token(t, eos);
+    add_end_token(t, eot);
+    add_end_token(t, eom);
+    t->eos_ends_generate = 1;
+
+    /* the chat template's family, by its markers; without a template, by the
+       vocabulary's turn tokens */
+    int family = v->chat_template ? chat_family_of(v->chat_template) : -1;
+    if (family < 0) {
+        family = lookup_special(t, "<|start_header_id|>") >= 0 ? CHAT_LLAMA3 : lookup_special(t, "<|im_start|>") >= 0 ? CHAT_CHATML
+               : lookup_special(t, "<|user|>") >= 0 ? CHAT_PHI3 : CHAT_LLAMA2;
+        if (v->chat_template)
+            fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML or Phi-3's; using %s (--chat-template chooses)\n",
+                    path, chat_family_names[family]);
+    }
+    t->chat_template = family;
+    t->end_of_turn = eot >= 0 ? eot : eos;
+    t->end_of_turn = turn_end_token(t);
+    add_end_token(t, t->end_of_turn);
+    /* the tokens that end text in llama.cpp's list, where the vocabulary has them */
+    static const char *const ends[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>", "<EOT>"};
+    for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) add_end_token(t, lookup_special(t, ends[i]));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -6745,8 +7586,8 @@ static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, const c
    (a leading space kept, byte tokens as <0xNN>), "<s>" and "</s>" for BOS and
    EOS, whose entries in tokenizer.bin are wrapped in newlines. */
 static const char *token_piece(const Tokenizer *tok, int token) {
-    if (!tok->byte_level && token == TOKEN_BOS) return "<s>";
-    if (!tok->byte_level && token == TOKEN_EOS) return "</s>";
+    if (tok->fixed_ids && token == TOKEN_BOS) return "<s>";
+    if (tok->fixed_ids && token == TOKEN_EOS) return "</s>";
     return tok->vocab[token];
 }
 
@@ -6822,10 +7663,12 @@ static int append_text_tokens(const Tokenizer *tok, const char *text, int *out, 
     return fits;
 }
 
-/* The special token `name` that the Llama 3 template needs. */
+/* The special token `name` that the chat template needs. */
 static int template_token(const Tokenizer *tok, const char *name) {
-    int id = tok->byte_level ? lookup_special(tok, name) : -1;
-    if (id < 0) die(EXIT_USAGE, "the llama3 chat template needs the token %s, which this tokenizer lacks (use --chat-template llama2)", name);
+    int id = tok->special ? lookup_special(tok, name) : -1;
+    if (id < 0)
+        die(EXIT_USAGE, "the %s chat template needs the token %s, which this tokenizer lacks (use --chat-template llama2)",
+            chat_family_names[tok->chat_template], name);
     return id;
 }
 
@@ -6876,10 +7719,59 @@ static int *render_chat_turn_llama3(const Tokenizer *tok, const char *system_pro
     return out;
 }
 
+/* Appends one message of a template that opens it with a role token and
+   closes it with an end token, then a newline: ChatML's
+   <|im_start|>role\ncontent<|im_end|>\n and Phi-3's <|role|>\ncontent<|end|>\n
+   (content NULL: only the opening, which the reply follows). */
+static int append_tagged_message(const Tokenizer *tok, const char *role, const char *content, int *out, int *n, int room) {
+    int chatml = tok->chat_template == CHAT_CHATML;
+    char name[32];
+    snprintf(name, sizeof(name), "<|%s|>", role);
+    if (*n + 1 > room) return 0;
+    out[(*n)++] = template_token(tok, chatml ? "<|im_start|>" : name);
+    const char *body = content ? content : "";
+    char *text = xcalloc(strlen(role) + strlen(body) + 2, 1);
+    sprintf(text, "%s\n%s", chatml ? role : "", body);
+    int fits = append_text_tokens(tok, text, out, n, room);
+    free(text);
+    if (!fits || !content) return fits;
+    if (*n + 1 > room) return 0;
+    out[(*n)++] = template_token(tok, chatml ? "<|im_end|>" : "<|end|>");
+    return append_text_tokens(tok, "\n", out, n, room);
+}
+
+/* The ChatML (Qwen, SmolLM) or Phi-3 template for one user turn, as tokens:
+   BOS in the first turn when the vocabulary adds one, else the newline that
+   follows the previous reply's end token; the system message (first turn,
+   when given), the user message, and the assistant's opening. Neither adds
+   a default system message of its own. */
+static int *render_chat_turn_tagged(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
+                                    int *n_tokens) {
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 32) + 16;
+    int *out = xcalloc(bound < (size_t)room ? bound : (size_t)room + 1, sizeof(int)), n = 0;
+    int fits = 1;
+    if (first && tok->add_bos) {
+        if (room < 1) fits = 0;
+        else out[n++] = tok->bos;
+    }
+    if (!first) fits = append_text_tokens(tok, "\n", out, &n, room);
+    if (fits && system_prompt && system_prompt[0] != '\0') fits = append_tagged_message(tok, "system", system_prompt, out, &n, room);
+    if (fits) fits = append_tagged_message(tok, "user", user, out, &n, room);
+    if (fits) fits = append_tagged_message(tok, "assistant", NULL, out, &n, room);
+    if (!fits) {
+        free(out);
+        return NULL;
+    }
+    *n_tokens = n;
+    return out;
+}
+
 /* The tokens of one user turn in the tokenizer's chat template (see
    --chat-template); NULL when they need more than `room` positions. */
 static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room, int *n_tokens) {
     if (tok->chat_template == CHAT_LLAMA3) return render_chat_turn_llama3(tok, system_prompt, user, first, room, n_tokens);
+    if (tok->chat_template == CHAT_CHATML || tok->chat_template == CHAT_PHI3)
+        return render_chat_turn_tagged(tok, system_prompt, user, first, room, n_tokens);
     char *rendered = render_chat_turn(system_prompt, user);
     int *tokens = encode_prompt(tok, rendered, room, n_tokens);
     free(rendered);
@@ -7017,7 +7909,7 @@ static void free_conversation(Conversation *c) {
    with BOS, else the end-of-turn token (EOS for llama2.c's tokenizers), also
    for a reply cut short (length limit, stop string, Ctrl-C). */
 static int reply_end_token(const Tokenizer *tok, const Hypothesis *h) {
-    return strcmp(h->stop, "bos") == 0 ? tok->bos : tok->end_of_turn;
+    return strcmp(h->stop, "bos") == 0 ? tok->bos : turn_end_token(tok);
 }
 
 /* An interactive conversation over a context of `steps` positions. Each
@@ -7121,7 +8013,7 @@ static void score_window(Transformer *t, const int *window, int n, Score *sc) {
 static void perplexity(Transformer *t, const Tokenizer *tok, const char *text, OutputFormat format) {
     const int window = t->config.seq_len; /* positions per window, BOS included */
     if (window < 2) die(EXIT_BAD_FILE, "the model's context of %d position cannot score a text", window);
-    int *tokens = xcalloc(strlen(text) + 3, sizeof(int)), bad_byte = 0;
+    int *tokens = xcalloc(encode_capacity(tok, strlen(text)), sizeof(int)), bad_byte = 0;
     int n = encode(tok, text, 1, 0, tokens, &bad_byte);
     if (n < 0) die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the text", bad_byte);
     if (n < 2) die(EXIT_BAD_FILE, "perplexity needs a text of at least one token; the text is empty");
@@ -7176,7 +8068,7 @@ typedef struct {
     int ordered;               /* --ordered: batch results in input order */
     int format_given;          /* whether -f was given */
     Controls controls;         /* --min-new-tokens ... --stop */
-    int chat_template;         /* --chat-template: CHAT_LLAMA2 or CHAT_LLAMA3; -1: the tokenizer's */
+    int chat_template;         /* --chat-template: CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML or CHAT_PHI3; -1: the tokenizer's */
     const char *draft_file;    /* --draft: the draft model's checkpoint; NULL: none */
     int lookup;                /* --lookup: prompt lookup's N-gram size; 0: off */
     int draft_max;             /* --draft-max: tokens drafted per step, at most */
@@ -7218,7 +8110,7 @@ static const char *usage_text =
     "                                likeliest, in [0, 1]; 0 is off (default 0)\n"
     "  --stop <string>               end the text before this string (repeatable, up to 16)\n"
     "  --max-new-tokens <int>  new tokens at most per reply (chat) or after the prompt (default: no limit)\n"
-    "  --chat-template <string>  llama2 or llama3 (default: the tokenizer file's)\n"
+    "  --chat-template <string>  llama2, llama3, chatml or phi3 (default: the tokenizer file's)\n"
     "  --draft <file>    speculative decoding with this draft model (same vocabulary): the same output\n"
     "                    as without it, faster when the draft guesses right (generate, chat, --batch);\n"
     "                    with -t > 0 each token is still drawn as without it (same seed, same text)\n"
@@ -7385,9 +8277,10 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
     if (strcmp(flag, "--chat-template") == 0) {
         const char *v = option_value(argc, argv, i);
-        if (strcmp(v, "llama2") == 0) o->chat_template = CHAT_LLAMA2;
-        else if (strcmp(v, "llama3") == 0) o->chat_template = CHAT_LLAMA3;
-        else usage_error("--chat-template must be llama2 or llama3, got '%s'", v);
+        o->chat_template = -1;
+        for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
+            if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
+        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml or phi3, got '%s'", v);
         return 2;
     }
     usage_error("unknown option '%s'", flag);
@@ -8405,7 +9298,7 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
             free(turn);
         } else if (strcmp(roles[i], "assistant") == 0 && i > 0 && strcmp(roles[i - 1], "user") == 0) {
             if (!append_text_tokens(tok, contents[i], out, &count, room) || count + 1 > room) break;
-            out[count++] = tok->end_of_turn;
+            out[count++] = turn_end_token(tok);
         } else {
             *why = "messages must be an optional system message, then user and assistant messages in turn";
             free(out);
