@@ -4334,6 +4334,8 @@ typedef struct {
 /* Sub-section 5.2 (byte-level BPE), used by the common entry points below. */
 static void load_byte_level_tokenizer(Tokenizer *t, const unsigned char *data, size_t size, const char *path, int vocab_size);
 static int encode_byte_level(const Tokenizer *t, const char *text, int bos, int eos, int *tokens);
+/* Sub-section 5.3: a GGUF file's vocabulary, given with -z. */
+static void load_gguf_tokenizer_file(Tokenizer *t, const void *data, size_t size, const char *path, int vocab_size);
 
 /* Whether `token` ends a reply: one of the file's end tokens. */
 static int is_eos_token(const Tokenizer *t, int token) {
@@ -4357,6 +4359,14 @@ static void refuse_non_tokenizer(const unsigned char *d, size_t size, const char
         die(EXIT_BAD_FILE, "%s: is a checkpoint, not a tokenizer (-z takes a tokenizer.bin)", path);
 }
 
+/* byte_pieces: byte b as the string {b, 0} at 2b, what byte tokens decode to */
+static void set_byte_pieces(Tokenizer *t) {
+    for (int i = 0; i < 256; i++) {
+        t->byte_pieces[i * 2] = (unsigned char)i;
+        t->byte_pieces[i * 2 + 1] = '\0';
+    }
+}
+
 /* Reads llama2.c's tokenizer.bin: int32 max_token_length, then for each of
    the model's vocab_size tokens a float32 score, an int32 byte length and the
    bytes. The file must hold exactly vocab_size tokens. */
@@ -4368,6 +4378,11 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
     t->vocab_size = vocab_size;
     if (size >= 4 && memcmp(data, "tk42", 4) == 0) {
         load_byte_level_tokenizer(t, data, size, path, vocab_size);
+        unmap((void *)data, size);
+        return;
+    }
+    if (is_gguf(data, size)) {
+        load_gguf_tokenizer_file(t, data, size, path, vocab_size);
         unmap((void *)data, size);
         return;
     }
@@ -4405,10 +4420,7 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
         die(EXIT_BAD_FILE, "%s: tokenizer has more than the model's %d tokens (%zu bytes left over): wrong tokenizer for this model?",
             path, vocab_size, size - at);
     unmap((void *)data, size);
-    for (int i = 0; i < 256; i++) {
-        t->byte_pieces[i * 2] = (unsigned char)i;
-        t->byte_pieces[i * 2 + 1] = '\0';
-    }
+    set_byte_pieces(t);
     t->sorted_vocab = xcalloc((size_t)vocab_size, sizeof(TokenIndex));
     for (int i = 0; i < vocab_size; i++) t->sorted_vocab[i] = (TokenIndex){t->vocab[i], i};
     qsort(t->sorted_vocab, (size_t)vocab_size, sizeof(TokenIndex), compare_tokens);
@@ -5633,6 +5645,7 @@ static void load_gguf_sentencepiece(Tokenizer *t, const GGUFVocab *v, const char
             t->vocab_scores[i] = v->scores[i];
         }
     }
+    set_byte_pieces(t);
     t->sorted_vocab = xcalloc((size_t)n, sizeof(TokenIndex));
     for (int i = 0; i < n; i++) t->sorted_vocab[i] = (TokenIndex){t->vocab[i], i};
     qsort(t->sorted_vocab, (size_t)n, sizeof(TokenIndex), compare_tokens);
@@ -5794,6 +5807,88 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
     /* the tokens that end text in llama.cpp's list, where the vocabulary has them */
     static const char *const ends[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>", "<EOT>"};
     for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) add_end_token(t, lookup_special(t, ends[i]));
+}
+
+/* The array `key` of `elem` elements, or NULL when absent. */
+static const GGUFValue *gguf_array(const GGUF *g, const char *key, uint32_t elem) {
+    const GGUFValue *v = gguf_value(g, key);
+    if (v && (v->type != GGUF_ARRAY || v->elem != elem))
+        die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' is not an array of %s", g->path, key,
+            elem == GGUF_STRING ? "strings" : elem == GGUF_FLOAT32 ? "float32" : "int32");
+    if (v && v->count > INT_MAX) die(EXIT_BAD_FILE, "%s: bad GGUF: metadata '%s' has %llu elements", g->path, key, (unsigned long long)v->count);
+    return v;
+}
+
+/* NUL-terminated copies of the strings of a string array (its bounds were
+   checked by parse_gguf); lens (may be NULL) gets their lengths. */
+static char **gguf_strings(const GGUF *g, const GGUFValue *v, int **lens) {
+    char **out = xcalloc((size_t)v->count, sizeof(char *));
+    if (lens) *lens = xcalloc((size_t)v->count, sizeof(int));
+    const char *at = v->at;
+    for (uint64_t i = 0; i < v->count; i++) {
+        uint64_t len;
+        memcpy(&len, at, 8);
+        if (len > (1 << 20)) die(EXIT_BAD_FILE, "%s: bad GGUF: a vocabulary string of %llu bytes", g->path, (unsigned long long)len);
+        out[i] = xcalloc((size_t)len + 1, 1);
+        memcpy(out[i], at + 8, (size_t)len);
+        if (lens) (*lens)[i] = (int)len;
+        at += 8 + len;
+    }
+    return out;
+}
+
+/* A copy of the `count` 4-byte elements of a numeric array, or NULL. */
+static void *gguf_numbers(const GGUFValue *v) {
+    if (!v) return NULL;
+    void *out = xcalloc((size_t)v->count, 4);
+    memcpy(out, v->at, (size_t)v->count * 4);
+    return out;
+}
+
+/* Builds t from the vocabulary of a parsed GGUF file (tokenizer.ggml.*). */
+static void load_gguf_vocabulary(Tokenizer *t, const GGUF *g) {
+    GGUFVocab v = {0};
+    char *model = gguf_string(g, "tokenizer.ggml.model"), *pre = gguf_string(g, "tokenizer.ggml.pre");
+    char *chat_template = gguf_string(g, "tokenizer.chat_template");
+    const GGUFValue *tokens = gguf_array(g, "tokenizer.ggml.tokens", GGUF_STRING);
+    const GGUFValue *merges = gguf_array(g, "tokenizer.ggml.merges", GGUF_STRING);
+    if (!model || !tokens) die(EXIT_BAD_FILE, "%s: the GGUF file has no vocabulary (tokenizer.ggml.model and .tokens): give one with -z", g->path);
+    float *scores = gguf_numbers(gguf_array(g, "tokenizer.ggml.scores", GGUF_FLOAT32));
+    int *types = gguf_numbers(gguf_array(g, "tokenizer.ggml.token_type", GGUF_INT32));
+    v.model = model;
+    v.pre = pre;
+    v.chat_template = chat_template;
+    v.n_tokens = (int)tokens->count;
+    v.tokens = gguf_strings(g, tokens, &v.token_lens);
+    v.scores = scores;
+    v.types = types;
+    v.n_merges = merges ? (int)merges->count : 0;
+    v.merges = merges ? gguf_strings(g, merges, NULL) : NULL;
+    const char *ids[] = {"bos", "eos", "eot", "eom", "unknown", "padding"};
+    int *fields[] = {&v.bos, &v.eos, &v.eot, &v.eom, &v.unk, &v.pad};
+    for (int i = 0; i < 6; i++) {
+        char key[64];
+        snprintf(key, sizeof(key), "tokenizer.ggml.%s_token_id", ids[i]);
+        *fields[i] = gguf_int(g, key, -1, -1, INT_MAX);
+    }
+    v.add_bos = gguf_int(g, "tokenizer.ggml.add_bos_token", -1, -1, 1);
+    v.add_eos = gguf_int(g, "tokenizer.ggml.add_eos_token", -1, -1, 1);
+    load_gguf_tokenizer(t, &v, g->path);
+    for (int i = 0; i < v.n_tokens; i++) free(v.tokens[i]);
+    for (int i = 0; i < v.n_merges; i++) free(v.merges[i]);
+    free(v.tokens); free(v.token_lens); free(v.merges);
+    free(scores); free(types); free(model); free(pre); free(chat_template);
+}
+
+/* A tokenizer from a GGUF file given with -z (a model's or a vocabulary's):
+   its vocabulary must have the model's vocab_size tokens. */
+static void load_gguf_tokenizer_file(Tokenizer *t, const void *data, size_t size, const char *path, int vocab_size) {
+    GGUF g;
+    parse_gguf(&g, data, size, path);
+    load_gguf_vocabulary(t, &g);
+    free_gguf(&g);
+    if (t->vocab_size != vocab_size)
+        die(EXIT_BAD_FILE, "%s: the vocabulary has %d tokens, the model %d: wrong vocabulary for this model?", path, t->vocab_size, vocab_size);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -8089,7 +8184,8 @@ static const char *usage_text =
     "              (default 256; in chat or with --max-new-tokens: the context)\n"
     "  -i <string> prompt (default empty)\n"
     "  -I <file>   read the prompt from a file, '-' for stdin, as is (no -i with it)\n"
-    "  -z <string> tokenizer file (default tokenizer.bin)\n"
+    "  -z <string> tokenizer file: tokenizer.bin, tk42 or a GGUF vocabulary (default: a GGUF\n"
+    "              model's own vocabulary, else tokenizer.bin)\n"
     "  -m <string> mode: generate, chat, tokenize (print the prompt's tokens), perplexity or serve\n"
     "              (default generate); perplexity scores the prompt text, in windows of the model's\n"
     "              context (seq_len positions: BOS + seq_len - 1 tokens, each window from scratch;\n"
@@ -8345,7 +8441,7 @@ static void check_keep(const Options *o) {
 }
 
 static Options parse_options(int argc, char **argv) {
-    Options o = {.tokenizer = "tokenizer.bin", .mode = "generate", .temperature = 1.0f, .topp = 0.9f, .steps = 256,
+    Options o = {.mode = "generate", .temperature = 1.0f, .topp = 0.9f, .steps = 256,
                  .format = FORMAT_TEXT, .length_penalty = 1.0f, .early_stopping = STOP_HEURISTIC, .n_return = 1, .parallel = 8,
                  .chat_template = -1, .host = "127.0.0.1", .port = 8080, .max_body_kb = 1024, .draft_max = 8, .keep = -1};
     if (argc < 2) { /* no arguments at all: a first try, shown everything */
@@ -9916,6 +10012,27 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     return 0;
 }
 
+/* -m tokenize on a vocabulary-only GGUF file (no tensors, as llama.cpp's
+   models/ggml-vocab-*.gguf), without -z: prints the tokens of the prompt
+   with no model. Returns whether the file was one. */
+static int tokenize_vocabulary_file(const Options *o) {
+    if (strcmp(o->mode, "tokenize") != 0 || o->tokenizer) return 0;
+    size_t size;
+    void *data = map_file(o->checkpoint, &size, "checkpoint");
+    GGUF g = {0};
+    if (is_gguf(data, size)) parse_gguf(&g, data, size, o->checkpoint);
+    int vocabulary_only = is_gguf(data, size) && g.n_tensors == 0;
+    if (vocabulary_only) {
+        Tokenizer tok;
+        load_gguf_vocabulary(&tok, &g);
+        print_tokens(&tok, o->prompt ? o->prompt : "", o->format);
+        free_tokenizer(&tok);
+    }
+    free_gguf(&g);
+    unmap(data, size);
+    return vocabulary_only;
+}
+
 #ifndef TESTING
 int main(int argc, char **argv) {
     platform_setup(&argc, &argv);
@@ -9928,6 +10045,10 @@ int main(int argc, char **argv) {
 #endif
     char *prompt_text = o.prompt_file ? read_text_file(o.prompt_file) : NULL;
     if (prompt_text) o.prompt = prompt_text;
+    if (tokenize_vocabulary_file(&o)) {
+        free(prompt_text);
+        return 0;
+    }
     Transformer t;
     load_checkpoint(&t, o.checkpoint);
     const Config *p = &t.config;
@@ -9943,7 +10064,8 @@ int main(int argc, char **argv) {
     if (o.controls.min_new_tokens > positions)
         usage_error("--min-new-tokens %d is more than the %d positions to run (-n)", o.controls.min_new_tokens, positions);
     Tokenizer tok;
-    load_tokenizer(&tok, o.tokenizer, p->vocab_size);
+    if (t.gguf && !o.tokenizer) load_gguf_vocabulary(&tok, t.gguf); /* -z overrides the file's own */
+    else load_tokenizer(&tok, o.tokenizer ? o.tokenizer : "tokenizer.bin", p->vocab_size);
     if (o.chat_template >= 0) tok.chat_template = o.chat_template;
     Transformer draft;
     Speculator *spec = NULL;
