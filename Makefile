@@ -75,6 +75,11 @@ tests/.bin/llama3_dump: tests/llama3_dump.c run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/llama3_dump.c -lm
 
+# the GGUF vocabulary test driver: tokenizer, special ids and chat turns (tests/test_gguf_vocab.py)
+tests/.bin/gguf_vocab_dump: tests/gguf_vocab_dump.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/gguf_vocab_dump.c -lm
+
 # the same tests on the vector kernels and threads of ./runomp
 tests/.bin/unit_native: tests/unit.c run.c
 	@mkdir -p tests/.bin
@@ -134,7 +139,7 @@ clean: clean-fuzz
 clean-fuzz:
 	rm -rf tests/fuzz/.out
 
-test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump $(SANITIZE_BINS) fuzz-build
+test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/gguf_vocab_dump $(SANITIZE_BINS) fuzz-build
 	MODELS_DIR=$(MODELS_DIR) PYTHON=$(TEST_PYTHON) RUN=$(RUN) bash tests/run_tests.sh
 
 # the streaming-read probe, then bench/bench.py with the fastest build; the
