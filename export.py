@@ -8,19 +8,32 @@ Subcommands:
       Hugging Face byte-level BPE (Llama 3) -> "tk42" tokenizer file; BOS, end
       tokens and the chat template family from tokenizer_config.json (and
       generation_config.json) beside it
+  tokenizer tokenizer.model|tokenizer.json|tokenizer.bin OUT.gguf
+      a vocabulary-only GGUF (as llama.cpp's models/ggml-vocab-*.gguf)
   model SRC OUT.bin [--version 0|1|2|3|4] [--encoding E] [--group-size N] [--seq-len N]
       SRC is a Hugging Face Llama directory (safetensors, sharded safetensors
       or pytorch_model*.bin), a llama2.c/nanoGPT-style .pt checkpoint, a Meta
       consolidated.*.pth directory with params.json, or an existing run.c
-      checkpoint (any version; converts between versions).
-  random OUT.bin --shape SHAPE --seed N [--version V]
+      checkpoint (any version; converts between versions). Without
+      --version: 4 when the model needs it (RoPE theta, llama3 scaling, norm
+      eps other than llama2.c's) or --encoding is given, else 0.
+  model SRC OUT.gguf [--encoding f32|f16|bf16|q8_0|q4_0] [--tokenizer FILE] [--seq-len N]
+      GGUF (llama.cpp's format, version 3): architecture "llama" (Llama,
+      Mistral, TinyLlama, SmolLM2; Q and K permuted to adjacent RoPE pairs as
+      llama.cpp's converter does) or "qwen2" (Qwen2/2.5: q/k/v biases, HF's
+      layout); norms and biases float32, other weights as --encoding
+      (default f16). The vocabulary from the HF directory's tokenizer.model
+      or tokenizer.json, or from --tokenizer FILE.
+  random OUT.bin|OUT.gguf --shape SHAPE --seed N [--version V]
       deterministic random-weight checkpoint (for tests and benchmarks)
   info FILE
       print the header of a run.c checkpoint (any version) or a tokenizer.bin
 
-Output versions: 0 = legacy llama2.c float32 (the default, readable by every
-llama2.c-style runner), 1 = float32 "ak42" header, 2 = int8 "Q8_0" with
-per-group float32 scales, 3 = 4-bit values with per-group float32 scales.
+Output versions: 0 = legacy llama2.c float32 (readable by every llama2.c-style
+runner), 1 = float32 "ak42" header, 2 = int8 "Q8_0" with per-group float32
+scales, 3 = 4-bit values with per-group float32 scales, 4 = the "ak42"
+header with RoPE theta and scaling and the norm eps, weights as --encoding:
+float32, int8 (version 2's layout) or q4 (version 3's).
 
 Version 3 layout: the version 2 header (group size at byte 37) and order
 (norms in float32, then each matrix's values followed by its scales, one
@@ -341,6 +354,8 @@ def cmd_tokenizer_json(args):
 
 
 def cmd_tokenizer(args):
+    if args.output.lower().endswith(".gguf"):
+        return cmd_tokenizer_gguf(args)
     if args.input.endswith(".json"):
         return cmd_tokenizer_json(args)
     pieces = read_sentencepiece(args.input)
@@ -624,10 +639,11 @@ def write_v2(src, f, group_size, version=2, header=None):
 
 # Version 4: the "ak42" header of versions 1 and 2 plus, after the shared
 # classifier byte at 36: int32 weight encoding at 40 (0 float32, 1 int8 Q8_0,
-# 2 4-bit: reserved), int32 group size at 44 (0 for float32), float32
+# 2 4-bit as version 3), int32 group size at 44 (0 for float32), float32
 # norm_eps at 48, float32 rope_theta at 52, int32 rope scaling at 56 (0 none,
 # 1 llama3), float32 factor, low_freq_factor, high_freq_factor at 60, 64, 68,
-# int32 original_max_position_embeddings at 72. Arrays as in version 1 or 2.
+# int32 original_max_position_embeddings at 72. Arrays as in version 1, 2
+# or (encoding 2) 3.
 ENCODINGS = {"float32": 0, "int8": 1, "q4": 2}
 
 
@@ -653,14 +669,33 @@ def needs_v4(cfg):
     return None
 
 
-def write_checkpoint(src, out, version, group_size, encoding="float32"):
-    check_config(src.cfg)
-    why = needs_v4(src.cfg)
+def choose_version(cfg, version, encoding):
+    """The checkpoint version: as asked, else 4 when the model needs it (or
+    an --encoding asks for it: only version 4 names one), else 0."""
+    why = needs_v4(cfg)
+    if version is None:
+        if why or encoding is not None:
+            print("writing version 4 (%s)" % ("needed for " + why if why else "--encoding " + encoding),
+                  file=sys.stderr)
+            return 4
+        return 0
     if why and version != 4:
-        fail("%s needs checkpoint version 4 (versions 0 to 3 have RoPE base 10000 and eps 1e-5): add --version 4"
-             % why)
-    if version == 4 and encoding == "q4":
-        fail("--encoding q4: 4-bit weights with version 4 headers are not written by this export.py (use --version 3)")
+        fail("%s needs checkpoint version 4 (versions 0 to 3 have RoPE base 10000 and eps 1e-5): "
+             "leave out --version, or give --version 4" % why)
+    if encoding is not None and version != 4:
+        fail("--encoding is for version 4 (--version %d fixes the weights' format)" % version)
+    return version
+
+
+def write_checkpoint(src, out, version, group_size, encoding=None):
+    check_config(src.cfg)
+    if src.cfg.get("arch", "llama") != "llama":
+        fail("a %s model is written only as GGUF (name the output .gguf): run.c checkpoints have no biases "
+             "and rotate adjacent RoPE pairs" % src.cfg["arch"])
+    if encoding not in (None,) + tuple(ENCODINGS):
+        fail("--encoding %s is for GGUF output; a .bin checkpoint takes %s" % (encoding, ", ".join(ENCODINGS)))
+    version = choose_version(src.cfg, version, encoding)
+    encoding = encoding or "float32"
     # every layout fetches tok_emb, rms_final, 9 tensors per layer and the classifier
     tensors = 9 * src.cfg["n_layers"] + 2 + (0 if src.cfg["shared"] else 1)
     with atomic_output(out) as f:
@@ -677,6 +712,9 @@ def write_checkpoint(src, out, version, group_size, encoding="float32"):
                 summary = write_v2(src, f, 32 if group_size is None else group_size, version=3)
             elif version == 4 and encoding == "float32":
                 write_v1(src, f, header_v4(src.cfg, 0, 0))
+            elif version == 4 and encoding == "q4":  # version 3's layout under a version 4 header
+                summary = write_v2(src, f, 32 if group_size is None else group_size, version=3,
+                                   header=lambda gs: header_v4(src.cfg, ENCODINGS["q4"], gs))
             elif version == 4:
                 summary = write_v2(src, f, 64 if group_size is None else group_size,
                                    header=lambda gs: header_v4(src.cfg, 1, gs))
@@ -689,9 +727,9 @@ def write_checkpoint(src, out, version, group_size, encoding="float32"):
     if summary:
         print(summary)
     c = src.cfg
-    print("wrote %s: version %d, dim %d, hidden_dim %d, n_layers %d, n_heads %d, n_kv_heads %d, "
+    print("wrote %s: version %d%s, dim %d, hidden_dim %d, n_layers %d, n_heads %d, n_kv_heads %d, "
           "vocab_size %d, seq_len %d, %s classifier"
-          % (out, version, c["dim"], c["hidden_dim"], c["n_layers"], c["n_heads"], c["n_kv_heads"],
+          % (out, version, " (%s)" % encoding if version == 4 else "", c["dim"], c["hidden_dim"], c["n_layers"], c["n_heads"], c["n_kv_heads"],
              c["vocab_size"], c["seq_len"], "shared" if c["shared"] else "separate"))
 
 
@@ -724,9 +762,9 @@ def read_runc_header(path):
         if version == 4:  # see header_v4
             encoding, gs, eps, theta, scaling = struct.unpack("<iiffi", head[40:60])
             factor, low, high, ctx = struct.unpack("<fffi", head[60:76])
-            if encoding not in (0, 1):
-                fail("%s: weight encoding %d is not readable here (0 float32, 1 int8)" % (path, encoding))
-            layout, gs = (2, gs) if encoding == 1 else (1, None)
+            if encoding not in (0, 1, 2):
+                fail("%s: unknown weight encoding %d (0 float32, 1 int8, 2 4-bit)" % (path, encoding))
+            layout, gs = {0: (1, None), 1: (2, gs), 2: (3, gs)}[encoding]
             extra = {"norm_eps": eps, "rope_theta": theta, "rope_scaling": None if not scaling else {
                 "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                 "original_max_position_embeddings": ctx}}
@@ -797,7 +835,7 @@ class RuncSource:
         L = cfg["n_layers"]
         dim = cfg["dim"]
         off = info["offset"]
-        version = info["layout"]  # 0, 1 (float32) or 2 (int8)
+        version = info["layout"]  # 0, 1 (float32), 2 (int8) or 3 (4-bit)
 
         def count(name):
             return math.prod(expected_shape(cfg, name))
@@ -1020,6 +1058,13 @@ HF_NAMES = {
 }
 
 
+HF_BIASES = {
+    "wq": "model.layers.%d.self_attn.q_proj.bias",
+    "wk": "model.layers.%d.self_attn.k_proj.bias",
+    "wv": "model.layers.%d.self_attn.v_proj.bias",
+}
+
+
 def unpermute_hf(w, n_heads):
     """Undo the permutation HF's Llama conversion applies to q/k weights
     (rotate-half RoPE layout -> adjacent-pair layout used by run.c)."""
@@ -1042,7 +1087,7 @@ class HFSource:
                 hf = json.load(f)
         except (OSError, ValueError) as e:
             fail("%s: cannot parse: %s" % (cfg_path, e))
-        self.check_arch(hf, cfg_path)
+        arch = self.check_arch(hf, cfg_path)
         dim = hf.get("hidden_size")
         n_heads = hf.get("num_attention_heads")
         n_kv = hf.get("num_key_value_heads") or n_heads
@@ -1060,13 +1105,16 @@ class HFSource:
             "rope_theta": float(hf.get("rope_theta", ROPE_THETA)),
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
             "rope_scaling": hf.get("rope_scaling"),
+            "arch": arch,
         }
         check_config(self.cfg)
         self.dir = d
         self.tensors = {}  # name -> loader callable
         self.find_weights(d)
+        # qwen2 has q, k and v biases (GGUF only); any other bias is refused
+        allowed = HF_BIASES.values() if arch == "qwen2" else ()
         for name in self.tensors:
-            if name.endswith(".bias"):
+            if name.endswith(".bias") and not any(name == b % l for b in allowed for l in range(self.cfg["n_layers"])):
                 fail("tensor %s: bias tensors are not supported by run.c" % name)
         has_lm_head = "lm_head.weight" in self.tensors
         tie = hf.get("tie_word_embeddings")
@@ -1081,6 +1129,8 @@ class HFSource:
         need = [HF_NAMES["tok_emb"], HF_NAMES["rms_final"]]
         for key in LAYER_TENSORS:
             need += [HF_NAMES[key] % l for l in range(self.cfg["n_layers"])]
+        for key in (HF_BIASES if arch == "qwen2" else ()):
+            need += [HF_BIASES[key] % l for l in range(self.cfg["n_layers"])]
         missing = [n for n in need if n not in self.tensors]
         if missing:
             more = " (and %d more)" % (len(missing) - 1) if len(missing) > 1 else ""
@@ -1088,24 +1138,33 @@ class HFSource:
 
     @staticmethod
     def check_arch(hf, where):
+        """Refuse what run.c cannot compute; returns the GGUF architecture:
+        "llama" (Llama, Mistral) or "qwen2"."""
         mt = hf.get("model_type")
-        if mt != "llama":
-            fail("%s: unsupported model_type %r (only \"llama\" is supported)" % (where, mt))
+        if mt not in ("llama", "mistral", "qwen2"):
+            fail("%s: unsupported model_type %r (supported: \"llama\", \"mistral\", \"qwen2\")" % (where, mt))
+        window = hf.get("sliding_window")
+        if mt == "qwen2" and hf.get("use_sliding_window"):
+            fail("%s: use_sliding_window is true; sliding-window attention is not supported" % where)
+        if mt == "mistral" and isinstance(window, int) and window < hf.get("max_position_embeddings", 0):
+            # as llama.cpp does: attention over the whole context, the same up to the window
+            print("note: %s: sliding_window %d is ignored (attention sees the whole context, the same as the "
+                  "model's up to %d tokens)" % (where, window, window), file=sys.stderr)
         theta = hf.get("rope_theta", ROPE_THETA)
         if not isinstance(theta, (int, float)) or not 0 < theta < 3.4e38:
             fail("%s: rope_theta %r must be a positive number" % (where, theta))
         sc = hf.get("rope_scaling")
         if sc is not None:
             kind = sc.get("rope_type", sc.get("type")) if isinstance(sc, dict) else None
-            if kind != "llama3":
-                fail("%s: rope_scaling of type %r is not supported (only \"llama3\")" % (where, kind))
+            if kind != "llama3" or mt == "qwen2":
+                fail("%s: rope_scaling of type %r is not supported (only \"llama3\", for Llama)" % (where, kind))
             keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             if any(not isinstance(sc.get(k), (int, float)) or sc.get(k) <= 0 for k in keys):
                 fail("%s: llama3 rope_scaling needs positive %s, got %r" % (where, ", ".join(keys), sc))
             if sc["high_freq_factor"] <= sc["low_freq_factor"]:
                 fail("%s: llama3 rope_scaling needs high_freq_factor > low_freq_factor, got %r" % (where, sc))
         for k in ("attention_bias", "mlp_bias"):
-            if hf.get(k):
+            if hf.get(k) and mt != "qwen2":
                 fail("%s: %s is true; biases are not supported by run.c" % (where, k))
         eps = hf.get("rms_norm_eps", 1e-6)  # LlamaConfig's default when absent
         if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
@@ -1113,6 +1172,7 @@ class HFSource:
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             fail("%s: hidden_act %r is not supported (run.c uses SiLU)" % (where, act))
+        return "qwen2" if mt == "qwen2" else "llama"
 
     def find_weights(self, d):
         files = sorted(os.listdir(d))
@@ -1174,11 +1234,24 @@ class HFSource:
         if tuple(shape) != want:
             fail("tensor %s has shape %s, expected %s" % (hf_name, tuple(shape), want))
         w = loader()
+        if self.cfg["arch"] == "qwen2":
+            return w  # GGUF's qwen2 keeps HF's layout: llama.cpp rotates halves for it
         if name == "wq":
             w = unpermute_hf(w, self.cfg["n_heads"])
         elif name == "wk":
             w = unpermute_hf(w, self.cfg["n_kv_heads"])
         return w
+
+    def bias(self, name, layer):
+        """qwen2's q, k or v bias of a layer, float32, HF's layout."""
+        hf_name = HF_BIASES[name] % layer
+        loader, shape = self.tensors[hf_name]
+        want = (expected_shape(self.cfg, name)[0],)
+        if tuple(shape) != want:
+            fail("tensor %s has shape %s, expected %s" % (hf_name, tuple(shape), want))
+        if Progress.current is not None:
+            Progress.current.tensor_started()
+        return np.ascontiguousarray(loader(), dtype=np.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -1362,6 +1435,599 @@ class RandomSource:
 
 
 # ---------------------------------------------------------------------------
+# GGUF output (llama.cpp's format)
+#
+# Written from the format's facts as llama.cpp (Feb 2025) states them: the
+# file is "GGUF", uint32 version 3, uint64 tensor count, uint64 metadata
+# count; each metadata entry a string key (uint64 length + UTF-8 bytes), a
+# uint32 value type and the value (arrays: uint32 element type, uint64
+# count, the elements); then per tensor its name, uint32 n_dims, uint64
+# ne[n_dims] (ne[0] the length of a row, so an (out, in) matrix is
+# ne = [in, out]), uint32 type and uint64 offset from the start of the data
+# section, which begins at the next multiple of general.alignment (32) after
+# the infos; every offset is a multiple of the alignment too.
+#
+# Tensor types: F32 0, F16 1, Q4_0 2, Q8_0 8, BF16 30. Q8_0 and Q4_0 are
+# blocks of 32 values of a row: Q8_0 a float16 scale d then 32 int8 q
+# (value = d * q); Q4_0 a float16 d then 16 bytes, byte j holding value j in
+# its low nibble and value j + 16 in its high nibble, each as q + 8 for q in
+# -8..7 (value = d * q). The quantisers follow llama.cpp's reference ones
+# (quantize_row_q8_0_ref, quantize_row_q4_0_ref): see gguf_q8_0, gguf_q4_0.
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSION = 3
+GGUF_ALIGNMENT = 32
+# metadata value types
+GV_UINT32, GV_INT32, GV_FLOAT32, GV_BOOL, GV_STRING, GV_ARRAY = 4, 5, 6, 7, 8, 9
+# --encoding for GGUF: (tensor type, bytes per block of 32 values, general.file_type)
+GGUF_ENCODINGS = {"f32": (0, 128, 0), "f16": (1, 64, 1), "bf16": (30, 64, 32), "q8_0": (8, 34, 7),
+                  "q4_0": (2, 18, 2)}
+GGML_F32, GGML_F16 = 0, 1
+# token types (tokenizer.ggml.token_type), the numbers SentencePiece uses too
+TOK_NORMAL, TOK_UNKNOWN, TOK_CONTROL, TOK_USER_DEFINED, TOK_UNUSED, TOK_BYTE = 1, 2, 3, 4, 5, 6
+# Qwen2's pre-tokenizer split (tokenizer.json): Llama 3's with single digits
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# DeepSeek's sequences of splits, as llama.cpp lists them for "deepseek-llm"
+# and "deepseek-coder" (their digit rule is a Digits pre-tokenizer in
+# tokenizer.json)
+DEEPSEEK_LLM_SPLITS = (
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+)
+DEEPSEEK_CODER_SPLITS = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[一-龥ࠀ-一가-퟿]+")
+# end-of-turn and end-of-message tokens, by their text (Llama 3, ChatML, Phi-3)
+EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>")
+EOM_TEXTS = ("<|eom_id|>",)
+
+
+def gguf_str(s):
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return struct.pack("<Q", len(b)) + b
+
+
+def gguf_kv(key, vtype, value):
+    """One metadata entry; vtype is a GV_ scalar type or ("array", GV_ type)."""
+    out = [gguf_str(key)]
+    if isinstance(vtype, tuple):
+        elem = vtype[1]
+        out.append(struct.pack("<IIQ", GV_ARRAY, elem, len(value)))
+        if elem == GV_STRING:
+            out.extend(gguf_str(v) for v in value)
+        else:
+            out.append(struct.pack("<%d%s" % (len(value), {GV_FLOAT32: "f", GV_INT32: "i", GV_UINT32: "I"}[elem]), *value))
+    elif vtype == GV_STRING:
+        out.append(struct.pack("<I", vtype) + gguf_str(value))
+    elif vtype == GV_BOOL:
+        out.append(struct.pack("<IB", vtype, 1 if value else 0))
+    else:
+        out.append(struct.pack("<I" + {GV_UINT32: "I", GV_INT32: "i", GV_FLOAT32: "f"}[vtype], vtype, value))
+    return b"".join(out)
+
+
+def gguf_q8_0(w):
+    """Q8_0 blocks of a float32 array whose size is a multiple of 32, as
+    llama.cpp's reference quantiser makes them: d = max|x| / 127 (float32,
+    stored as float16), q = x * (1 / d) rounded half away from zero."""
+    g = w.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(g).max(axis=1) / np.float32(127)).astype(np.float32)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    x = (g * inv[:, None]).astype(np.float64)  # the float32 products, exactly
+    q = np.where(x >= 0, np.floor(x + 0.5), np.ceil(x - 0.5)).astype(np.int8)
+    blocks = np.empty(g.shape[0], dtype=[("d", "<f2"), ("qs", "i1", 32)])
+    blocks["d"], blocks["qs"] = d.astype(np.float16), q
+    return blocks.tobytes()
+
+
+def gguf_q4_0(w):
+    """Q4_0 blocks, as llama.cpp's reference quantiser makes them: m = the
+    first value of largest magnitude (sign kept), d = m / -8 (float32, stored
+    as float16), q + 8 = min(15, truncate(x * (1 / d) + 8.5)) in float32."""
+    g = w.reshape(-1, 32).astype(np.float32)
+    m = g[np.arange(g.shape[0]), np.abs(g).argmax(axis=1)] if g.size else np.zeros(0, np.float32)
+    d = (m / np.float32(-8)).astype(np.float32)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    u = np.minimum(np.trunc((g * inv[:, None]).astype(np.float32) + np.float32(8.5)), 15).astype(np.uint8)
+    blocks = np.empty(g.shape[0], dtype=[("d", "<f2"), ("qs", "u1", 16)])
+    blocks["d"], blocks["qs"] = d.astype(np.float16), u[:, :16] | (u[:, 16:] << 4)
+    return blocks.tobytes()
+
+
+def gguf_bf16(w):
+    """bfloat16 bits of float32 values, rounded to nearest even."""
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+
+
+def gguf_tensor_bytes(w, ttype):
+    if ttype == 0:
+        return np.ascontiguousarray(w, dtype="<f4").tobytes()
+    if ttype == 1:
+        return np.ascontiguousarray(w).astype("<f2").tobytes()
+    if ttype == 30:
+        return gguf_bf16(w)
+    return gguf_q8_0(w) if ttype == 8 else gguf_q4_0(w)
+
+
+def gguf_nbytes(ttype, count):
+    if ttype == 0:
+        return 4 * count
+    if ttype in (1, 30):
+        return 2 * count
+    return count // 32 * (34 if ttype == 8 else 18)
+
+
+def _pad(n, align=GGUF_ALIGNMENT):
+    return -n % align
+
+
+def write_gguf(path, metadata, tensors):
+    """metadata: [(key, vtype, value)]; tensors: [(name, ne, type, produce)]
+    where produce() returns the float32 values (row-major, rows of ne[0]).
+    The infos are written first, so sizes come from ne and type alone; each
+    tensor is produced, converted and written in turn. Returns a summary."""
+    head = [GGUF_MAGIC, struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(metadata))]
+    head += [gguf_kv(*kv) for kv in metadata]
+    offset = 0
+    for name, ne, ttype, _ in tensors:
+        head.append(gguf_str(name) + struct.pack("<I%dQ" % len(ne), len(ne), *ne))
+        head.append(struct.pack("<IQ", ttype, offset))
+        offset += gguf_nbytes(ttype, math.prod(ne))
+        offset += _pad(offset)
+    with atomic_output(path) as f:
+        Progress.current = Progress(f, len(tensors))
+        complete = False
+        try:
+            head = b"".join(head)
+            f.write(head + b"\0" * _pad(len(head)))
+            for name, ne, ttype, produce in tensors:
+                w = produce()
+                data = gguf_tensor_bytes(w, ttype)
+                if len(data) != gguf_nbytes(ttype, math.prod(ne)):
+                    fail("tensor %s: %d bytes for shape %s (internal error)" % (name, len(data), ne))
+                f.write(data + b"\0" * _pad(len(data)))
+            complete = True
+        finally:
+            Progress.current.finish(complete)
+            Progress.current = None
+
+
+# --- the vocabulary ---------------------------------------------------------
+
+def _special_ids(vocab, cfg_dir):
+    """bos/eos/unk/sep/pad ids as llama.cpp's converter finds them: the
+    tokens tokenizer_config.json names (looked up by their text), then the
+    *_token_id fields of config.json for those still unset."""
+    tcfg_path = os.path.join(cfg_dir, "tokenizer_config.json")
+    tcfg = _read_json(tcfg_path) if os.path.isfile(tcfg_path) else {}
+    cfg_path = os.path.join(cfg_dir, "config.json")
+    cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+    by_text = {}
+    for i, t in enumerate(vocab["tokens"]):
+        by_text.setdefault(t, i)
+    ids = {}
+    for kind in ("bos", "eos", "unk", "sep", "pad"):
+        text = _token_text(tcfg.get(kind + "_token"))
+        if isinstance(text, str) and text.encode("utf-8") in by_text:
+            ids[kind] = by_text[text.encode("utf-8")]
+        elif isinstance(cfg.get(kind + "_token_id"), int) and 0 <= cfg[kind + "_token_id"] < len(vocab["tokens"]):
+            ids[kind] = cfg[kind + "_token_id"]
+    for kind, texts in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS)):
+        for text in texts:
+            if text.encode("utf-8") in by_text:
+                ids[kind] = by_text[text.encode("utf-8")]
+                break
+    vocab["ids"] = ids
+    for kind in ("bos", "eos"):
+        if isinstance(tcfg.get("add_%s_token" % kind), bool):
+            vocab["add_" + kind] = tcfg["add_%s_token" % kind]
+    if isinstance(tcfg.get("add_prefix_space"), bool):
+        vocab["add_space_prefix"] = tcfg["add_prefix_space"]
+    template = tcfg.get("chat_template")
+    if isinstance(template, str):
+        vocab["chat_templates"] = [("tokenizer.chat_template", template)]
+    elif isinstance(template, list):  # named templates: "default" and the others by name
+        vocab["chat_templates"] = [("tokenizer.chat_template" + ("" if t.get("name") == "default" else "." + str(t.get("name"))),
+                                    t.get("template", "")) for t in template if isinstance(t, dict)]
+    return vocab
+
+
+def _added_tokens_config(vocab, cfg_dir):
+    """tokenizer_config.json's added_tokens_decoder replaces the pieces it
+    names, as llama.cpp's converter does for SentencePiece vocabularies."""
+    path = os.path.join(cfg_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
+    for key, tok in (_read_json(path).get("added_tokens_decoder") or {}).items():
+        try:
+            i, text = int(key), tok["content"]
+        except (ValueError, KeyError, TypeError):
+            fail("%s: bad added_tokens_decoder entry %r" % (path, key))
+        if not 0 <= i < len(vocab["tokens"]):
+            continue
+        special = tok.get("special") or _looks_special(text)
+        vocab["tokens"][i] = (text if special else text.replace("\u2581", " ")).encode("utf-8")
+        vocab["types"][i] = TOK_CONTROL if special else TOK_USER_DEFINED
+        vocab["scores"][i] = -1000.0
+
+
+def _looks_special(text):
+    """Added tokens some models leave unmarked that llama.cpp's converter
+    still makes control tokens: <|...|>, DeepSeek's full-width <｜...｜>,
+    <pad>, Gemma's <unused...>, <mask>, <2mass>, [@BOS@]."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))
+
+
+def vocab_sentencepiece(path, cfg_dir):
+    """tokenizer.model -> tokenizer.ggml.model "llama": the pieces as
+    stored (with U+2581 for spaces), scores, and SentencePiece's own piece
+    types (normal, unknown, control, user-defined, unused, byte)."""
+    pieces = read_sentencepiece(path)
+    vocab = {"model": "llama", "pre": "default", "tokens": [p.encode("utf-8") for p, _, _ in pieces],
+             "scores": [s for _, s, _ in pieces], "types": [t for _, _, t in pieces],
+             "add_bos": True, "add_eos": False}
+    _added_tokens_config(vocab, cfg_dir)
+    _special_ids(vocab, cfg_dir)
+    ids = vocab["ids"]
+    for kind, text in (("bos", b"<s>"), ("eos", b"</s>")):
+        if kind not in ids and text in vocab["tokens"]:
+            ids[kind] = vocab["tokens"].index(text)
+    if "unk" not in ids and TOK_UNKNOWN in vocab["types"]:
+        ids["unk"] = vocab["types"].index(TOK_UNKNOWN)
+    return vocab
+
+
+def vocab_llama2c(path):
+    """A llama2.c tokenizer.bin -> a SentencePiece-style vocabulary. The file
+    keeps pieces and scores only: spaces are turned back into U+2581, ids 0,
+    1 and 2 are <unk>, <s> and </s> (llama2.c's convention), "<0xHH>" pieces
+    are byte tokens."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        fail("cannot read %s: %s" % (path, e.strerror))
+    if data[:4] == TK42_MAGIC:
+        fail("%s: a byte-level BPE tokenizer written by this tool; give the tokenizer.json it was made from" % path)
+    if tokenizer_entries(data) is None:
+        fail("%s: not a llama2.c tokenizer.bin" % path)
+    tokens, scores, types = [], [], []
+    pos = 4
+    while pos < len(data):
+        score, ln = struct.unpack("<fi", data[pos:pos + 8])
+        piece = data[pos + 8:pos + 8 + ln]
+        pos += 8 + ln
+        i = len(tokens)
+        kind = TOK_NORMAL
+        if i in (0, 1, 2):
+            piece, kind = (b"<unk>", b"<s>", b"</s>")[i], (TOK_UNKNOWN, TOK_CONTROL, TOK_CONTROL)[i]
+        elif len(piece) == 6 and piece.startswith(b"<0x") and piece.endswith(b">"):
+            kind = TOK_BYTE
+        else:
+            piece = piece.replace(b" ", "\u2581".encode("utf-8"))
+        tokens.append(piece)
+        scores.append(score)
+        types.append(kind)
+    return {"model": "llama", "pre": "default", "tokens": tokens, "scores": scores, "types": types,
+            "ids": {"unk": 0, "bos": 1, "eos": 2}, "add_bos": True, "add_eos": False}
+
+
+def _pre_tokenizer_steps(pre, path):
+    """The pre_tokenizer of a tokenizer.json as a tuple of steps:
+    ("split", regex), ("digits", individual), ("bytelevel", use_regex)."""
+    items = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    steps = []
+    for p in items:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "Split":
+            pat = p.get("pattern") or {}
+            steps.append(("split", pat.get("Regex") if isinstance(pat, dict) else None))
+        elif kind == "Digits":
+            steps.append(("digits", bool(p.get("individual_digits"))))
+        elif kind == "ByteLevel":
+            if p.get("add_prefix_space"):
+                fail("%s: a ByteLevel pre-tokenizer with add_prefix_space is not one llama.cpp names" % path)
+            steps.append(("bytelevel", p.get("use_regex", True)))
+        else:
+            fail("%s: pre-tokenizer step %r is not one llama.cpp names" % (path, kind))
+    return tuple(steps)
+
+
+def choose_pre(tj, path):
+    """tokenizer.ggml.pre: the name llama.cpp gives this pre-tokenizer,
+    recognised from tokenizer.json's pre_tokenizer (its split regexes)."""
+    pre = tj.get("pre_tokenizer")
+    if not isinstance(pre, dict):
+        fail("%s: no pre_tokenizer (not a byte-level BPE tokenizer llama.cpp names)" % path)
+    steps = _pre_tokenizer_steps(pre, path)
+    known = {
+        (("split", LLAMA3_SPLIT), ("bytelevel", False)): "llama-bpe",
+        (("split", QWEN2_SPLIT), ("bytelevel", False)): "qwen2",
+        (("bytelevel", True),): "gpt-2",
+        (("digits", True), ("bytelevel", True)): "smollm",
+    }
+    if steps in known:
+        return known[steps]
+    splits = tuple(r for kind, r in steps if kind == "split")
+    # DeepSeek's digit rule: a Digits step, or a last split of \p{N}+ / \p{N}
+    digits = any(kind == "digits" for kind, _ in steps) or splits[-1:] in (("\\p{N}+",), ("\\p{N}",))
+    if splits[-1:] in (("\\p{N}+",), ("\\p{N}",)):
+        splits = splits[:-1]
+    if digits and steps[-1] == ("bytelevel", False):
+        if splits == DEEPSEEK_LLM_SPLITS:
+            return "deepseek-llm"
+        if splits == DEEPSEEK_CODER_SPLITS:
+            return "deepseek-coder"
+    splits = tuple(r for kind, r in steps if kind == "split")
+    if splits:
+        fail("%s: pre-tokenizer split regex %r is not one llama.cpp names (known: Llama 3, Qwen2, DeepSeek LLM "
+             "and Coder; GPT-2 and SmolLM byte-level)" % (path, splits[0] if len(splits) == 1 else list(splits)))
+    fail("%s: pre-tokenizer %s is not one llama.cpp names" % (path, [s[0] for s in steps]))
+
+
+def vocab_bpe(path, cfg_dir):
+    """tokenizer.json (byte-level BPE) -> tokenizer.ggml.model "gpt2": the
+    tokens in their stored form (bytes mapped to GPT-2's printable
+    characters), merges as "left right", token types (added tokens are
+    control when special, else user-defined; ids with no token are
+    "[PADn]", unused)."""
+    tj = _read_json(path)
+    model = tj.get("model") if isinstance(tj, dict) else None
+    if not isinstance(model, dict):
+        fail("%s: no \"model\" object (not a Hugging Face tokenizer.json)" % path)
+    if model.get("type") != "BPE":
+        fail("%s: model type %r is not supported (only byte-level BPE)" % (path, model.get("type")))
+    if model.get("byte_fallback"):
+        fail("%s: a SentencePiece-style BPE (byte fallback); give its tokenizer.model instead" % path)
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        fail("%s: model has no vocab object or merges list" % path)
+    pre = choose_pre(tj, path)
+    entries = {}
+    for text, i in vocab.items():
+        if not isinstance(i, int) or i < 0:
+            fail("%s: token %r has id %r" % (path, text, i))
+        entries[i] = (text, TOK_NORMAL)
+    for added in tj.get("added_tokens") or []:
+        i, text = added.get("id"), added.get("content")
+        if not isinstance(i, int) or i < 0 or not isinstance(text, str):
+            fail("%s: bad added token %r" % (path, added))
+        special = added.get("special") or _looks_special(text)
+        entries[i] = (text if special else text.replace("\u2581", " "), TOK_CONTROL if special else TOK_USER_DEFINED)
+    if not entries:
+        fail("%s: no tokens" % path)
+    n = max(entries) + 1
+    tokens, types = [], []
+    for i in range(n):
+        text, kind = entries.get(i, ("[PAD%d]" % i, TOK_UNUSED))
+        tokens.append(text.encode("utf-8"))
+        types.append(kind)
+    merged = []
+    for rank, m in enumerate(merges):
+        if isinstance(m, str):
+            merged.append(m)
+        elif isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) for s in m):
+            # the pair form (transformers 4.45+) may hold spaces: stored as U+0120, GPT-2's space
+            merged.append(" ".join(s.replace(" ", "\u0120") for s in m))
+        else:
+            fail("%s: merge %d is %r, not a pair" % (path, rank, m))
+    v = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merged,
+         "add_bos": pre == "llama-bpe", "add_eos": False}
+    _special_ids(v, cfg_dir)
+    # a post-processor that puts BOS first adds it (Llama 3's TemplateProcessing)
+    tcfg = os.path.join(cfg_dir, "tokenizer_config.json")
+    said = os.path.isfile(tcfg) and isinstance(_read_json(tcfg).get("add_bos_token"), bool)
+    if not said and "bos" in v["ids"]:
+        first = _first_template_token(tj.get("post_processor"))
+        if first is not None:
+            v["add_bos"] = first == tokens[v["ids"]["bos"]].decode("utf-8", "replace")
+    return v
+
+
+def _first_template_token(pp):
+    """The special token a TemplateProcessing post-processor puts before a
+    single sequence (alone or in a Sequence), "" when it puts none, or None
+    when there is no such post-processor."""
+    if not isinstance(pp, dict):
+        return None
+    items = pp.get("processors", []) if pp.get("type") == "Sequence" else [pp]
+    for p in items:
+        if isinstance(p, dict) and p.get("type") == "TemplateProcessing":
+            single = p.get("single") or []
+            if single and isinstance(single[0], dict) and "SpecialToken" in single[0]:
+                return single[0]["SpecialToken"].get("id")
+            return ""
+    return None
+
+
+def read_vocab(path, cfg_dir=None):
+    """A vocabulary for GGUF from tokenizer.model, tokenizer.json or a
+    llama2.c tokenizer.bin (by content, whatever the name)."""
+    if not os.path.isfile(path):
+        fail("%s: no such file" % path)
+    cfg_dir = cfg_dir or os.path.dirname(os.path.abspath(path))
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if path.endswith(".json") or head.lstrip()[:1] == b"{":
+        return vocab_bpe(path, cfg_dir)
+    if path.endswith(".model"):
+        return vocab_sentencepiece(path, cfg_dir)
+    return vocab_llama2c(path)
+
+
+def vocab_metadata(vocab, n_vocab=None):
+    """The tokenizer.* entries; pads the token list to n_vocab (the model's
+    embedding rows) with unused "[PADn]" tokens, as llama.cpp's converter."""
+    tokens, types = list(vocab["tokens"]), list(vocab["types"])
+    scores = list(vocab["scores"]) if "scores" in vocab else None
+    if n_vocab is not None:
+        if len(tokens) > n_vocab:
+            fail("the tokenizer has %d tokens but the model's embedding only %d rows" % (len(tokens), n_vocab))
+        for i in range(len(tokens), n_vocab):
+            tokens.append(b"[PAD%d]" % i)
+            types.append(TOK_UNUSED)
+            if scores is not None:
+                scores.append(-1000.0)
+    md = [("tokenizer.ggml.model", GV_STRING, vocab["model"]), ("tokenizer.ggml.pre", GV_STRING, vocab["pre"]),
+          ("tokenizer.ggml.tokens", ("array", GV_STRING), tokens)]
+    if scores is not None:
+        md.append(("tokenizer.ggml.scores", ("array", GV_FLOAT32), scores))
+    md.append(("tokenizer.ggml.token_type", ("array", GV_INT32), types))
+    if vocab.get("merges"):
+        md.append(("tokenizer.ggml.merges", ("array", GV_STRING), vocab["merges"]))
+    names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
+             "pad": "padding_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
+    for kind, key in names.items():  # "seperator" is llama.cpp's spelling of the key
+        if kind in vocab["ids"]:
+            md.append(("tokenizer.ggml." + key, GV_UINT32, vocab["ids"][kind]))
+    md.append(("tokenizer.ggml.add_bos_token", GV_BOOL, vocab["add_bos"]))
+    md.append(("tokenizer.ggml.add_eos_token", GV_BOOL, vocab["add_eos"]))
+    if "add_space_prefix" in vocab:
+        md.append(("tokenizer.ggml.add_space_prefix", GV_BOOL, vocab["add_space_prefix"]))
+    for key, template in vocab.get("chat_templates", []):
+        md.append((key, GV_STRING, template))
+    return md
+
+
+def vocab_summary(vocab):
+    ids = ", ".join("%s %d" % (k, v) for k, v in sorted(vocab["ids"].items()))
+    return "%s vocabulary (pre-tokenizer %s), %d tokens%s; %s" % (
+        "SentencePiece" if vocab["model"] == "llama" else "byte-level BPE", vocab["pre"], len(vocab["tokens"]),
+        ", %d merges" % len(vocab["merges"]) if vocab.get("merges") else "", ids or "no special tokens")
+
+
+def cmd_tokenizer_gguf(args):
+    """A vocabulary-only GGUF (as llama.cpp's models/ggml-vocab-*.gguf):
+    general.architecture "llama", a name, the tokenizer.* entries."""
+    vocab = read_vocab(args.input)
+    name = os.path.basename(os.path.dirname(os.path.abspath(args.input))) or "vocab"
+    md = [("general.architecture", GV_STRING, "llama"), ("general.name", GV_STRING, name)]
+    md += vocab_metadata(vocab)
+    write_gguf(args.output, md, [])
+    print("wrote %s: vocabulary only, %s" % (args.output, vocab_summary(vocab)))
+
+
+# --- models ---------------------------------------------------------------------
+
+GGUF_LAYER = (("attn_norm", "rms_att"), ("attn_q", "wq"), ("attn_k", "wk"), ("attn_v", "wv"),
+              ("attn_output", "wo"), ("ffn_norm", "rms_ffn"), ("ffn_gate", "w1"), ("ffn_down", "w2"),
+              ("ffn_up", "w3"))
+
+
+def llama3_rope_factors(cfg):
+    """rope_freqs.weight for Llama 3.1 scaling, as llama.cpp's converter
+    computes it: per pair i, with the float32 frequency base^(-2i/d) and its
+    wavelength 2 pi / freq: 1 below original_context / high_freq_factor,
+    `factor` above original_context / low_freq_factor, and between them
+    1 / ((1 - s) / factor + s) with s = (original_context / wavelength -
+    low) / (high - low). llama.cpp divides each angle by its factor."""
+    sc = cfg["rope_scaling"]
+    hd = cfg["dim"] // cfg["n_heads"]
+    base = cfg.get("rope_theta", ROPE_THETA)
+    # in float32, as torch computes base ** (arange(0, d, 2) / d) there
+    freqs = np.float32(1.0) / (np.float32(base) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    ctx = sc["original_max_position_embeddings"]
+    out = []
+    for f in freqs.astype(np.float64):
+        wavelen = 2 * math.pi / f
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            s = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, dtype=np.float32)
+
+
+def model_vocab(src, tokenizer):
+    """The vocabulary for a model's GGUF: --tokenizer FILE, else the HF
+    directory's tokenizer.model (preferred, as llama.cpp's converter) or
+    tokenizer.json."""
+    if tokenizer:
+        return read_vocab(tokenizer)
+    d = getattr(src, "dir", None)
+    if d is None:
+        fail("GGUF output needs a vocabulary: add --tokenizer FILE (tokenizer.model, tokenizer.json or tokenizer.bin)")
+    for fn in ("tokenizer.model", "tokenizer.json"):
+        if os.path.isfile(os.path.join(d, fn)):
+            return read_vocab(os.path.join(d, fn), d)
+    fail("%s: no tokenizer.model or tokenizer.json; add --tokenizer FILE" % d)
+
+
+def write_gguf_model(src, out, encoding, tokenizer, name):
+    cfg = src.cfg
+    check_config(cfg)
+    arch = cfg.get("arch", "llama")
+    wtype, _, file_type = GGUF_ENCODINGS[encoding]
+    vocab = model_vocab(src, tokenizer)
+    dim, L = cfg["dim"], cfg["n_layers"]
+    hd = dim // cfg["n_heads"]
+    kv_dim = hd * cfg["n_kv_heads"]
+    md = [("general.architecture", GV_STRING, arch), ("general.name", GV_STRING, name),
+          ("general.alignment", GV_UINT32, GGUF_ALIGNMENT), ("general.file_type", GV_UINT32, file_type),
+          ("general.quantization_version", GV_UINT32, 2)]
+    for key, vtype, value in (("context_length", GV_UINT32, cfg["seq_len"]), ("embedding_length", GV_UINT32, dim),
+                              ("feed_forward_length", GV_UINT32, cfg["hidden_dim"]), ("block_count", GV_UINT32, L),
+                              ("attention.head_count", GV_UINT32, cfg["n_heads"]),
+                              ("attention.head_count_kv", GV_UINT32, cfg["n_kv_heads"]),
+                              ("rope.dimension_count", GV_UINT32, hd),
+                              ("rope.freq_base", GV_FLOAT32, cfg.get("rope_theta", ROPE_THETA)),
+                              ("attention.layer_norm_rms_epsilon", GV_FLOAT32, cfg.get("norm_eps", NORM_EPS)),
+                              ("vocab_size", GV_UINT32, cfg["vocab_size"])):
+        md.append(("%s.%s" % (arch, key), vtype, value))
+    md += vocab_metadata(vocab, cfg["vocab_size"])
+
+    fallback = []
+
+    def matrix(gguf_name, name, layer, rows, cols):
+        # a row that is not a whole number of 32-value blocks stays F16, as in llama.cpp's converter
+        t = wtype
+        if t in (2, 8) and cols % 32:
+            t = GGML_F16
+            fallback.append(gguf_name)
+        return (gguf_name, [cols, rows], t, lambda: fetch(src, name, layer))
+
+    def vector(gguf_name, produce, n):
+        return (gguf_name, [n], GGML_F32, produce)
+
+    tensors = [matrix("token_embd.weight", "tok_emb", None, cfg["vocab_size"], dim)]
+    if cfg.get("rope_scaling"):
+        tensors.append(vector("rope_freqs.weight", lambda: llama3_rope_factors(cfg), hd // 2))
+    shapes = {"wq": (dim, dim), "wk": (kv_dim, dim), "wv": (kv_dim, dim), "wo": (dim, dim),
+              "w1": (cfg["hidden_dim"], dim), "w2": (dim, cfg["hidden_dim"]), "w3": (cfg["hidden_dim"], dim)}
+    for l in range(L):
+        for gname, name in GGUF_LAYER:
+            full = "blk.%d.%s.weight" % (l, gname)
+            if name.startswith("rms"):
+                tensors.append(vector(full, lambda name=name, l=l: fetch(src, name, l), dim))
+            else:
+                tensors.append(matrix(full, name, l, *shapes[name]))
+            if arch == "qwen2" and name in ("wq", "wk", "wv"):
+                n = shapes[name][0]
+                tensors.append(vector("blk.%d.%s.bias" % (l, gname), lambda name=name, l=l: src.bias(name, l), n))
+    tensors.append(vector("output_norm.weight", lambda: fetch(src, "rms_final"), dim))
+    if not cfg["shared"]:
+        tensors.append(matrix("output.weight", "cls", None, cfg["vocab_size"], dim))
+    if fallback:
+        print("note: %d tensors have rows of %d or %d values, not a multiple of 32: written as F16"
+              % (len(fallback), dim, cfg["hidden_dim"]), file=sys.stderr)
+    write_gguf(out, md, tensors)
+    print("wrote %s: GGUF, arch %s, %s weights, dim %d, hidden_dim %d, n_layers %d, n_heads %d, n_kv_heads %d, "
+          "vocab_size %d, context %d, %s classifier%s\n  %s"
+          % (out, arch, encoding.upper(), dim, cfg["hidden_dim"], L, cfg["n_heads"], cfg["n_kv_heads"],
+             cfg["vocab_size"], cfg["seq_len"], "shared" if cfg["shared"] else "separate",
+             ", rope_freqs (llama3 scaling)" if cfg.get("rope_scaling") else "", vocab_summary(vocab)))
+
+
+# ---------------------------------------------------------------------------
 # commands
 
 def open_source(src, opts):
@@ -1384,19 +2050,39 @@ def open_source(src, opts):
     return RuncSource(src)
 
 
+def is_gguf_output(path):
+    return path.lower().endswith(".gguf")
+
+
+def write_output(src, args, name):
+    """A .gguf output name writes GGUF; any other a run.c checkpoint."""
+    if not is_gguf_output(args.output):
+        if args.tokenizer:
+            fail("--tokenizer is for GGUF output (a .bin checkpoint holds no vocabulary)")
+        return write_checkpoint(src, args.output, args.version, args.group_size, args.encoding)
+    if args.version is not None or args.group_size is not None:
+        fail("--version and --group-size are for .bin checkpoints (GGUF output: --encoding %s)"
+             % "|".join(GGUF_ENCODINGS))
+    encoding = args.encoding or "f16"
+    if encoding not in GGUF_ENCODINGS:
+        fail("--encoding %s is for .bin checkpoints; GGUF takes %s" % (encoding, ", ".join(GGUF_ENCODINGS)))
+    write_gguf_model(src, args.output, encoding, args.tokenizer, name)
+
+
 def cmd_model(args):
     need_numpy("export.py model")
     src = open_source(args.src, args)
     if args.seq_len and isinstance(src, (HFSource, RuncSource)):
         src.cfg["seq_len"] = args.seq_len
-    write_checkpoint(src, args.output, args.version, args.group_size, args.encoding)
+    name = os.path.basename(os.path.normpath(args.src))
+    write_output(src, args, name if os.path.isdir(args.src) else os.path.splitext(name)[0])
 
 
 def cmd_random(args):
     need_numpy("export.py random")
     tied = True if args.tied else (False if args.untied else None)
     src = RandomSource(args.shape, args.seed, tied)
-    write_checkpoint(src, args.output, args.version, args.group_size, args.encoding)
+    write_output(src, args, "random-%s-seed%d" % (args.shape.partition("=")[0], args.seed))
 
 
 def tokenizer_entries(data):
@@ -1432,7 +2118,7 @@ def cmd_info(args):
         v = info["version"]
         names = {0: "legacy llama2.c (float32)", 1: "ak42 version 1 (float32)", 2: "ak42 version 2 (int8 Q8_0)",
                  3: "ak42 version 3 (4-bit)",
-                 4: "ak42 version 4 (%s)" % ("int8 Q8_0" if info["layout"] == 2 else "float32")}
+                 4: "ak42 version 4 (%s)" % {1: "float32", 2: "int8 Q8_0", 3: "4-bit"}[info["layout"]]}
         print("%s: run.c checkpoint, %s" % (path, names[v]))
         for k in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
             print("  %-18s %d" % (k, cfg[k]))
@@ -1501,30 +2187,36 @@ def build_parser():
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
 
-    t = sub.add_parser("tokenizer", help="tokenizer.model or tokenizer.json -> run.c tokenizer file")
-    t.add_argument("input", metavar="IN.model|tokenizer.json")
-    t.add_argument("output", metavar="OUT.bin")
+    t = sub.add_parser("tokenizer", help="tokenizer.model or tokenizer.json -> run.c tokenizer file "
+                                         "or (OUT.gguf) a vocabulary-only GGUF")
+    t.add_argument("input", metavar="IN.model|tokenizer.json|tokenizer.bin")
+    t.add_argument("output", metavar="OUT.bin|OUT.gguf")
     t.set_defaults(func=cmd_tokenizer)
 
     def out_opts(sp):
-        sp.add_argument("--version", type=int, choices=(0, 1, 2, 3, 4), default=0,
-                        help="output format: 0 legacy float32 (default), 1 ak42 float32, 2 ak42 int8, 3 ak42 4-bit, "
-                             "4 ak42 with RoPE theta/scaling and norm eps (weights as --encoding)")
-        sp.add_argument("--encoding", choices=tuple(ENCODINGS), default="float32",
-                        help="version 4 weights: float32 (default), int8 (Q8_0, --group-size), q4 (reserved)")
+        sp.add_argument("--version", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                        help=".bin format: 0 legacy float32, 1 ak42 float32, 2 ak42 int8, 3 ak42 4-bit, "
+                             "4 ak42 with RoPE theta/scaling and norm eps (weights as --encoding); default: 4 when "
+                             "the model needs it or --encoding is given, else 0")
+        sp.add_argument("--encoding", choices=tuple(ENCODINGS) + tuple(GGUF_ENCODINGS), default=None,
+                        help="version 4 weights: float32 (default), int8 (Q8_0, --group-size), q4 (4-bit as "
+                             "version 3); GGUF weights: f32, f16 (default), bf16, q8_0, q4_0")
         sp.add_argument("--group-size", type=int, default=None,
-                        help="group size for versions 2, 3 and 4 int8 (default 64 for int8, 32 for version 3; "
+                        help="group size for versions 2, 3 and 4 int8/q4 (default 64 for int8, 32 for 4-bit; "
                              "halved until it divides dim and hidden_dim)")
+        sp.add_argument("--tokenizer", metavar="FILE", default=None,
+                        help="GGUF output: the vocabulary from tokenizer.model, tokenizer.json or a llama2.c "
+                             "tokenizer.bin (default: the Hugging Face directory's own)")
 
-    m = sub.add_parser("model", help="convert a model to a run.c checkpoint")
+    m = sub.add_parser("model", help="convert a model to a run.c checkpoint or (OUT.gguf) a GGUF model")
     m.add_argument("src", metavar="SRC", help="HF dir, Meta dir, llama2.c .pt, or run.c checkpoint")
-    m.add_argument("output", metavar="OUT.bin")
+    m.add_argument("output", metavar="OUT.bin|OUT.gguf")
     out_opts(m)
     m.add_argument("--seq-len", type=int, default=None, help="override the context length written in the header")
     m.set_defaults(func=cmd_model)
 
     r = sub.add_parser("random", help="deterministic random-weight checkpoint")
-    r.add_argument("output", metavar="OUT.bin")
+    r.add_argument("output", metavar="OUT.bin|OUT.gguf")
     r.add_argument("--shape", required=True,
                    help="%s or NAME=dim,hidden,layers,heads,kv_heads,vocab,seq" % "|".join(SHAPES))
     r.add_argument("--seed", type=int, default=0)

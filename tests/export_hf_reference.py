@@ -4,7 +4,9 @@ conventions on the ORIGINAL (un-permuted) weights: rotate-half RoPE
 for rope_scaling of type "llama3", Llama 3.1's rescaled inverse frequencies,
 RMSNorm with the config's rms_norm_eps, SwiGLU MLP (down(silu(gate(x)) * up(x))), grouped-query
 attention with each key/value head shared by n_heads / n_kv_heads
-consecutive query heads, and lm_head (or the tied embedding) on top.
+consecutive query heads, q/k/v biases where the state dict has them (Qwen2:
+added after the projection, before RoPE), and lm_head (or the tied
+embedding) on top.
 
 Used by tests/test_export.py and tests/test_llama3.py to check that export.py's un-permutation of
 q_proj/k_proj makes run.c's adjacent-pair RoPE compute the same function.
@@ -44,6 +46,10 @@ def hf_forward(config, sd, tokens):
     def W(name):
         return np.asarray(sd[name], dtype=np.float64)
 
+    def proj(h, name):  # h @ W.T, plus the bias when there is one
+        y = h @ W(name + ".weight").T
+        return y + W(name + ".bias") if name + ".bias" in sd else y
+
     def rmsnorm(x, g):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
@@ -67,9 +73,9 @@ def hf_forward(config, sd, tokens):
     for l in range(config["num_hidden_layers"]):
         p = "model.layers.%d." % l
         h = rmsnorm(x, W(p + "input_layernorm.weight"))
-        q = apply_rope((h @ W(p + "self_attn.q_proj.weight").T).reshape(T, nh, hd))
-        k = apply_rope((h @ W(p + "self_attn.k_proj.weight").T).reshape(T, nkv, hd))
-        v = (h @ W(p + "self_attn.v_proj.weight").T).reshape(T, nkv, hd)
+        q = apply_rope(proj(h, p + "self_attn.q_proj").reshape(T, nh, hd))
+        k = apply_rope(proj(h, p + "self_attn.k_proj").reshape(T, nkv, hd))
+        v = proj(h, p + "self_attn.v_proj").reshape(T, nkv, hd)
         n_rep = nh // nkv
         # HF repeat_kv: kv head j serves query heads j*n_rep .. j*n_rep+n_rep-1
         k = np.repeat(k, n_rep, axis=1)

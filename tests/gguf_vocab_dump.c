@@ -12,75 +12,12 @@
 #define TESTING
 #include "../run.c"
 
-/* The array `key` of `type` elements, or NULL. */
-static const GGUFValue *array_of(const GGUF *g, const char *key, uint32_t type) {
-    const GGUFValue *v = gguf_value(g, key);
-    if (v && (v->type != GGUF_ARRAY || v->elem != type)) die(EXIT_BAD_FILE, "%s: %s is not an array of type %u", g->path, key, type);
-    return v;
-}
-
-/* NUL-terminated copies of the strings of an array; lens gets their lengths. */
-static char **strings_of(const GGUFValue *v, int **lens) {
-    char **out = xcalloc((size_t)v->count + 1, sizeof(char *));
-    *lens = xcalloc((size_t)v->count + 1, sizeof(int));
-    const char *at = v->at;
-    for (uint64_t i = 0; i < v->count; i++) {
-        uint64_t len;
-        memcpy(&len, at, 8);
-        out[i] = xcalloc((size_t)len + 1, 1);
-        memcpy(out[i], at + 8, (size_t)len);
-        (*lens)[i] = (int)len;
-        at += 8 + len;
-    }
-    return out;
-}
-
+/* Reads the vocabulary of the GGUF file at path with run.c's loader (the
+   parse stays in g, the mapping in map, for the caller to free). */
 static void load_vocab(Tokenizer *tok, const char *path, GGUF *g, size_t *size, void **map) {
     *map = (void *)map_file(path, size, "vocabulary");
     parse_gguf(g, *map, *size, path);
-    GGUFVocab v = {0};
-    char *model = gguf_string(g, "tokenizer.ggml.model"), *pre = gguf_string(g, "tokenizer.ggml.pre");
-    char *tmpl = gguf_string(g, "tokenizer.chat_template");
-    v.model = model;
-    v.pre = pre;
-    v.chat_template = tmpl;
-    const GGUFValue *tokens = array_of(g, "tokenizer.ggml.tokens", GGUF_STRING);
-    if (!tokens) die(EXIT_BAD_FILE, "%s: no tokenizer.ggml.tokens", path);
-    v.n_tokens = (int)tokens->count;
-    v.tokens = strings_of(tokens, &v.token_lens);
-    const GGUFValue *scores = array_of(g, "tokenizer.ggml.scores", GGUF_FLOAT32);
-    float *sc = NULL;
-    if (scores) {
-        sc = xcalloc((size_t)scores->count, sizeof(float));
-        memcpy(sc, scores->at, (size_t)scores->count * 4);
-        v.scores = sc;
-    }
-    const GGUFValue *types = array_of(g, "tokenizer.ggml.token_type", GGUF_INT32);
-    int *ty = NULL;
-    if (types) {
-        ty = xcalloc((size_t)types->count, sizeof(int));
-        memcpy(ty, types->at, (size_t)types->count * 4);
-        v.types = ty;
-    }
-    const GGUFValue *merges = array_of(g, "tokenizer.ggml.merges", GGUF_STRING);
-    int *merge_lens = NULL;
-    if (merges) {
-        v.n_merges = (int)merges->count;
-        v.merges = strings_of(merges, &merge_lens);
-    }
-    v.bos = gguf_int(g, "tokenizer.ggml.bos_token_id", -1, -1, INT_MAX);
-    v.eos = gguf_int(g, "tokenizer.ggml.eos_token_id", -1, -1, INT_MAX);
-    v.eot = gguf_int(g, "tokenizer.ggml.eot_token_id", -1, -1, INT_MAX);
-    v.eom = gguf_int(g, "tokenizer.ggml.eom_token_id", -1, -1, INT_MAX);
-    v.unk = gguf_int(g, "tokenizer.ggml.unknown_token_id", -1, -1, INT_MAX);
-    v.pad = gguf_int(g, "tokenizer.ggml.padding_token_id", -1, -1, INT_MAX);
-    v.add_bos = gguf_int(g, "tokenizer.ggml.add_bos_token", -1, -1, 1);
-    v.add_eos = gguf_int(g, "tokenizer.ggml.add_eos_token", -1, -1, 1);
-    load_gguf_tokenizer(tok, &v, path);
-    for (int i = 0; i < v.n_tokens; i++) free(v.tokens[i]);
-    for (int i = 0; i < v.n_merges; i++) free(v.merges[i]);
-    free(v.tokens); free(v.token_lens); free(v.merges); free(merge_lens); free(sc); free(ty);
-    free(model); free(pre); free(tmpl);
+    load_gguf_vocabulary(tok, g);
 }
 
 static int hex_digit(int c) {

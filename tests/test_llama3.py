@@ -297,8 +297,10 @@ def make_v4_case(name, nkv, tied, dtype, extra, seed):
             unscaled = dict(s["conf"], rope_scaling=None)
             assert np.max(np.abs(hf_forward(unscaled, s["stored"], PROBE) - ref)) > 1e-3, "insensitive to the scaling"
         assert np.max(np.abs(hf_forward(plain, s["stored"], PROBE) - ref)) > 1e-3, "insensitive to theta"
-        # version 0 cannot hold these settings: a clear refusal
-        r = export("model", s["dir"], os.path.join(TMP, name + "_v0.bin"))
+        # without --version, version 4 is chosen by itself; an explicit older version is refused
+        r = export("model", s["dir"], os.path.join(TMP, name + "_auto.bin"))
+        assert r.returncode == 0 and b"version 4" in r.stderr, r.stderr
+        r = export("model", s["dir"], os.path.join(TMP, name + "_v0.bin"), "--version", "0")
         err = r.stderr.decode(errors="replace")
         assert r.returncode == 1 and "--version 4" in err and err.count("\n") == 1, "version 0 export: %d %r" % (r.returncode, err)
 
@@ -474,7 +476,8 @@ def test_bad_rope_scaling():
 
 def test_bad_v4_header():
     """run.c refuses a version 4 header with theta <= 0, an unknown scaling
-    type, inconsistent llama3 factors or the 4-bit encoding (reserved)."""
+    type, inconsistent llama3 factors, the 4-bit encoding without a group
+    size, or an unknown encoding."""
     _, _, _, d = write_hf("hdr", 2, True, "F32", {"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING}, 7)
     good = os.path.join(TMP, "hdr.bin")
     r = export("model", d, good, "--version", "4")
