@@ -5546,6 +5546,13 @@ static void engine_free(Engine *e) {
 /* Adds a request at the end of the queue. */
 static void engine_submit(Engine *e, Request *r) {
     if (e->next_waiting == e->n_queue) e->n_queue = e->next_waiting = 0; /* all started: the queue starts over */
+    if (e->n_queue == e->cap_queue && e->next_waiting > e->cap_queue / 2) {
+        /* a stream of requests (--batch from a pipe) may never let the queue
+           empty: the started ones make room instead */
+        e->n_queue -= e->next_waiting;
+        memmove(e->queue, e->queue + e->next_waiting, (size_t)e->n_queue * sizeof(Request *));
+        e->next_waiting = 0;
+    }
     if (e->n_queue == e->cap_queue) {
         e->cap_queue = e->cap_queue ? 2 * e->cap_queue : 16;
         Request **q = realloc(e->queue, (size_t)e->cap_queue * sizeof(Request *));
