@@ -137,7 +137,8 @@ static void *xcalloc(size_t count, size_t size) {
 /* ------------------------------------------------------------------------ */
 
 /* What the C library does not give portably: mapping a file, reading a line
-   of any length, a monotonic clock, and the process's standard streams. Each
+   of any length, reading input as it arrives, a monotonic clock, and the
+   process's standard streams. Each
    has a POSIX and a Windows version that behave alike, so the rest of the
    file has no platform #ifdef. */
 
@@ -204,6 +205,29 @@ static void release_pages(const void *p, size_t bytes) {
 /* One line of any length from f, with its newline: its length, or -1 at
    the end of input (getline's contract). */
 static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
+
+/* Input read as it arrives (--batch): a file descriptor of `path` (- for
+   standard input), or -1 with errno set. */
+static int input_open(const char *path) { return strcmp(path, "-") == 0 ? STDIN_FILENO : open(path, O_RDONLY); }
+
+static void input_close(int fd) {
+    if (fd != STDIN_FILENO) close(fd);
+}
+
+/* Whether a read of fd would not block now (bytes, the end of input or an
+   error are there), waiting up to timeout_ms for it; a signal ends the wait
+   early (then 0). */
+static int input_wait(int fd, int timeout_ms) {
+    struct pollfd p = {fd, POLLIN, 0};
+    return poll(&p, 1, timeout_ms) > 0;
+}
+
+/* Bytes read (> 0), 0 at the end of input, -1 on an error, -2 when nothing
+   can be read now. */
+static ptrdiff_t input_read(int fd, char *buf, size_t n) {
+    ptrdiff_t k = read(fd, buf, n);
+    return k >= 0 ? k : (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? -2 : -1;
+}
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -386,6 +410,40 @@ static double now_seconds(void) {
     QueryPerformanceCounter(&count);
     QueryPerformanceFrequency(&frequency);
     return (double)count.QuadPart / (double)frequency.QuadPart;
+}
+
+/* The same input for --batch through the C runtime's descriptors. Only a
+   pipe can be asked whether bytes are there (PeekNamedPipe; a writer gone
+   counts as the end of input, readable); a file never blocks, and a console
+   is taken as always readable: there a read waits for the next typed line
+   even while requests run (Windows has no poll for consoles, and this file
+   uses no threads). */
+static int input_open(const char *path) {
+    if (strcmp(path, "-") == 0) return _fileno(stdin);
+    wchar_t *wide_path = utf8_to_wide(path);
+    int fd = _wopen(wide_path, _O_RDONLY | _O_BINARY);
+    free(wide_path);
+    return fd;
+}
+
+static void input_close(int fd) {
+    if (fd != _fileno(stdin)) _close(fd);
+}
+
+static int input_wait(int fd, int timeout_ms) {
+    HANDLE h = (HANDLE)_get_osfhandle(fd);
+    if (GetFileType(h) != FILE_TYPE_PIPE) return 1;
+    for (double until = now_seconds() + timeout_ms / 1000.0;;) {
+        DWORD avail = 0;
+        if (!PeekNamedPipe(h, NULL, 0, NULL, &avail, NULL) || avail > 0) return 1;
+        if (now_seconds() >= until) return 0;
+        Sleep(1);
+    }
+}
+
+static ptrdiff_t input_read(int fd, char *buf, size_t n) {
+    int k = _read(fd, buf, n > INT_MAX ? INT_MAX : (unsigned)n);
+    return k >= 0 ? k : errno == EINTR ? -2 : -1;
 }
 
 /* The arguments in UTF-8 (the C runtime's argv has the ANSI code page's
@@ -7237,6 +7295,13 @@ static void engine_free(Engine *e) {
 /* Adds a request at the end of the queue. */
 static void engine_submit(Engine *e, Request *r) {
     if (e->next_waiting == e->n_queue) e->n_queue = e->next_waiting = 0; /* all started: the queue starts over */
+    if (e->n_queue == e->cap_queue && e->next_waiting > e->cap_queue / 2) {
+        /* a stream of requests (--batch from a pipe) may never let the queue
+           empty: the started ones make room instead */
+        e->n_queue -= e->next_waiting;
+        memmove(e->queue, e->queue + e->next_waiting, (size_t)e->n_queue * sizeof(Request *));
+        e->next_waiting = 0;
+    }
     if (e->n_queue == e->cap_queue) {
         e->cap_queue = e->cap_queue ? 2 * e->cap_queue : 16;
         Request **q = realloc(e->queue, (size_t)e->cap_queue * sizeof(Request *));
@@ -8520,10 +8585,21 @@ static char *read_text_file(const char *path) {
    (as -r), and the controls by their long options' names with '_' for '-'
    ("max_new_tokens", "min_new_tokens", "repetition_penalty",
    "no_repeat_ngram_size", "top_k", "min_p", "stop": a string or an array
-   of them); an absent field takes the command line's value. Blank lines are
-   skipped. Every line is checked before anything runs; results are printed
-   as JSON lines with the request's "id" as each request finishes, or in
-   input order with --ordered. */
+   of them); an absent field takes the command line's value.
+
+   Lines are read as they arrive, while the engine runs, and each becomes a
+   request at once: a program can write a line and wait for its answer on
+   stdout. Reading never waits while a request has work to do; the input's
+   end ends the run once every request has finished. A blank line (spaces
+   only) is skipped, though it counts in the line numbers. A line that is not
+   such an object (not JSON, a field of the wrong type or out of range, an
+   unknown field) is refused alone: one JSON line on stdout, {"line": N,
+   "id": ID, "error": "..."} ("id" when it was read before the fault), and
+   the same message on stderr after FILE:N; every other line runs as it
+   would alone. Results are printed (and flushed) as JSON lines with the
+   request's "id" as each request finishes, or in input order with
+   --ordered, refusals included. The exit status is 1 when a line was
+   refused or a request failed (after all the others ran), else 0. */
 
 typedef enum { JSON_STRING, JSON_NUMBER, JSON_TRUE, JSON_FALSE, JSON_NULL, JSON_COMPOUND } JsonKind;
 
@@ -8664,8 +8740,9 @@ typedef struct {
 } BatchLine;
 
 /* The strings a line's parse holds for a moment (field names, a value's
-   text). An error leaves the parse at once (longjmp in the tests that catch
-   it), so they live here, where the next parse frees them, not in locals. */
+   text). An error leaves the parse at once (a longjmp to the trap of
+   parse_line, or of the tests), so they live here, where the next parse or
+   the trap frees them, not in locals. */
 typedef struct {
     char *names[16];    /* (n_names) the fields seen so far */
     int n_names;
@@ -8809,70 +8886,6 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
         json_fail(j, "field 'return': %d is more hypotheses than the %d beams keep", line->o.n_return, line->o.beams > 0 ? line->o.beams : 1);
 }
 
-/* Every line of the batch file, parsed; the run stops at the first bad one
-   before anything runs. */
-/* What read_batch_file holds while it reads. A bad line ends the program;
-   in the tests that catch that error, the next call frees what was left,
-   so that millions of bad inputs do not add up. */
-static struct {
-    char *data, *where; /* the file; the name of the line being read */
-    BatchLine *lines;   /* (n) read so far */
-    int n;
-    JsonTemps temps;    /* the line being parsed */
-} batch_reading;
-
-static void free_batch_lines(BatchLine *lines, int n) {
-    for (int i = 0; i < n; i++) {
-        free(lines[i].prompt);
-        free(lines[i].id);
-        for (int k = 0; k < lines[i].o.controls.n_stops; k++) free(lines[i].stops[k]);
-    }
-    free(lines);
-}
-
-static BatchLine *read_batch_file(const Options *defaults, int vocab, int seq_len, int *n_lines) {
-    free(batch_reading.data);
-    free(batch_reading.where);
-    free_batch_lines(batch_reading.lines, batch_reading.n);
-    json_temps_free(&batch_reading.temps);
-    memset(&batch_reading, 0, sizeof(batch_reading));
-    size_t size;
-    char *data = batch_reading.data = read_whole_file(defaults->batch_file, "batch file", &size);
-    int cap = 0, line_no = 0;
-    size_t where_size = strlen(defaults->batch_file) + 24;
-    batch_reading.where = xcalloc(where_size, 1);
-    for (char *p = data; p < data + size;) {
-        char *nl = memchr(p, '\n', (size_t)(data + size - p)), *end = nl ? nl : data + size;
-        line_no++;
-        snprintf(batch_reading.where, where_size, "%s:%d", defaults->batch_file, line_no);
-        JsonCursor j = {p, end, batch_reading.where};
-        json_space(&j);
-        if (j.p < j.end) {
-            if (batch_reading.n == cap) {
-                cap = cap ? 2 * cap : 16;
-                BatchLine *grown = realloc(batch_reading.lines, (size_t)cap * sizeof(BatchLine));
-                if (!grown) die(EXIT_BAD_FILE, "out of memory (%d batch requests)", cap);
-                batch_reading.lines = grown;
-            }
-            BatchLine *line = &batch_reading.lines[batch_reading.n++];
-            *line = (BatchLine){.o = *defaults};
-            parse_batch_line(&j, line, &batch_reading.temps, vocab, seq_len);
-            if (!line->id) {
-                line->id = xcalloc(16, 1);
-                snprintf(line->id, 16, "%d", line_no);
-            }
-        }
-        p = end + 1;
-    }
-    if (batch_reading.n == 0) die(EXIT_USAGE, "%s: no requests (the batch file has no line with a JSON object)", defaults->batch_file);
-    BatchLine *lines = batch_reading.lines;
-    *n_lines = batch_reading.n;
-    free(batch_reading.data);
-    free(batch_reading.where);
-    memset(&batch_reading, 0, sizeof(batch_reading)); /* the lines are the caller's now */
-    return lines;
-}
-
 /* How a request with options o continues its prompt; seed 0 takes the
    run's clock seed. */
 static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
@@ -8902,15 +8915,190 @@ static int run_positions(const Options *o, int seq_len) {
 }
 
 
-/* The results of the batch, printed as requests finish (or in input order). */
+/* ---- Lines as they arrive --------------------------------------------------- */
+
+/* The batch input, read in pieces as they arrive (input_wait says when a
+   read would not block) and cut into lines. */
+typedef struct {
+    int fd;
+    const char *name;       /* the path, - for stdin: line N is name:N in errors */
+    char *buf;              /* (cap) bytes read; buf[start..len-1] are not yet taken */
+    size_t start, scanned, len, cap; /* buf[start..scanned-1] holds no newline */
+    int line_no;            /* lines taken */
+    int ended;              /* the end of input was read (or Ctrl-C came) */
+} BatchInput;
+
+/* Bytes asked of one read; and how long an idle batch waits for input at a
+   time before it looks at Ctrl-C again. */
+#define BATCH_READ_BYTES 65536
+#define BATCH_IDLE_WAIT_MS 100
+
+static void batch_input_open(BatchInput *in, const char *path) {
+    memset(in, 0, sizeof(*in));
+    in->name = path;
+    in->fd = input_open(path);
+    if (in->fd < 0) die(EXIT_BAD_FILE, "%s: cannot open the batch file: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(in->fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+        input_close(in->fd);
+        die(EXIT_BAD_FILE, "%s: the batch file is a directory", path);
+    }
+}
+
+static void batch_input_close(BatchInput *in) {
+    input_close(in->fd);
+    free(in->buf);
+    memset(in, 0, sizeof(*in));
+}
+
+/* Room for one more read after the bytes not yet taken (moved to the
+   front: the lines before them are done with). */
+static void batch_input_room(BatchInput *in) {
+    if (in->start > 0) {
+        memmove(in->buf, in->buf + in->start, in->len - in->start);
+        in->len -= in->start;
+        in->scanned -= in->start;
+        in->start = 0;
+    }
+    if (in->cap - in->len >= BATCH_READ_BYTES) return;
+    size_t cap = in->cap ? 2 * in->cap : 2 * BATCH_READ_BYTES;
+    char *grown = realloc(in->buf, cap);
+    if (!grown) die(EXIT_BAD_FILE, "%s: out of memory reading a line of %zu bytes", in->name, in->len);
+    in->buf = grown;
+    in->cap = cap;
+}
+
+/* Reads what has arrived, after waiting up to timeout_ms for something to:
+   until a line is whole or nothing more is there now. */
+static void batch_input_fill(BatchInput *in, int timeout_ms) {
+    for (int wait = timeout_ms; !in->ended && input_wait(in->fd, wait); wait = 0) {
+        batch_input_room(in);
+        ptrdiff_t k = input_read(in->fd, in->buf + in->len, BATCH_READ_BYTES);
+        if (k == -1) die(EXIT_BAD_FILE, "%s: cannot read the batch file: %s", in->name, strerror(errno));
+        if (k == 0) in->ended = 1;
+        if (k <= 0) return;
+        in->len += (size_t)k;
+        if (memchr(in->buf + in->len - k, '\n', (size_t)k)) return;
+    }
+}
+
+/* The next whole line, without its newline (after the end of input, the
+   last one even without), and its length; NULL when there is none yet. It
+   lives until the next fill. */
+static const char *batch_input_line(BatchInput *in, size_t *n) {
+    const char *nl = in->len > in->scanned ? memchr(in->buf + in->scanned, '\n', in->len - in->scanned) : NULL;
+    in->scanned = in->len;
+    if (!nl && !(in->ended && in->len > in->start)) return NULL;
+    const char *line = in->buf + in->start, *end = nl ? nl : in->buf + in->len;
+    *n = (size_t)(end - line);
+    in->start = in->scanned = (size_t)(end - in->buf) + (nl != NULL);
+    in->line_no++;
+    return line;
+}
+
+/* Whether every line has been taken and no more will come. */
+static int batch_input_done(const BatchInput *in) { return in->ended && in->start == in->len; }
+
+/* Ctrl-C: no more lines are taken; the requests running end as they do in
+   a lone run. */
+static void batch_input_stop(BatchInput *in) {
+    in->ended = 1;
+    in->start = in->scanned = in->len;
+}
+
+/* ---- A line: a request, or refused alone ------------------------------------ */
+
+/* What a line is checked against: the model's vocabulary and context, and
+   the beams the engine was set up for. */
+typedef struct {
+    int vocab, seq_len, max_beams;
+} BatchLimits;
+
+static void free_batch_stops(BatchLine *line) {
+    for (int k = 0; k < line->o.controls.n_stops; k++) free(line->stops[k]);
+    line->o.controls.n_stops = 0;
+}
+
+/* Parses line `text` (n bytes, named `where` in errors) into *line, over the
+   defaults in line->o. Returns 1 for a request, 0 for a blank line (spaces
+   only), -1 for a refused one: its message went to stderr and is in
+   error_text; line->id stays when it was read, the rest is freed. An error
+   that is not the line's (out of memory) goes on to the caller's trap. */
+static int parse_line(const char *text, size_t n, const char *where, BatchLine *line, JsonTemps *tmp, const BatchLimits *lim) {
+    JsonCursor j = {text, text + n, where};
+    json_space(&j);
+    if (j.p == j.end) return 0;
+    jmp_buf trap, *outer = error_trap;
+    error_trap = &trap;
+    if (setjmp(trap)) {
+        error_trap = outer;
+        if (error_status != EXIT_USAGE) leave(error_status);
+        json_temps_free(tmp);
+        free(line->prompt);
+        line->prompt = NULL;
+        free_batch_stops(line);
+        return -1;
+    }
+    parse_batch_line(&j, line, tmp, lim->vocab, lim->seq_len);
+    if (line->o.beams > lim->max_beams)
+        json_fail(&j, "field 'beams': %d is more than a batch runs (%d, or -b when that is more)", line->o.beams, lim->max_beams);
+    error_trap = outer;
+    return 1;
+}
+
+/* A refused line's JSON line: its number, its id when it was read, and why.
+   The caller frees it. */
+static char *refusal_line(int line_no, const char *id, const char *message) {
+    char *quoted = json_quote(message);
+    size_t size = strlen(quoted) + (id ? strlen(id) : 0) + 48;
+    char *text = xcalloc(size, 1);
+    if (id) snprintf(text, size, "{\"line\":%d,\"id\":%s,\"error\":%s}\n", line_no, id, quoted);
+    else snprintf(text, size, "{\"line\":%d,\"error\":%s}\n", line_no, quoted);
+    free(quoted);
+    return text;
+}
+
+/* ---- The output: each line's results as it ends, or in input order -------- */
+
+/* A line's place in the output. */
+typedef struct {
+    Request *request;   /* NULL for a refused line */
+    char *refusal;      /* a refused line's JSON line */
+    int handed;         /* done and handed over by the engine (a refusal: at once) */
+    int printed;
+} BatchSlot;
+
 typedef struct {
     const Tokenizer *tok;
-    Request **requests; /* (n) in input order; NULL once printed */
-    char *handed;       /* (n) whether request i is done and handed over: the engine holds it no more */
-    int n, next_in_order, ordered, failed;
-    int done, progress; /* requests done; whether to show that on stderr (a terminal) */
+    BatchSlot *slots;   /* (n - base, of cap) the places of lines base.. */
+    int base, n, cap;
+    int first;          /* the first place not yet printed: those before it are dropped when room is needed */
+    int ordered, progress; /* --ordered; whether to show the count of requests done on stderr (a terminal) */
+    int requests, done, failed, refused;
 } BatchOutput;
 
+static BatchSlot *slot_at(BatchOutput *out, int i) { return &out->slots[i - out->base]; }
+
+/* A new place at the end: its index. */
+static int new_slot(BatchOutput *out) {
+    if (out->n - out->base == out->cap) {
+        int dropped = out->first - out->base;
+        if (dropped > out->cap / 2) {
+            memmove(out->slots, out->slots + dropped, (size_t)(out->n - out->first) * sizeof(BatchSlot));
+            out->base = out->first;
+        } else {
+            out->cap = out->cap ? 2 * out->cap : 64;
+            BatchSlot *grown = realloc(out->slots, (size_t)out->cap * sizeof(BatchSlot));
+            if (!grown) die(EXIT_BAD_FILE, "out of memory (%d batch lines in flight)", out->cap);
+            out->slots = grown;
+        }
+    }
+    memset(&out->slots[out->n - out->base], 0, sizeof(BatchSlot));
+    return out->n++;
+}
+
+/* A request's JSON lines (its error, or its hypotheses); then it is freed,
+   with the stop strings its line allocated. */
 static void print_request(BatchOutput *out, Request *r) {
     if (r->error) {
         printf("{\"id\":%s,\"error\":", r->id);
@@ -8921,9 +9109,27 @@ static void print_request(BatchOutput *out, Request *r) {
         int n_show = r->n_hyps < r->d.n_return ? r->n_hyps : r->d.n_return;
         for (int i = 0; i < n_show; i++) print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
     }
-    flush_output();
-    out->requests[r->index] = NULL;
+    for (int k = 0; k < r->d.controls.n_stops; k++) free((char *)r->d.controls.stops[k]);
     request_free(r);
+}
+
+static void print_slot(BatchOutput *out, int i) {
+    BatchSlot *s = slot_at(out, i);
+    if (s->refusal) fputs(s->refusal, stdout);
+    else print_request(out, s->request);
+    free(s->refusal);
+    *s = (BatchSlot){.handed = 1, .printed = 1};
+    flush_output();
+    while (out->first < out->n && slot_at(out, out->first)->printed) out->first++;
+}
+
+/* Line i is done: printed at once, or with --ordered once the lines before
+   it are. */
+static void hand_slot(BatchOutput *out, int i) {
+    slot_at(out, i)->handed = 1;
+    if (!out->ordered) print_slot(out, i);
+    else
+        while (out->first < out->n && slot_at(out, out->first)->handed) print_slot(out, out->first);
 }
 
 /* The engine's callback when a request is done. In input order, a request
@@ -8932,54 +9138,148 @@ static void print_request(BatchOutput *out, Request *r) {
    holds the later ones. */
 static void batch_request_done(Request *r, void *user) {
     BatchOutput *out = user;
-    if (out->progress) fprintf(stderr, "\rbatch: %d of %d requests done", ++out->done, out->n);
-    if (!out->ordered) {
-        print_request(out, r);
-        return;
-    }
-    out->handed[r->index] = 1;
-    while (out->next_in_order < out->n && out->handed[out->next_in_order]) print_request(out, out->requests[out->next_in_order++]);
+    if (out->progress) fprintf(stderr, "\rbatch: %d of %d requests done", ++out->done, out->requests);
+    hand_slot(out, r->index);
 }
 
-/* Runs every line as a request of one engine (set up for them) and prints
-   the results; returns how many failed. */
-static int run_batch(Engine *e, const Tokenizer *tok, BatchLine *lines, int n, uint64_t clock_seed, int ordered) {
-    const int seq_len = e->t->config.seq_len;
-    BatchOutput out = {tok, xcalloc((size_t)n, sizeof(Request *)), xcalloc((size_t)n, 1), n, 0, ordered, 0, 0, isatty(STDERR_FILENO)};
-    for (int i = 0; i < n; i++) {
-        int steps = run_positions(&lines[i].o, seq_len), n_prompt = 0;
-        int *prompt = encode_prompt(tok, lines[i].prompt, seq_len, &n_prompt);
-        Decoding d = decoding_of(&lines[i].o, clock_seed);
-        d.format = FORMAT_JSON;
-        Request *r = out.requests[i] = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0,
-                                                   tok->eos_ends_generate, &d);
-        r->index = i;
-        r->id = lines[i].id;
-        free(lines[i].prompt);
-        if (!prompt) {
-            r->error = "the prompt does not fit the model's context";
-            r->state = REQUEST_DONE;
-        } else if (d.rolling && d.beam.beams > 0) {
-            r->error = "--keep does not work with beam search (beams)";
-            r->state = REQUEST_DONE;
-        } else if (steps < n_prompt) { /* nothing to generate, as a lone run with this -n */
-            r->hyps[0] = make_hypothesis(NULL, 0, "length");
-            r->n_hyps = 1;
-            r->state = REQUEST_DONE;
-        }
+/* ---- The run ---------------------------------------------------------------- */
+
+/* Beams a batch line may ask for, unless -b is more: the engine is set up
+   before any line is read, with rows for this many beams of every request. */
+#define BATCH_MAX_BEAMS 4
+
+/* The lines of the batch so far, the engine they run on, and the output. */
+typedef struct {
+    Engine *e;
+    const Tokenizer *tok;
+    const Options *defaults;
+    BatchLimits limits;
+    uint64_t clock_seed;
+    int seed_named;      /* whether stderr has named the clock's seed (for the lines that use it) */
+    BatchInput in;
+    BatchOutput out;
+    JsonTemps temps;     /* the line being parsed */
+    char *where;         /* "name:N" of the line being parsed */
+} BatchRun;
+
+static void name_clock_seed(uint64_t clock_seed);
+
+static int waiting_requests(const Engine *e) { return e->n_queue - e->next_waiting; }
+
+/* The request of a parsed line, which it takes (prompt, id, stop strings),
+   at place i: submitted to the engine, or done at once when it cannot run
+   or has nothing to generate. */
+static void submit_line(BatchRun *b, BatchLine *line, int i) {
+    const int seq_len = b->limits.seq_len;
+    int steps = run_positions(&line->o, seq_len), n_prompt = 0;
+    int *prompt = encode_prompt(b->tok, line->prompt, seq_len, &n_prompt);
+    free(line->prompt);
+    Decoding d = decoding_of(&line->o, b->clock_seed);
+    d.format = FORMAT_JSON;
+    Request *r = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0, b->tok->eos_ends_generate, &d);
+    r->index = i;
+    r->id = line->id;
+    slot_at(&b->out, i)->request = r;
+    b->out.requests++;
+    if (!prompt) {
+        r->error = "the prompt does not fit the model's context";
+        r->state = REQUEST_DONE;
+    } else if (d.rolling && d.beam.beams > 0) {
+        r->error = "--keep does not work with beam search (beams)";
+        r->state = REQUEST_DONE;
+    } else if (steps < n_prompt) { /* nothing to generate, as a lone run with this -n */
+        r->hyps[0] = make_hypothesis(NULL, 0, "length");
+        r->n_hyps = 1;
+        r->state = REQUEST_DONE;
     }
+    if (r->state == REQUEST_DONE) batch_request_done(r, &b->out);
+    else engine_submit(b->e, r);
+}
+
+/* Takes line `text` (n bytes), the input's last: a request for the engine,
+   a refusal printed in its turn, or nothing (a blank line). */
+static void take_line(BatchRun *b, const char *text, size_t n) {
+    snprintf(b->where, strlen(b->in.name) + 24, "%s:%d", b->in.name, b->in.line_no);
+    BatchLine line = {.o = *b->defaults};
+    int kind = parse_line(text, n, b->where, &line, &b->temps, &b->limits);
+    if (kind == 0) return;
+    int i = new_slot(&b->out);
+    if (kind < 0) {
+        slot_at(&b->out, i)->refusal = refusal_line(b->in.line_no, line.id, error_text);
+        free(line.id);
+        b->out.refused++;
+        hand_slot(&b->out, i);
+        return;
+    }
+    if (!line.id) {
+        line.id = xcalloc(16, 1);
+        snprintf(line.id, 16, "%d", b->in.line_no);
+    }
+    if (line.o.seed == 0 && !b->seed_named) {
+        name_clock_seed(b->clock_seed);
+        b->seed_named = 1;
+    }
+    submit_line(b, &line, i);
+}
+
+/* Runs the batch of options o on the engine e (set up by batch_setup): a
+   line is taken as soon as it is read, while the engine has places to fill
+   soon (so a file is not read all ahead), and the engine steps meanwhile;
+   input is waited for only when no request has work. Returns the exit
+   status: 1 when a line was refused or a request failed. */
+static int run_batch(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clock_seed) {
+    const Config *p = &e->t->config;
+    int max_beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS;
+    BatchRun b = {.e = e, .tok = tok, .defaults = o, .limits = {p->vocab_size, p->seq_len, max_beams}, .clock_seed = clock_seed};
+    b.out = (BatchOutput){.tok = tok, .ordered = o->ordered, .progress = isatty(STDERR_FILENO)};
+    batch_input_open(&b.in, o->batch_file);
+    b.where = xcalloc(strlen(b.in.name) + 24, 1);
     e->on_done = batch_request_done;
-    e->user = &out;
-    for (int i = 0; i < n; i++) {
-        Request *r = out.requests[i];
-        if (r->state == REQUEST_DONE) batch_request_done(r, &out);
-        else engine_submit(e, r);
+    e->user = &b.out;
+    for (;;) {
+        if (interrupted()) batch_input_stop(&b.in);
+        const char *text;
+        size_t n;
+        int room = waiting_requests(e) < e->parallel; /* else the lines wait, unread or untaken */
+        while (room && (text = batch_input_line(&b.in, &n))) {
+            take_line(&b, text, n);
+            room = waiting_requests(e) < e->parallel;
+        }
+        int busy = e->n_running > 0 || waiting_requests(e) > 0;
+        if (room && !b.in.ended) batch_input_fill(&b.in, busy ? 0 : BATCH_IDLE_WAIT_MS);
+        if (busy) engine_step(e);
+        else if (batch_input_done(&b.in)) break;
     }
-    engine_run(e);
-    if (out.progress) fputc('\n', stderr);
-    free(out.requests);
-    free(out.handed);
-    return out.failed;
+    if (b.out.progress && b.out.requests > 0) fputc('\n', stderr);
+    batch_input_close(&b.in);
+    free(b.where);
+    json_temps_free(&b.temps);
+    free(b.out.slots);
+    int lines = b.out.requests + b.out.refused;
+    if (lines == 0) fprintf(stderr, "run: note: %s: no requests (no line with a JSON object)\n", o->batch_file);
+    if (b.out.refused) fprintf(stderr, "run: %d of %d lines refused\n", b.out.refused, lines);
+    if (b.out.failed) fprintf(stderr, "run: %d of %d requests failed\n", b.out.failed, b.out.requests);
+    return b.out.refused || b.out.failed ? EXIT_BAD_FILE : 0;
+}
+
+/* Sets up e for a batch of options o before it sees a line: rows for
+   --parallel requests of up to BATCH_MAX_BEAMS beams (or -b) and the model's
+   whole context; by default, a cache that holds --parallel sampled requests
+   of the command line's positions (-n) at once, and one request of the most
+   beams at the whole context, so that every line fits (a longer one waits
+   for room); --kv-mb sets it. */
+static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const Options *o, Speculator *spec) {
+    const Config *p = &t->config;
+    int beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS, kv_mb = o->kv_mb;
+    if (kv_mb == 0) {
+        double block_bytes = 2.0 * kv_row_bytes(o->kv_type, p->dim / p->n_heads * p->n_kv_heads) * p->n_layers * KV_BLOCK;
+        double per_request = (context_positions(o, p->seq_len) + KV_BLOCK - 1) / KV_BLOCK + 1;
+        double one_of_most = (double)beams * ((p->seq_len + KV_BLOCK - 1) / KV_BLOCK) + 1;
+        double blocks = fmax(o->parallel * per_request, one_of_most);
+        kv_mb = (int)fmin(ceil(blocks * block_bytes / 1048576.0), INT_MAX);
+    }
+    engine_setup(e, t, tok, o->parallel, beams, p->seq_len, kv_mb, o->kv_type, spec);
+    e->stats.keeping = o->keep >= 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -9963,24 +10263,10 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     if (o->keep >= p->seq_len) /* the ring after the sinks needs a slot */
         usage_error("--keep %d is not smaller than the model's context of %d positions", o->keep, p->seq_len);
     if (o->batch_file) {
-        int n_lines, beams = 1, context = 1;
-        BatchLine *lines = read_batch_file(o, p->vocab_size, p->seq_len, &n_lines);
-        for (int i = 0; i < n_lines; i++)
-            if (lines[i].o.seed == 0) { name_clock_seed(clock_seed); break; }
-        for (int i = 0; i < n_lines; i++) {
-            if (lines[i].o.beams > beams) beams = lines[i].o.beams;
-            int steps = context_positions(&lines[i].o, p->seq_len);
-            if (steps > context) context = steps;
-        }
-        engine_setup(e, t, tok, o->parallel, beams, context, o->kv_mb, o->kv_type, spec);
-        e->stats.keeping = o->keep >= 0;
-        int failed = run_batch(e, tok, lines, n_lines, clock_seed, o->ordered);
-        for (int i = 0; i < n_lines; i++)
-            for (int k = 0; k < lines[i].o.controls.n_stops; k++) free(lines[i].stops[k]);
-        free(lines);
+        batch_setup(e, t, tok, o, spec);
+        int status = run_batch(e, tok, o, clock_seed);
         print_stats(e);
-        if (failed) fprintf(stderr, "run: %d of %d requests failed\n", failed, n_lines);
-        return failed ? EXIT_BAD_FILE : 0;
+        return status;
     }
     if (strcmp(o->mode, "serve") == 0) {
         /* rows for requests of up to SERVE_MAX_BEAMS beams (or -b), a cache

@@ -11,8 +11,10 @@ Environment: RUN, MODELS_DIR, TEST_TMP, as the other suites.
 import json
 import os
 import re
+import select
 import subprocess
 import sys
+import time
 
 sys.dont_write_bytecode = True
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -198,41 +200,124 @@ def suite_bad():
         case('batch_bad', lambda: (_ for _ in ()).throw(Skip('stories260K.bin or tok512.bin not in MODELS_DIR')))
         return
     path = os.path.join(WORK, 'bad.jsonl')
+    good_reqs = [{'prompt': 'Once upon a time', 'temperature': 0, 'steps': 40, 'id': 'g1'},
+                 {'prompt': 'The little dog', 'seed': 5, 'steps': 50, 'id': 'g2'},
+                 {'prompt': 'One day', 'beams': 2, 'steps': 30, 'id': 'g3'}]
+    want = expected_lines(model, tok, good_reqs, {}, [])
+    good = [json.dumps(r).encode() + b'\n' for r in good_reqs]
 
-    def usage(text, want_in_error, name):
+    def refused(bad, want_in_error, name, want_id=None):
+        """good, bad, good, bad, good: each bad line refused alone (its line
+        number, its id when read, the message on stdout and on stderr after
+        path:N), the good ones as their solo runs; exit 1."""
+        def fn():
+            with open(path, 'wb') as f:
+                f.write(good[0] + bad + b'\n' + good[1] + bad + b'\n' + good[2])
+            code, out, err = run([model, '-z', tok, '--batch', path])
+            assert code == 1, 'exit %d, want 1 (%s)' % (code, err.strip()[-200:])
+            records = [json.loads(l) for l in out.splitlines()]
+            errors = [r for r in records if 'error' in r]
+            assert [e['line'] for e in errors] == [2, 4], 'error lines: %r' % errors
+            for e in errors:
+                assert want_in_error in e['error'], '%r does not name %r' % (e['error'], want_in_error)
+                assert e.get('id') == want_id, 'id %r, want %r' % (e.get('id'), want_id)
+                assert set(e) == ({'line', 'error', 'id'} if want_id is not None else {'line', 'error'}), e
+                line = 'run: %s:%d: %s' % (path, e['line'], e['error'])
+                assert line in err.splitlines(), 'stderr lacks %r: %r' % (line, err[:400])
+            got = {}
+            for l in out.splitlines():
+                if 'error' not in json.loads(l):
+                    got.setdefault(json.dumps(json.loads(l)['id']), []).append(l)
+            assert got == want, 'the good lines differ from their solo runs:\n got  %r\n want %r' % (got, want)
+            assert 'run: 2 of 5 lines refused' in err, err[-300:]
+        case('batch_refused_%s' % name, fn)
+
+    refused(b'not json', 'not a JSON object', 'not_json')
+    refused(b'{"prompt":"a","colour":"red"}', "unknown field 'colour'", 'unknown_field')
+    refused(b'{"id":"u","prompt":"a","colour":"red"}', "unknown field 'colour'", 'unknown_field_after_id', 'u')
+    refused(b'{"prompt":5}', "'prompt'", 'prompt_not_string')
+    refused(b'{"id":7,"prompt":"a","temperature":"hot"}', "field 'temperature'", 'wrong_type', 7)
+    refused(b'{"prompt":"a","top_p":1.5}', "'top_p'", 'out_of_range')
+    refused(b'{"prompt":"a","steps":2.5}', "'steps'", 'not_integer')
+    refused(b'{"prompt":"a","steps":-1}', "'steps'", 'negative')
+    refused(b'{"prompt":"a","beams":2,"return":3}', "'return'", 'return_above_beams')
+    refused(b'{"prompt":"a","beams":5}', "'beams'", 'beams_above_batch')
+    refused(b'{"prompt":"a","early_stopping":2}', "'early_stopping'", 'early_stopping')
+    refused(b'{"prompt":"a","prompt":"b"}', 'twice', 'duplicate')
+    refused(b'{"temperature":0}', "'prompt'", 'missing_prompt')
+    refused(b'{"prompt":"a","seed":[1]}', "'seed'", 'array_value')
+    refused(b'{"stop":["x","y"],"prompt":"a","stop":"z"}', 'twice', 'stop_then_duplicate')
+    refused(b'{"prompt":"a\\q"}', 'escape', 'bad_escape')
+    refused(b'{"prompt":"a"} x', 'after', 'trailing_text')
+    refused(b'[1,2]', 'object', 'array_line')
+    refused(b'{"prompt":"a","min_new_tokens":9999}', "'min_new_tokens'", 'min_new_above_steps')
+
+    def blank_input(text, name):
         def fn():
             with open(path, 'wb') as f:
                 f.write(text)
             code, out, err = run([model, '-z', tok, '--batch', path])
-            assert code == 2, 'exit %d, want 2 (%s)' % (code, err.strip()[-200:])
-            assert out == '', 'something ran: %r' % out[:200]
-            lines = err.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith('run: '), 'not one error line: %r' % err[:300]
-            assert want_in_error in lines[0], '%r does not name %r' % (lines[0], want_in_error)
-        case('batch_bad_%s' % name, fn)
+            assert code == 0 and out == '', 'exit %d, out %r' % (code, out[:200])
+            assert 'no requests' in err, err
+        case('batch_empty_%s' % name, fn)
+    blank_input(b'', 'file')
+    blank_input(b'\n  \n\r\n', 'blank_lines')
 
-    good = b'{"prompt":"Once"}\n'
-    usage(good + b'not json\n', ':2:', 'not_json')
-    usage(good + b'{"prompt":"a","colour":"red"}\n', "'colour'", 'unknown_field')
-    usage(b'{"prompt":5}\n', "'prompt'", 'prompt_not_string')
-    usage(good * 2 + b'{"prompt":"a","temperature":"hot"}\n', ':3: field \'temperature\'', 'wrong_type')
-    usage(b'{"prompt":"a","top_p":1.5}\n', "'top_p'", 'out_of_range')
-    usage(b'{"prompt":"a","steps":2.5}\n', "'steps'", 'not_integer')
-    usage(b'{"prompt":"a","beams":2,"return":3}\n', "'return'", 'return_above_beams')
-    usage(b'{"prompt":"a","early_stopping":2}\n', "'early_stopping'", 'early_stopping')
-    usage(b'{"prompt":"a","prompt":"b"}\n', 'twice', 'duplicate')
-    usage(b'{"temperature":0}\n', "'prompt'", 'missing_prompt')
-    usage(b'{"prompt":"a","seed":[1]}\n', "'seed'", 'array_value')
-    usage(b'{"prompt":"a\\q"}\n', 'escape', 'bad_escape')
-    usage(b'{"prompt":"a"} x\n', 'after', 'trailing_text')
-    usage(b'', 'no requests', 'empty_file')
-    usage(b'\n  \n', 'no requests', 'blank_lines')
-    usage(b'[1,2]\n', 'object', 'array_line')
+    def blank_lines_skipped():
+        # blank lines are skipped but counted: the bad line is line 4
+        with open(path, 'wb') as f:
+            f.write(b'\n' + good[0] + b'  \t\n' + b'oops\n\n' + good[1].rstrip(b'\n'))
+        code, out, err = run([model, '-z', tok, '--batch', path, '--ordered'])
+        records = [json.loads(l) for l in out.splitlines()]
+        assert code == 1, code
+        assert [r.get('line', r.get('id')) for r in records if r.get('rank', 1) == 1] == ['g1', 4, 'g2'], records
+    case('batch_blank_lines_skipped_and_counted', blank_lines_skipped)
 
-    def file_error(target, want, name):
+    def ordered_with_errors():
+        lines = [b'bad 1', good[0].rstrip(b'\n'), b'{"prompt":"x","top_p":3}', b'{"prompt":"big","steps":512}',
+                 good[2].rstrip(b'\n'), b'{"id":"last","prompt":1}', good[1].rstrip(b'\n'), b'{"prompt":"y","id":"end"']
+        with open(path, 'wb') as f:
+            f.write(b'\n'.join(lines) + b'\n')
+        for parallel in ('1', '3'):
+            code, out, err = run([model, '-z', tok, '--batch', path, '--ordered', '-n', '64', '--parallel', parallel])
+            assert code == 1, code
+            order = []
+            for l in out.splitlines():
+                r = json.loads(l)
+                key = ('line', r['line']) if 'line' in r else ('id', r['id'])
+                if not order or order[-1] != key:
+                    order.append(key)
+            assert order == [('line', 1), ('id', 'g1'), ('line', 3), ('id', 4), ('id', 'g3'), ('line', 6),
+                             ('id', 'g2'), ('line', 8)], order
+            for l in out.splitlines():
+                r = json.loads(l)
+                if r.get('id') in ('g1', 'g2', 'g3'):
+                    assert l in want[json.dumps(r['id'])], 'request %s differs from its solo run' % r['id']
+    case('batch_ordered_with_errors', ordered_with_errors)
+
+    def exit_statuses():
+        with open(path, 'wb') as f:
+            f.write(b''.join(good))
+        code, out, err = run([model, '-z', tok, '--batch', path])
+        assert code == 0 and len(out.splitlines()) == 3, (code, err[-200:])
+        for args, why in ((['-f', 'text'], 'json'), (['--parallel', '0'], 'parallel'), (['--colour'], 'colour')):
+            code, out, err = run([model, '-z', tok, '--batch', path] + args)
+            assert code == 2 and out == '' and why in err and len(err.strip().splitlines()) == 1, (args, code, err[:200])
+    case('batch_exit_statuses', exit_statuses)
+
+    def long_line():
+        # 4 MB of spaces inside a good line: read whole, run as its solo run
+        with open(path, 'wb') as f:
+            f.write(good[1] + good[0].rstrip(b'}\n') + b' ' * (4 << 20) + b'}\n' + good[2])
+        code, out, err = run([model, '-z', tok, '--batch', path, '--ordered'])
+        assert code == 0, err[-200:]
+        assert out.splitlines() == want['"g2"'] + want['"g1"'] + want['"g3"'], out[:300]
+    case('batch_long_line', long_line)
+
+    def file_error(target, want_text, name):
         def fn():
             code, out, err = run([model, '-z', tok, '--batch', target])
-            assert code == 1 and want in err and len(err.strip().splitlines()) == 1, 'exit %d: %r' % (code, err[:300])
+            assert code == 1 and want_text in err and len(err.strip().splitlines()) == 1, 'exit %d: %r' % (code, err[:300])
         case('batch_bad_%s' % name, fn)
     file_error(os.path.join(WORK, 'missing.jsonl'), 'cannot open', 'missing_file')
     file_error(WORK, 'directory', 'directory')
@@ -248,22 +333,92 @@ def suite_bad():
             assert len(errors) == 1 and len(lines) - 1 == n_ok, 'output: %r' % out[:400]
             assert 'failed' in err, err
         case('batch_bad_%s' % name, fn)
+    g = good[0]
     huge = b'{"prompt":"' + b'Once upon a time ' * (10 * 1024 * 1024 // 17) + b'","id":"huge"}\n'
-    per_request(good + huge + good, 2, 'ten_mb_line_too_long')
-    per_request(good + b'{"prompt":"' + b'a b ' * 400 + b'"}\n' + good, 2, 'prompt_over_context')
-    per_request(good + b'{"prompt":"big","steps":512,"beams":8}\n', 1, 'never_fits_kv_cap', ['--kv-mb', '1'])
+    per_request(g + huge + g, 2, 'ten_mb_line_too_long')
+    per_request(g + b'{"prompt":"' + b'a b ' * 400 + b'"}\n' + g, 2, 'prompt_over_context')
+    per_request(g + b'{"prompt":"big","steps":512,"beams":4}\n', 1, 'never_fits_kv_cap', ['--kv-mb', '1'])
 
-    def text_format():
-        with open(path, 'wb') as f:
-            f.write(good)
-        code, out, err = run([model, '-z', tok, '--batch', path, '-f', 'text'])
-        assert code == 2 and 'json' in err, 'exit %d: %r' % (code, err[:200])
-    case('batch_bad_text_format', text_format)
+
+def read_line_within(stream, seconds):
+    """A line of stream, or None when none comes within `seconds`."""
+    ready, _, _ = select.select([stream], [], [], seconds)
+    return stream.readline() if ready else None
+
+
+def suite_stream():
+    model = os.path.join(MODELS_DIR, 'stories260K.bin')
+    tok = os.path.join(MODELS_DIR, 'tok512.bin')
+    if not (os.path.exists(model) and os.path.exists(tok)):
+        case('batch_stream', lambda: (_ for _ in ()).throw(Skip('stories260K.bin or tok512.bin not in MODELS_DIR')))
+        return
+    reqs = [{'prompt': 'Once upon a time', 'temperature': 0, 'steps': 60, 'id': 's1'},
+            {'prompt': 'The little dog', 'seed': 5, 'steps': 200, 'id': 's2'},
+            {'prompt': 'One day', 'beams': 3, 'steps': 40, 'id': 's3'}]
+    want = expected_lines(model, tok, reqs, {}, [])
+
+    def pipe(extra):
+        """A writer that sends a line and waits for its answer, with stdin
+        held open; then a bad line, whose refusal comes at once too."""
+        p = subprocess.Popen([RUN, model, '-z', tok, '--batch', '-'] + extra, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        latencies = []
+        try:
+            for r in reqs:
+                t0 = time.monotonic()
+                p.stdin.write(json.dumps(r).encode() + b'\n')
+                p.stdin.flush()
+                got = []
+                while len(got) < len(want[json.dumps(r['id'])]):
+                    line = read_line_within(p.stdout, 30)
+                    assert line, 'no answer to %s within 30 s with stdin open' % r['id']
+                    got.append(line.decode().rstrip('\n'))
+                latencies.append(time.monotonic() - t0)
+                assert got == want[json.dumps(r['id'])], 'request %s differs from its solo run: %r' % (r['id'], got[0][:200])
+            p.stdin.write(b'{"prompt":"x","id":"b","steps":"many"}\n')
+            p.stdin.flush()
+            line = read_line_within(p.stdout, 30)
+            assert line and json.loads(line) == {'line': 4, 'id': 'b', 'error': "field 'steps': must be an integer"}, line
+            p.stdin.close()
+            code = p.wait(timeout=60)
+            err = p.stderr.read().decode()
+            assert code == 1 and 'run: -:4: field \'steps\': must be an integer' in err, (code, err[-300:])
+            assert p.stdout.read() == b''
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        print('# batch through a pipe %s: each answer %s ms after its line' % (
+            ' '.join(extra) or '(unordered)', ', '.join('%.1f' % (1000 * t) for t in latencies)))
+    case('batch_stream_pipe', lambda: pipe([]))
+    case('batch_stream_pipe_ordered', lambda: pipe(['--ordered', '--parallel', '2']))
+
+    def pipe_while_running():
+        """A long request runs while a short one arrives: the short one's
+        answer comes before the long one's (it was admitted mid-run)."""
+        p = subprocess.Popen([RUN, model, '-z', tok, '--batch', '-', '--parallel', '2'], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            p.stdin.write(b'{"prompt":"Once","id":"long","steps":512,"temperature":0,"beams":4,"early_stopping":"never"}\n')
+            p.stdin.flush()
+            time.sleep(0.05)
+            p.stdin.write(b'{"prompt":"Once","id":"short","steps":3}\n')
+            p.stdin.flush()
+            first = read_line_within(p.stdout, 60)
+            assert first and json.loads(first)['id'] == 'short', first
+            p.stdin.close()
+            rest = p.stdout.read().decode().splitlines()
+            assert p.wait(timeout=60) == 0 and rest and json.loads(rest[0])['id'] == 'long', rest[:1]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    case('batch_stream_admits_while_running', pipe_while_running)
 
 
 def main():
     os.makedirs(WORK, exist_ok=True)
-    for suite in (suite_real, suite_random, suite_bad):
+    for suite in (suite_real, suite_random, suite_bad, suite_stream):
         try:
             suite()
         except Exception as e:

@@ -102,18 +102,20 @@ if [ -f "$M/stories260K.bin" ] && [ -f "$M/tok512.bin" ]; then
     check "json sampled" 0 "$ASAN_RUN" "${MODEL[@]}" -f json -n 30 -s 5 -i $'caf\xc3\xa9 \xff "quoted"' &&
         pass "json sampled"
     # a batch: shared prefixes, beams, a request that waits for cache room,
-    # one that never fits, one with no room for its prompt
+    # one that never fits, a line refused after its stop strings and id were
+    # read
     {
         printf '{"prompt":"Once upon a time, there was a little girl named Lily. She loved to play","id":"a"}\n'
         printf '{"prompt":"Once upon a time, there was a little girl named Lily. She loved to swim","seed":3}\n'
+        printf '{"stop":["x","y"],"id":"r","prompt":"z","colour":1}\n'
         printf '{"prompt":"One day","beams":3,"return":2,"steps":60}\n'
         printf '{"prompt":"The cat \\u00e9\\ud83d\\ude00","steps":4}\n'
-        printf '{"prompt":"big","beams":8,"steps":512}\n'
+        printf '{"prompt":"big","beams":4,"steps":512}\n'
     } >"$T/batch.jsonl"
     check "batch --parallel 3 --kv-mb 1" 1 "$ASAN_RUN" "${MODEL[@]}" --batch "$T/batch.jsonl" --parallel 3 --kv-mb 1 -n 100 &&
-        if [ "$(grep -c '"error"' "$LAST_OUT")" -eq 1 ] && [ "$(grep -c '"rank"' "$LAST_OUT")" -eq 5 ]; then
+        if [ "$(grep -c '"error"' "$LAST_OUT")" -eq 2 ] && [ "$(grep -c '"rank"' "$LAST_OUT")" -eq 5 ]; then
             pass "batch --parallel 3 --kv-mb 1"
-        else echo "FAIL asan batch: want 5 results and 1 error: $(head -c 300 "$LAST_OUT")"; fi
+        else echo "FAIL asan batch: want 5 results and 2 errors: $(head -c 300 "$LAST_OUT")"; fi
     check "generation controls, sampled" 0 "$ASAN_RUN" "${MODEL[@]}" -n 120 -s 3 --top-k 9 --min-p 0.05 \
         --repetition-penalty 1.2 --no-repeat-ngram-size 3 --min-new-tokens 20 --stop "Lily" --stop "." &&
         pass "generation controls, sampled"

@@ -52,10 +52,11 @@ if [ -f "$M/stories260K.bin" ] && [ -f "$M/tok512.bin" ]; then
         printf '{"prompt":"Once upon a time, there was a little girl named Lily. She loved to play","id":"a"}\n'
         printf '{"prompt":"Once upon a time, there was a little girl named Lily. She loved to swim","seed":3}\n'
         printf '{"prompt":"One day","beams":3,"return":2,"steps":60}\n'
-        printf '{"prompt":"big","beams":8,"steps":512}\n'
+        printf '{"stop":["x","y"],"id":"r","prompt":"z","colour":1}\n'
+        printf '{"prompt":"big","beams":4,"steps":512}\n'
     } >"$T/batch.jsonl"
     vg "perplexity of a story (two windows), -I" /dev/null 0 "${MODEL[@]}" -m perplexity -I tests/story_perplexity.txt -f json
-    vg "batch --parallel 2 --kv-mb 1, one request too big" /dev/null 1 "${MODEL[@]}" --batch "$T/batch.jsonl" --parallel 2 --kv-mb 1 -n 80
+    vg "batch --parallel 2 --kv-mb 1, one request too big, one line refused" /dev/null 1 "${MODEL[@]}" --batch "$T/batch.jsonl" --parallel 2 --kv-mb 1 -n 80
     for kv in f16 q8_0; do
         vg "--kv-type $kv generate -n 60" /dev/null 0 "${MODEL[@]}" --kv-type $kv -n 60 -s 1 -i "Once upon a time"
         vg "--kv-type $kv batch --parallel 2 --kv-mb 1" /dev/null 1 "${MODEL[@]}" --kv-type $kv --batch "$T/batch.jsonl" --parallel 2 --kv-mb 1 -n 80

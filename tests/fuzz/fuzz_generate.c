@@ -5,7 +5,8 @@
 
    Input: command-line arguments after the checkpoint, separated by NUL
    bytes; after the first empty argument (two NULs in a row), the text that
-   chat (or --batch -) reads from stdin. The arguments go through
+   chat (or --batch -) reads from stdin (chat from the stream stdin, --batch
+   from the descriptor 0 as the bytes arrive: both get it). The arguments go through
    parse_options(), then run_program() as main() in run.c calls it, except
    that the clock seed is 1, more than 8 beams or --parallel are skipped
    (slow, not different), as are --keep runs of more than 2000 positions,
@@ -68,6 +69,23 @@ static Engine engine;
 static Speculator *spec; /* --lookup */
 static FILE *chat_input;
 
+/* Descriptor 0 reads `n` bytes of `text` (--batch -) until restore_fd0(). */
+static int saved_fd0 = -1;
+static void text_as_fd0(const char *text, size_t n) {
+    static FILE *file;
+    if (!file && !(file = tmpfile())) abort();
+    int fd = fileno(file);
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, text, n, 0) != (ssize_t)n || lseek(fd, 0, SEEK_SET) != 0) abort();
+    saved_fd0 = dup(0);
+    if (dup2(fd, 0) < 0) abort();
+}
+
+static void restore_fd0(void) {
+    if (saved_fd0 < 0 || dup2(saved_fd0, 0) < 0) abort();
+    close(saved_fd0);
+    saved_fd0 = -1;
+}
+
 /* Runs the arguments and stdin text in `data` (see above); returns whether
    that went without an error. */
 static int run_input(const uint8_t *data, size_t size) {
@@ -94,6 +112,7 @@ static int run_input(const uint8_t *data, size_t size) {
     chat_input = stdin_len > 0 ? fmemopen((void *)stdin_text, stdin_len, "r") : fopen("/dev/null", "r");
     if (!chat_input) abort();
     stdin = chat_input;
+    text_as_fd0(stdin_text, stdin_len);
 
     volatile int ok = 0;
     error_trap = &fuzz_trap;
@@ -113,6 +132,7 @@ static int run_input(const uint8_t *data, size_t size) {
     spec = NULL;
     free_run_state(&model.state);
     stdin = saved_stdin;
+    restore_fd0();
     fclose(chat_input);
     free(buffer);
     return ok;

@@ -265,6 +265,11 @@ def main():
         '{"prompt":"x","colour":[1,{"a":2}]}\n',
         '{"prompt":"\\ud800"}\n',
         '',
+        # good and bad lines interleaved: each bad one is refused alone
+        '{"prompt":"a","id":1}\nnot json\n{"prompt":"b","stop":["x","y"],"steps":9}\n'
+        '{"stop":["x"],"id":"s","prompt":"c","colour":1}\n  \n{"prompt":"d","top_k":3}\r\n'
+        '{"prompt":"e","beams":9}\n{"prompt":"f","beams":2,"return":3}\n{"prompt":"g"',
+        '\n\n{"prompt":5,"id":"late"}\n{"id":"early","prompt":5}\n{"prompt":"h","min_new_tokens":300}\n{}\n',
     ]
     for i, text in enumerate(batches):
         write("batch", "batch%d" % i, text.encode())
