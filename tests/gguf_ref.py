@@ -48,11 +48,11 @@ over all logits of 10 positions, relative to max |logit|:
       F16: 2e-4 from forward() and 4e-4 from the float16-activation
       emulation: llama.cpp's F16 path rounds somewhere this module does not
       model (not needed: run.c computes F16 weights in float32).
-  - files made by llama.cpp's converter and llama-quantize
-    (tests/gguf/*.gguf with their .logits, F32 .. Q6_K, Q4_K_S/M, Q5_K_S/M,
-    with the Q5_0/Q5_1/Q8_0 fallbacks): 27 of 29 within 3.5e-7 of
-    forward(..., 'llamacpp') (F32, BF16 and every quantised type), two
-    (qwen2 Q4_K_M, Q5_K_S) 3e-3 and 1.4e-3 (a flip, as above).
+  - files made by llama.cpp's gguf-py writer and llama-quantize: of the
+    29 first made (F32 .. Q6_K, Q4_K_S/M, Q5_K_S/M, with the Q5_0/Q5_1/Q8_0
+    fallbacks), 27 within 3.5e-7 of forward(..., 'llamacpp') (F32, BF16
+    and every quantised type), two (qwen2 Q4_K_M, Q5_K_S) 3e-3 and 1.4e-3
+    (a flip, as above); the 9 kept in tests/gguf/ are all within 3.5e-7.
 The emulation had to model llama.cpp's q8_1 blocks exactly for Q4_1/Q5_1:
 their min term multiplies by float16(d * sum q), not by the sum of the
 rounded activations (1.5e-2 apart otherwise).

@@ -2,7 +2,11 @@
 """GGUF models: run.c's logits on small random GGUF files of every weight
 type and both architectures against the independent numpy reference
 tests/gguf_ref.py (which agrees with llama.cpp itself to 1e-7, see its
-docstring), generation smoke runs, and malformed files.
+docstring), generation smoke runs, and malformed files; and the files
+made by llama.cpp's own tools in tests/gguf/ (every weight type, both
+architectures, a K mix) against llama.cpp's logits and greedy tokens, the
+reference's emulation of llama.cpp and of run.c (see "files made by
+llama.cpp" below for their tolerances).
 
 Files: written here by gguf_ref (random quant bits with realistic scales;
 dim 256 so the K types fit, ffn 512, 4 heads, vocab 300 with a small
@@ -37,6 +41,7 @@ max |logit|):
 
 Env: RUN, PYTHON, TEST_TMP. Prints PASS/FAIL/SKIP lines."""
 
+import json
 import os
 import struct
 import subprocess
@@ -94,33 +99,49 @@ def dump_logits(p, ids):
     return got
 
 
-def compare(p, quantised, ids=IDS):
-    """The verdict's details for one file; raises AssertionError when out of
-    tolerance. Returns a short description of the error seen."""
-    model = ref.Model(ref.read_gguf(p))
-    got = dump_logits(p, ids)
-    exact = ref.forward(model, ids)
+def relative_errors(a, b, scale):
+    """max |a - b| at each position, relative to scale (max |logit|)."""
+    return np.abs(a - b).max(axis=1) / scale
+
+
+def within(per_pos, tight, noise, what):
+    """The verdict of an engine against an emulation of its arithmetic:
+    within `tight` (float rounding), or else, with noise given, a rounding
+    flip cascading, bounded by CASCADE x noise (the whole effect of the
+    activation rounding). Returns the detail; raises AssertionError."""
+    err = float(per_pos.max())
+    if err <= tight:
+        return "max error %.2g" % err
+    first = int(np.nonzero(per_pos > tight)[0][0])
+    assert noise is not None, "%s: max error %.3g (limit %g), first from position %d of %d" % (
+        what, err, tight, first, len(per_pos))
+    assert err <= CASCADE * noise, ("%s: max error %.3g, from position %d of %d; the activation rounding's own "
+                                    "effect is %.3g, limit %.3g" % (what, err, first, len(per_pos), noise,
+                                                                    CASCADE * noise))
+    return "max error %.2g from position %d (a rounding flip cascading; noise %.2g, limit %.2g)" % (
+        err, first, noise, CASCADE * noise)
+
+
+def against_reference(model, got, ids, quantised, exact=None, emu=None):
+    """run.c's logits `got` against the reference: the exact forward for
+    the float types, forward(..., 'runc') for the quantised ones (exact and
+    emu: those forwards, when already computed)."""
+    exact = ref.forward(model, ids) if exact is None else exact
     assert got.shape == exact.shape, "run.c gives %s logits, the reference %s" % (got.shape, exact.shape)
     scale = float(np.abs(exact).max())
     if not quantised:
-        per_pos = np.abs(got - exact).max(axis=1) / scale
-        err = float(per_pos.max())
-        bad = np.nonzero(per_pos > EXACT_TOL)[0]
-        assert not len(bad), "max error %.3g (limit %g), first from position %d of %d" % (err, EXACT_TOL, bad[0], len(ids))
-        return "max error %.2g" % err
-    emu = ref.forward(model, ids, "runc")
+        return within(relative_errors(got, exact, scale), EXACT_TOL, None, "against the exact forward")
+    emu = ref.forward(model, ids, "runc") if emu is None else emu
     noise = float(np.abs(exact - emu).max()) / scale
-    per_pos = np.abs(got - emu).max(axis=1) / scale
-    err = float(per_pos.max())
-    if err <= QUANT_TIGHT:
-        return "max error %.2g against the int8 emulation" % err
-    first = int(np.nonzero(per_pos > QUANT_TIGHT)[0][0])
-    assert err <= CASCADE * noise, ("max error %.3g against the int8 emulation, from position %d of %d; the activation "
-                                    "rounding's own effect is %.3g, limit %.3g (error against the exact forward %.3g)"
-                                    % (err, first, len(ids), noise, CASCADE * noise,
-                                       float(np.abs(got - exact).max()) / scale))
-    return "max error %.2g from position %d (a rounding flip cascading; noise %.2g, limit %.2g)" % (
-        err, first, noise, CASCADE * noise)
+    what = "against the int8 emulation (error against the exact forward %.3g)" % (
+        float(np.abs(got - exact).max()) / scale)
+    return within(relative_errors(got, emu, scale), QUANT_TIGHT, noise, what) + " against the int8 emulation"
+
+
+def compare(p, quantised, ids=IDS):
+    """The verdict's details for one file; raises AssertionError when out of
+    tolerance. Returns a short description of the error seen."""
+    return against_reference(ref.Model(ref.read_gguf(p)), dump_logits(p, ids), ids, quantised)
 
 
 def verdict_with_detail(name, fn):
@@ -224,6 +245,172 @@ def smoke_fn(name, wtype, settings):
         assert r.returncode == 0, "json: exit %d: %s" % (r.returncode, r.stderr.decode(errors="replace")[-300:])
         return "exit 0, %d bytes of text" % len(out)
     return fn
+
+
+# --- files made by llama.cpp (tests/gguf/, README.md there) ---------------------------------
+#
+# Each fixture was written by llama.cpp's gguf-py and llama-quantize; its
+# .logits golden is llama.cpp's own output (8 positions, float32 KV cache).
+# Three checks per file, errors relative to max |golden logit|:
+#  (a) run.c against llama.cpp. F32: within F32_TOL = 1e-5 (seen 6e-7 and
+#      9e-7; both compute in float32). This proves the RoPE pairing per
+#      architecture, qwen2's biases, the tied classifier and rope_freqs on
+#      files llama.cpp wrote: gguf_ref's forward with one of them wrong
+#      misses the golden by 0.60 (llama-s, halves), 0.59 (qwen2-s, adjacent
+#      pairs), 0.25 (no rope_freqs), 0.61 (no biases).
+#      Every other type: the two engines round the matmul inputs
+#      differently (run.c: int8 per 32, 16 for Q6_K, float32 for F16/BF16
+#      weights; llama.cpp: q8_0 per 32, q8_1 for Q4_1/Q5_1, q8_K per 256,
+#      float16 for F16, bfloat16 for BF16), so they differ by up to the sum
+#      of both roundings' effects, each measured with gguf_ref as
+#      max |exact forward - that engine's emulation|. Limit: F32_TOL +
+#      ROUNDING_MARGIN x that sum, the margin 1.5 for the cascades that a
+#      rounding flip starts (up to 1.1x the effect, see gguf_ref's
+#      docstring). Seen: 0.4 .. 1.0 x the sum (2.4e-4 for F16, 4.7e-3 for
+#      BF16, 1.4e-2 .. 3.3e-2 for the quantised files). A misread block
+#      layout or scale moves logits by tens of percent.
+#  (b) gguf_ref's 'llamacpp' emulation against the golden: within
+#      LLAMACPP_TIGHT = 1e-5 (seen <= 4.1e-7: float32 against float64, and
+#      the golden's 7 printed digits), or (not for F32) a rounding flip's
+#      cascade as in within(). This shows that the reference reproduces
+#      llama.cpp on llama.cpp's files. F16 is the exception: gguf_ref does
+#      not model llama.cpp's F16 path (its docstring), so there the golden
+#      must lie within the effect of rounding the activations to float16
+#      (from the exact forward).
+#  (c) run.c against gguf_ref's 'runc' emulation, as for the random files
+#      (against_reference).
+#  Greedy generation from text on the two F32 files: the prompt's ids and
+#  12 greedy tokens as llama.cpp's (llamacpp_greedy_fn).
+
+FIXTURES = os.path.join(HERE, "gguf")
+F32_TOL = 1e-5
+LLAMACPP_TIGHT = 1e-5
+ROUNDING_MARGIN = 1.5
+# name -> what it carries (README.md lists the type of every tensor)
+LLAMACPP_FILES = {
+    "llama-s.f32": "F32; llama, untied output, rope_freqs",
+    "qwen2-s.f32": "F32; qwen2, q/k/v biases, tied",
+    "llama-s.bf16": "BF16",
+    "qwen2-s.f16": "F16",
+    "llama-s.q4_0": "Q4_0, Q8_0 output",
+    "qwen2-s.q4_1": "Q4_1, Q8_0 token_embd (tied)",
+    "qwen2-s.q5_1": "Q5_1, Q8_0 token_embd (tied)",
+    "llama-k.q4_k_m": "Q4_K_M: Q4_K, Q6_K",
+    "qwen2-k.q4_k_s": "Q4_K_S: Q4_K, Q5_K, Q6_K, Q5_0 for rows of 384",
+}
+_fixture_cache = {}
+
+
+def goldens():
+    if "goldens" not in _fixture_cache:
+        with open(os.path.join(FIXTURES, "goldens.json")) as f:
+            _fixture_cache["goldens"] = json.load(f)
+    return _fixture_cache["goldens"]
+
+
+def fixture(name):
+    """run.c's logits, llama.cpp's, the reference's (exact and both
+    emulations) for one fixture, computed once for its three checks."""
+    if name not in _fixture_cache:
+        p = os.path.join(FIXTURES, name + ".gguf")
+        ids = goldens()[name]["ids"]
+        gold = np.loadtxt(os.path.join(FIXTURES, name + ".logits"), ndmin=2)
+        model = ref.Model(ref.read_gguf(p))
+        assert gold.shape == (len(ids), model.w["token_embd.weight"].shape[0]), "golden shape %s" % (gold.shape,)
+        d = dict(model=model, ids=ids, gold=gold, scale=float(np.abs(gold).max()),
+                 exact=ref.forward(model, ids), llamacpp=ref.forward(model, ids, "llamacpp"),
+                 types=set(model.t[n] for n in model.t if model.w[n].ndim == 2))
+        d["quantised"] = not d["types"] <= set(ref.EXACT_TYPES)
+        d["runc"] = ref.forward(model, ids, "runc") if d["quantised"] else d["exact"]
+        d["got"] = dump_logits(p, ids)
+        _fixture_cache[name] = d
+    return _fixture_cache[name]
+
+
+def effect(d, kind):
+    """The activation rounding's whole effect in one engine's emulation."""
+    return float(np.abs(d["exact"] - d[kind]).max()) / d["scale"]
+
+
+def runc_vs_llamacpp_fn(name, what):
+    def fn():
+        d = fixture(name)
+        per_pos = relative_errors(d["got"], d["gold"], d["scale"])
+        if d["types"] == {"F32"}:
+            return what + ": " + within(per_pos, F32_TOL, None, "run.c against llama.cpp")
+        ours, theirs = effect(d, "runc"), effect(d, "llamacpp")
+        limit = F32_TOL + ROUNDING_MARGIN * (ours + theirs)
+        err = float(per_pos.max())
+        assert err <= limit, ("run.c against llama.cpp: max error %.3g at position %d, limit %.3g (the activation "
+                              "roundings' effects: run.c %.3g, llama.cpp %.3g)"
+                              % (err, int(per_pos.argmax()), limit, ours, theirs))
+        return "%s: max error %.2g, limit %.2g = 1e-5 + %g x (run.c's rounding %.2g + llama.cpp's %.2g)" % (
+            what, err, limit, ROUNDING_MARGIN, ours, theirs)
+    return fn
+
+
+def reference_vs_llamacpp_fn(name):
+    def fn():
+        d = fixture(name)
+        theirs = effect(d, "llamacpp")
+        if "F16" in d["types"]:
+            err = float(relative_errors(d["exact"], d["gold"], d["scale"]).max())
+            assert err <= theirs, ("F16: llama.cpp %.3g from the exact forward, more than rounding the activations "
+                                   "to float16 moves it (%.3g)" % (err, theirs))
+            return "F16 (not emulated): llama.cpp %.2g from the exact forward, float16 activations move it %.2g" % (
+                err, theirs)
+        per_pos = relative_errors(d["llamacpp"], d["gold"], d["scale"])
+        return within(per_pos, LLAMACPP_TIGHT, theirs if d["types"] != {"F32"} else None,
+                      "gguf_ref's llama.cpp emulation against llama.cpp")
+    return fn
+
+
+def runc_vs_reference_fn(name):
+    def fn():
+        d = fixture(name)
+        return against_reference(d["model"], d["got"], d["ids"], d["quantised"], d["exact"], d["runc"])
+    return fn
+
+
+def run_json(args):
+    """run.c's first JSON object on stdout, with its exit status."""
+    r = sh([RUN] + args)
+    out = r.stdout.decode(errors="replace").strip()
+    obj = json.JSONDecoder().raw_decode(out)[0] if r.returncode == 0 and out.startswith("{") else None
+    return r, obj
+
+
+def llamacpp_greedy_fn(name):
+    """./run FILE -t 0 on a text prompt gives llama.cpp's greedy tokens
+    (llama-logits -g 12 on llama.cpp's tokenisation of the same text;
+    the smallest top-2 gap on that path is in the golden, >= 1e-2, far
+    above F32_TOL, so a greedy choice cannot flip)."""
+    def fn():
+        g = goldens()[name]["generate"]
+        p = os.path.join(FIXTURES, name + ".gguf")
+        r, obj = run_json([p, "-m", "tokenize", "-f", "json", "-i", g["text"]])
+        err = r.stderr.decode(errors="replace").strip()
+        if r.returncode == 1:
+            raise Skip("run.c does not tokenize with this file's vocabulary yet: %s" % (err.splitlines() or [""])[-1])
+        assert r.returncode == 0 and obj, "-m tokenize: exit %d: %s" % (r.returncode, err[-300:])
+        assert obj["tokens"] == g["ids"], "%r tokenizes to %s, llama.cpp: %s" % (g["text"], obj["tokens"], g["ids"])
+        want = g["greedy12"]
+        r, obj = run_json([p, "-t", "0", "-n", str(len(g["ids"]) + len(want) - 1), "-f", "json", "-i", g["text"]])
+        assert r.returncode == 0 and obj, "generate: exit %d: %s" % (r.returncode, r.stderr.decode(errors="replace")[-300:])
+        assert obj["tokens"][:len(want)] == want, "greedy tokens %s, llama.cpp's %s" % (obj["tokens"], want)
+        return "%r -> %d prompt ids, %d greedy tokens as llama.cpp's" % (g["text"], len(g["ids"]), len(want))
+    return fn
+
+
+def llamacpp_fixture_cases():
+    for name, what in LLAMACPP_FILES.items():
+        tag = name.replace("-", "_").replace(".", "_")
+        verdict_with_detail("gguf_llamacpp_%s_runc_vs_llamacpp" % tag, runc_vs_llamacpp_fn(name, what))
+        verdict_with_detail("gguf_llamacpp_%s_reference_vs_llamacpp" % tag, reference_vs_llamacpp_fn(name))
+        verdict_with_detail("gguf_llamacpp_%s_runc_vs_reference" % tag, runc_vs_reference_fn(name))
+    for name in ("llama-s.f32", "qwen2-s.f32"):
+        verdict_with_detail("gguf_llamacpp_%s_greedy" % name.replace("-", "_").replace(".", "_"),
+                            llamacpp_greedy_fn(name))
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -365,6 +552,7 @@ def main():
     verdict_with_detail("gguf_format_versions_alignment_metadata", format_variants_fn())
     verdict_with_detail("gguf_generate_llama_q4_k", smoke_fn("llama_q4_k", "Q4_K", VARIANTS["llama_untied_gqa_ropefreqs"]))
     verdict_with_detail("gguf_generate_qwen2_q8_0", smoke_fn("qwen2_q8_0", "Q8_0", VARIANTS["qwen2_tied_mqa"]))
+    llamacpp_fixture_cases()
     files = bad_files()
     bad_each(RUN, files, "gguf_bad")
     verdict_with_detail("gguf_bad_asan", bad_fn(ASAN, files))
