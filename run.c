@@ -11,14 +11,16 @@
         reading a line, the clock, sockets
      1. data structures: Config, Matrix, Weights, RunState, Transformer
      2. checkpoint loading: mmap, header validation, weight mapping, files
-        of the wrong kind named as what they are
+        of the wrong kind named as what they are; 2.1 GGUF files (llama.cpp's
+        format), 2.2 a llama or qwen2 model from one (types F32 to Q6_K)
      3. kernels: rmsnorm, softmax, matmul (int8 and 4-bit weights packed
         at load for the VNNI kernel), rope, attention (the math in comments)
      4. the paged key/value cache (float32, f16 or q8_0 rows: --kv-type;
         past the context with --keep: a ring of slots)
         and the forward pass over a batch of rows
      5. the tokenizers: 5.1 llama2.c's tokenizer.bin (SentencePiece BPE),
-        5.2 byte-level BPE "tk42" files (Llama 3)
+        5.2 byte-level BPE "tk42" files (Llama 3), 5.3 the vocabularies of
+        GGUF files (SentencePiece or byte-level, with their pre-tokenizers)
      6. samplers: greedy, temperature, top-p; the generation controls
         (logits processors, top-k, min-p, stop strings); beam search
      7. the engine: requests served together (continuous batching);
@@ -768,13 +770,12 @@ static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
 
 #define CONVERT_HINT "convert the original model with `python3 export.py model DIR out.bin` (DIR: its Hugging Face directory)"
 
-/* What a file in another program's format is, or NULL: GGUF (llama.cpp),
-   safetensors (an 8-byte header length, then a JSON object), a PyTorch zip
+/* What a file in another program's format is, or NULL (GGUF is read, by
+   section 2.1): safetensors (an 8-byte header length, then a JSON object), a PyTorch zip
    (torch.save) or a bare pickle (protocol 2 to 5, then an opcode that starts
    a torch.save stream; a legacy header whose dim ends in 0x0?80 has a zero
    byte there). */
 static const char *foreign_format(const unsigned char *d, size_t size) {
-    if (size >= 4 && memcmp(d, "GGUF", 4) == 0) return "a GGUF file (llama.cpp's format)";
     if (size >= 4 && memcmp(d, "PK\x03\x04", 4) == 0) return "a zip archive (a PyTorch .pt/.pth/.bin checkpoint)";
     if (size >= 3 && d[0] == 0x80 && d[1] >= 2 && d[1] <= 5 && strchr("\x8a\x95}]c(", d[2]) && d[2] != 0)
         return "a Python pickle (a PyTorch checkpoint)";
@@ -1681,12 +1682,13 @@ static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *
 
 /* Reads the model of a parsed GGUF file into t. */
 static void load_gguf_model(Transformer *t, const GGUF *g) {
+    if (g->n_tensors == 0)
+        die(EXIT_BAD_FILE, "%s: is a GGUF file with no tensors (a vocabulary only?): it serves `-m tokenize` or -z, not as a model; "
+            GGUF_CONVERT_HINT, g->path);
     char *arch = gguf_string(g, "general.architecture");
     if (!arch) die(EXIT_BAD_FILE, "%s: GGUF metadata 'general.architecture' is missing", g->path);
     if (strcmp(arch, "llama") != 0 && strcmp(arch, "qwen2") != 0)
         die(EXIT_BAD_FILE, "%s: GGUF architecture '%s' is not one this program runs (llama, qwen2)", g->path, arch);
-    if (g->n_tensors == 0)
-        die(EXIT_BAD_FILE, "%s: is a vocabulary-only GGUF file (no tensors): it serves `-m tokenize`, or -z for a model", g->path);
     Config *p = &t->config;
     p->rope_halves = gguf_config(p, g, arch);
     t->version = VERSION_GGUF;
@@ -5910,7 +5912,9 @@ static void load_gguf_vocabulary(Tokenizer *t, const GGUF *g) {
     char *chat_template = gguf_string(g, "tokenizer.chat_template");
     const GGUFValue *tokens = gguf_array(g, "tokenizer.ggml.tokens", GGUF_STRING);
     const GGUFValue *merges = gguf_array(g, "tokenizer.ggml.merges", GGUF_STRING);
-    if (!model || !tokens) die(EXIT_BAD_FILE, "%s: the GGUF file has no vocabulary (tokenizer.ggml.model and .tokens): give one with -z", g->path);
+    if (!model || !tokens)
+        die(EXIT_BAD_FILE, "%s: the GGUF file holds no vocabulary (tokenizer.ggml.model, tokenizer.ggml.tokens): write one with "
+            "`python3 export.py tokenizer tokenizer.json out.gguf`", g->path);
     float *scores = gguf_numbers(gguf_array(g, "tokenizer.ggml.scores", GGUF_FLOAT32));
     int *types = gguf_numbers(gguf_array(g, "tokenizer.ggml.token_type", GGUF_INT32));
     v.model = model;
@@ -8356,7 +8360,8 @@ static long long parse_integer(const char *flag, const char *text, long long lo,
 
 static void print_version(void) {
     printf("run %s\n", RUN_VERSION);
-    printf("checkpoints: versions 0 (llama2.c), 1 (float32), 2 (int8 Q8_0), 3 (4-bit), 4 (float32 or int8, RoPE theta and scaling, norm eps)\n");
+    printf("checkpoints: versions 0 (llama2.c), 1 (float32), 2 (int8 Q8_0), 3 (4-bit), 4 (float32, int8 or 4-bit, RoPE theta and scaling, norm eps)\n");
+    printf("GGUF: versions 2 and 3; architectures llama, qwen2; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\n");
     printf("kernels: %s\n", KERNEL_NAME);
 #ifdef VF_CACHE_LOADS
     printf("key/value cache types: f32, f16, q8_0 (f16 and q8_0 read with vector kernels)\n");

@@ -63,7 +63,7 @@ with open(d + "/tiny.expected.bin", "wb") as f:
     f.write(struct.pack("<i", max(len(p) for p in pieces)))
     for (_, s, _), p in zip(sp, pieces):
         f.write(struct.pack("<fi", s, len(p)) + p)
-# files of other programs: GGUF, safetensors, a PyTorch zip and a pickle
+# files of other programs: safetensors, a PyTorch zip and a pickle; and a GGUF file that holds nothing
 open(d + "/model.gguf", "wb").write(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + bytes(64))
 header = b'{"model.embed_tokens.weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}'
 open(d + "/model.safetensors", "wb").write(struct.pack("<Q", len(header)) + header + bytes(16))
@@ -97,8 +97,8 @@ one_line() {
 # --- files of the wrong kind: one line naming what the file is, exit 1 -------
 one_line "tokenizer given as the checkpoint" 1 "is a tokenizer, not a checkpoint" -- "$T" -z "$T"
 one_line "checkpoint given as the tokenizer" 1 "is a checkpoint, not a tokenizer" -- "$MODEL" -z "$MODEL"
-one_line "GGUF checkpoint" 1 "GGUF.*export.py model" -- "$TMP/model.gguf" -z "$T"
-one_line "GGUF tokenizer" 1 "GGUF.*export.py tokenizer" -- "$MODEL" -z "$TMP/model.gguf"
+one_line "GGUF with no tensors as the checkpoint" 1 "GGUF file with no tensors.*export.py model" -- "$TMP/model.gguf" -z "$T"
+one_line "GGUF with no vocabulary as the tokenizer" 1 "GGUF file holds no vocabulary.*export.py tokenizer" -- "$MODEL" -z "$TMP/model.gguf"
 one_line "safetensors checkpoint" 1 "safetensors.*export.py model DIR out.bin" -- "$TMP/model.safetensors" -z "$T"
 one_line "PyTorch zip checkpoint" 1 "zip.*PyTorch.*export.py model" -- "$TMP/model.pt" -z "$T"
 one_line "PyTorch pickle checkpoint" 1 "pickle.*export.py model" -- "$TMP/model.pkl" -z "$T"
