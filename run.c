@@ -3060,8 +3060,9 @@ static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
     c->kv_dim = kv_dim;
     c->type = type;
     c->row_bytes = row_bytes;
-    c->key = alloc_pages(kv_array_bytes(c), "the key/value cache");
-    c->value = alloc_pages(kv_array_bytes(c), "the key/value cache");
+    const char *what = "the key/value cache; --ctx-size, --kv-mb or --kv-type make it smaller";
+    c->key = alloc_pages(kv_array_bytes(c), what);
+    c->value = alloc_pages(kv_array_bytes(c), what);
     c->ref = xcalloc((size_t)n_blocks, sizeof(int));
     c->prev = xcalloc((size_t)n_blocks, sizeof(int));
     c->next = xcalloc((size_t)n_blocks, sizeof(int));
@@ -8227,6 +8228,7 @@ typedef struct {
     const char *batch_file;    /* --batch: JSON Lines requests; NULL: none */
     int parallel;              /* --parallel: requests in flight at once */
     int kv_mb;                 /* --kv-mb: cache cap in MiB; 0: enough for --parallel requests */
+    int ctx_size;              /* --ctx-size: positions of context at most; 0: the model's */
     int kv_type;               /* --kv-type: KV_F32 (default), KV_F16 or KV_Q8_0 */
     int keep;                  /* --keep: positions kept when generation goes past the context; -1: off */
     int ordered;               /* --ordered: batch results in input order */
@@ -8262,6 +8264,8 @@ static const char *usage_text =
     "  -n <int>           positions to run, prompt included; 0 or above the context = the context\n"
     "                     (default 256; in chat or with --max-new-tokens: the context)\n"
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
+    "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
+    "                     declares 131072: chat and serve size their caches by it)\n"
     "  --chat-template <name>    llama2, llama3, chatml or phi3 (default: the tokenizer's)\n"
     "  -f <format>        output: text or json (default text)\n"
     "\n"
@@ -8426,6 +8430,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--batch") == 0) { o->batch_file = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--parallel") == 0) { o->parallel = (int)parse_integer(flag, option_value(argc, argv, i), 1, 4096); return 2; }
     if (strcmp(flag, "--kv-mb") == 0) { o->kv_mb = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1 << 24); return 2; }
+    if (strcmp(flag, "--ctx-size") == 0) { o->ctx_size = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX); return 2; }
     if (strcmp(flag, "--ordered") == 0) { o->ordered = 1; return 1; }
     if (strcmp(flag, "--kv-type") == 0) { o->kv_type = parse_kv_type(option_value(argc, argv, i)); return 2; }
     if (strcmp(flag, "--keep") == 0) { o->keep = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX - 1); return 2; }
@@ -10306,6 +10311,12 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     return 0;
 }
 
+/* --ctx-size: the context a model runs with, at most `positions` (0: the
+   model's own). Only the cache and the limits of -n read it. */
+static void limit_context(Config *p, int positions) {
+    if (positions > 0 && positions < p->seq_len) p->seq_len = positions;
+}
+
 /* -m tokenize on a vocabulary-only GGUF file (no tensors, as llama.cpp's
    models/ggml-vocab-*.gguf), without -z: prints the tokens of the prompt
    with no model. Returns whether the file was one. */
@@ -10345,6 +10356,7 @@ int main(int argc, char **argv) {
     }
     Transformer t;
     load_checkpoint(&t, o.checkpoint);
+    limit_context(&t.config, o.ctx_size);
     const Config *p = &t.config;
     if (o.beams > p->vocab_size)
         usage_error("-b %d is more beams than the %d tokens of the vocabulary", o.beams, p->vocab_size);
@@ -10365,6 +10377,7 @@ int main(int argc, char **argv) {
     Speculator *spec = NULL;
     if (o.draft_file) {
         load_checkpoint(&draft, o.draft_file);
+        limit_context(&draft.config, o.ctx_size);
         if (draft.config.vocab_size != p->vocab_size)
             die(EXIT_BAD_FILE, "%s: the draft's vocabulary has %d tokens, the model's %d", o.draft_file, draft.config.vocab_size,
                 p->vocab_size);
