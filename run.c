@@ -7577,7 +7577,10 @@ static int *encode_prompt(const Tokenizer *tok, const char *text, int room, int 
     int *tokens = xcalloc(encode_capacity(tok, len), sizeof(int));
     int bad_byte = 0;
     *n_tokens = encode(tok, text, 1, 0, tokens, &bad_byte);
-    if (*n_tokens < 0) die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the prompt", bad_byte);
+    if (*n_tokens < 0) {
+        free(tokens);
+        die(EXIT_BAD_FILE, "the tokenizer has no token for the byte 0x%02X in the prompt", bad_byte);
+    }
     if (*n_tokens > room) {
         free(tokens);
         return NULL;
@@ -9179,13 +9182,28 @@ static void name_clock_seed(uint64_t clock_seed);
 
 static int waiting_requests(const Engine *e) { return e->n_queue - e->next_waiting; }
 
+/* encode_prompt for a batch line: NULL, with *why, for a prompt that does
+   not fit `room` or that the tokenizer cannot encode (a byte without a
+   token: named on stderr), which fails its own request only. */
+static int *line_prompt(const Tokenizer *tok, const char *text, int room, int *n_tokens, const char **why) {
+    jmp_buf trap, *outer = error_trap;
+    int *volatile tokens = NULL;
+    *why = "the prompt does not fit the model's context";
+    error_trap = &trap;
+    if (setjmp(trap) == 0) tokens = encode_prompt(tok, text, room, n_tokens);
+    else *why = "the tokenizer has no token for a byte of the prompt";
+    error_trap = outer;
+    return tokens;
+}
+
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
    at place i: submitted to the engine, or done at once when it cannot run
    or has nothing to generate. */
 static void submit_line(BatchRun *b, BatchLine *line, int i) {
     const int seq_len = b->limits.seq_len;
     int steps = run_positions(&line->o, seq_len), n_prompt = 0;
-    int *prompt = encode_prompt(b->tok, line->prompt, seq_len, &n_prompt);
+    const char *why;
+    int *prompt = line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
     Decoding d = decoding_of(&line->o, b->clock_seed);
     d.format = FORMAT_JSON;
@@ -9195,7 +9213,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     slot_at(&b->out, i)->request = r;
     b->out.requests++;
     if (!prompt) {
-        r->error = "the prompt does not fit the model's context";
+        r->error = why;
         r->state = REQUEST_DONE;
     } else if (d.rolling && d.beam.beams > 0) {
         r->error = "--keep does not work with beam search (beams)";

@@ -314,6 +314,33 @@ def suite_bad():
         assert out.splitlines() == want['"g2"'] + want['"g1"'] + want['"g3"'], out[:300]
     case('batch_long_line', long_line)
 
+    def unencodable_prompt():
+        # a vocabulary without byte tokens (a GGUF file written by
+        # tests/gguf_ref.py): a prompt byte it has no token for fails that
+        # request alone; the lines around it run as alone
+        import gguf_ref
+        meta, tensors = gguf_ref.random_model(dim=32, ffn=64, n_layers=1, n_heads=2, n_kv_heads=1, vocab=40, vocab_meta=False)
+        tokens = ['<unk>', '<s>', '</s>'] + ['\u2581' + c for c in 'abcdefghijklmnopq'] + list('abcdefghijklmnopqrst')
+        meta.update({'tokenizer.ggml.model': 'llama', 'tokenizer.ggml.tokens': gguf_ref.Typed(gguf_ref.ARRAY, tokens, gguf_ref.STRING),
+                     'tokenizer.ggml.scores': gguf_ref.Typed(gguf_ref.ARRAY, [0.0] * 3 + [-float(i) for i in range(37)], gguf_ref.FLOAT32),
+                     'tokenizer.ggml.token_type': gguf_ref.Typed(gguf_ref.ARRAY, [2, 3, 3] + [1] * 37, gguf_ref.INT32)})
+        gguf = os.path.join(WORK, 'nobytes.gguf')
+        gguf_ref.write_gguf(gguf, meta, tensors)
+        lines = [b'{"id":"a","prompt":"abc","steps":8,"temperature":0}\n', b'{"id":"x","prompt":"ab\xc3\xa9","steps":8}\n',
+                 b'{"id":"b","prompt":"bad","steps":8,"temperature":0}\n']
+        with open(path, 'wb') as f:
+            f.write(b''.join(lines))
+        code, out, err = run([gguf, '--batch', path, '--ordered'])
+        got = out.splitlines()
+        assert code == 1 and len(got) == 3, (code, out[:300], err[-300:])
+        assert json.loads(got[1]) == {'id': 'x', 'error': 'the tokenizer has no token for a byte of the prompt'}, got[1]
+        assert 'no token for the byte 0xC3' in err, err[-300:]
+        for i, line in ((0, 0), (2, 2)):
+            req = json.loads(lines[line])
+            c, solo, e = run([gguf, '-i', req['prompt'], '-n', '8', '-t', '0', '-f', 'json'])
+            assert c == 0 and json.dumps(dict(id=req['id'], **json.loads(solo)), separators=(',', ':')) == got[i], (got[i], solo)
+    case('batch_unencodable_prompt_alone', unencodable_prompt)
+
     def file_error(target, want_text, name):
         def fn():
             code, out, err = run([model, '-z', tok, '--batch', target])
