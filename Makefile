@@ -71,12 +71,12 @@ tests/.bin/unit: tests/unit.c run.c
 	$(CC) $(CFLAGS) -O2 -o $@ tests/unit.c -lm
 
 # the Llama 3 test driver: tokenizer, chat template and logits (tests/test_llama3.py)
-tests/.bin/llama3_dump: tests/llama3_dump.c run.c
+tests/.bin/llama3_dump: tests/llama3_dump.c tests/hex_lines.h run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/llama3_dump.c -lm
 
 # the GGUF vocabulary test driver: tokenizer, special ids and chat turns (tests/test_gguf_vocab.py)
-tests/.bin/gguf_vocab_dump: tests/gguf_vocab_dump.c run.c
+tests/.bin/gguf_vocab_dump: tests/gguf_vocab_dump.c tests/hex_lines.h run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/gguf_vocab_dump.c -lm
 

@@ -12,19 +12,10 @@
          line of vocab_size numbers per position */
 #define TESTING
 #include "../run.c"
-
-static int hex_digit(int c) {
-    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-}
+#include "hex_lines.h"
 
 static void dump_tokens(const Tokenizer *tok) {
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t len;
-    while ((len = getline(&line, &cap, stdin)) >= 0) {
-        while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
-        char *text = xcalloc((size_t)len / 2 + 1, 1);
-        for (ssize_t i = 0; i + 1 < len; i += 2) text[i / 2] = (char)(hex_digit(line[i]) * 16 + hex_digit(line[i + 1]));
+    for (char *text; (text = next_hex_text()) != NULL; free(text)) {
         int *ids = xcalloc(encode_capacity(tok, strlen(text)), sizeof(int)), bad = 0;
         int n = encode(tok, text, 0, 0, ids, &bad);
         for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
@@ -33,9 +24,7 @@ static void dump_tokens(const Tokenizer *tok) {
             for (int j = 0; j < tok->piece_len[ids[i]]; j++) printf("%02x", (unsigned char)tok->vocab[ids[i]][j]);
         putchar('\n');
         free(ids);
-        free(text);
     }
-    free(line);
 }
 
 int main(int argc, char **argv) {

@@ -171,4 +171,60 @@ static inline void quiet_stdout(void) {
     if (!freopen("/dev/null", "w", stdout)) abort();
 }
 
+/* ---- a model file, loaded and run ----------------------------------------- */
+
+/* Loads the model at `path` (`size` bytes: a checkpoint or a GGUF file),
+   checks the target's own properties of the loaded model (check; NULL:
+   none) and runs two positions of the forward pass (one batch of two rows,
+   then one row) with the context cut to 4 positions, so that a header's
+   context cannot ask for huge caches; returns whether that went without an
+   error. A weight placed past the end of the file is an ASan report here. */
+static inline int load_and_run(const char *path, size_t size, void (*check)(const Transformer *t, size_t size)) {
+    static Transformer t; /* static: read after longjmp */
+    static BlockTable table;
+    volatile int ok = 0;
+    error_trap = &fuzz_trap;
+    if (setjmp(fuzz_trap) == 0) {
+        load_checkpoint(&t, path);
+        const Config *p = &t.config;
+        CHECK(p->dim > 0 && p->hidden_dim > 0 && p->n_layers > 0 && p->n_heads > 0 && p->n_kv_heads > 0 &&
+                  p->vocab_size > 0 && p->seq_len > 0,
+              "a loaded config has a non-positive field");
+        CHECK(p->dim % p->n_heads == 0 && p->n_heads % p->n_kv_heads == 0 && (p->dim / p->n_heads) % 2 == 0,
+              "a loaded config has inconsistent heads");
+        if (check) check(&t, size);
+        t.config.seq_len = 4; /* only the state's size depends on it now */
+        alloc_run_state(&t.state, &t.config, 2, t.config.seq_len, 1, KV_F32);
+        int tokens[3] = {0, t.config.vocab_size - 1, t.config.vocab_size / 2};
+        forward_rows(&t, &table, tokens, 2, 0, 1);
+        forward_rows(&t, &table, tokens + 2, 1, 2, 0);
+        ok = 1;
+    }
+    error_trap = NULL;
+    table_free(&t.state.cache, &table);
+    free_run_state(&t.state);
+    free_transformer(&t);
+    release_mappings();
+    return ok;
+}
+
+/* The harness itself must work: the valid seed `name` of `target`'s corpus
+   (FUZZ_CORPUS, default tests/fuzz/corpus) loads and runs, or the target
+   stops at once instead of rejecting every input without a word (as when
+   run.c starts mapping memory in a new way). */
+static inline void check_model_seed(const char *target, const char *name, void (*check)(const Transformer *t, size_t size)) {
+    const char *corpus = getenv("FUZZ_CORPUS");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s/%s", corpus && corpus[0] ? corpus : "tests/fuzz/corpus", target, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) return; /* not run from the repository root: no check */
+    static uint8_t data[1 << 16];
+    size_t n = fread(data, 1, sizeof(data), f);
+    fclose(f);
+    if (!load_and_run(input_file(data, n), n, check)) {
+        fprintf(stderr, "fuzz_%s: the valid seed %s does not load and run: the harness is broken\n", target, path);
+        abort();
+    }
+}
+
 #endif
