@@ -529,8 +529,9 @@ typedef struct {
     const float *w;     /* float32: (rows, cols); NULL for int8 and 4-bit */
     const int8_t *q;    /* int8: (rows, cols); NULL for 4-bit */
     const char *scales; /* int8, 4-bit: (rows * cols / group_size) float32, maybe unaligned */
-    const float *offsets; /* GGUF types with a minimum: (rows * cols / group_size) float32,
-                             value = q * scale + offset; NULL: no offsets */
+    const float *offsets; /* GGUF types with a minimum: (cols / group_size, rows) float32, group
+                             by group (add_offsets reads them so), value = q * scale + offset;
+                             NULL: no offsets */
     int rows, cols;
     int group_size;     /* 0 for float32 */
     const uint8_t *q4;  /* 4-bit: (rows, cols / 2) bytes, two values each (see section 2) */
@@ -619,10 +620,11 @@ typedef struct {
     KVCache cache;
 } RunState;
 
-/* Pages the loader allocated (GGUF tensors converted at load). */
+/* Pages the loader allocated (GGUF tensors converted at load), handed out
+   in turn: used of bytes. */
 typedef struct {
     void *p;
-    size_t bytes;
+    size_t bytes, used;
 } OwnedPages;
 
 struct GGUF; /* section 2.1 */
@@ -1496,12 +1498,22 @@ static const GGUFTensor *gguf_tensor(const GGUF *g, const char *name) {
 
 #define GGUF_CONVERT_HINT "convert the original model with `python3 export.py model DIR out.gguf`"
 
-/* Memory the loader allocates for converted tensors, freed with the model. */
+/* Memory for converted tensors, freed with the model: 64-byte aligned
+   pieces of chunks of at least MODEL_CHUNK bytes, so that small tensors do
+   not each take a 2 MB page of their own (alloc_pages asks for them). */
+#define MODEL_CHUNK ((size_t)32 << 20)
 static void *model_pages(Transformer *t, size_t bytes) {
-    t->owned = realloc(t->owned, (size_t)(t->n_owned + 1) * sizeof(*t->owned));
-    if (!t->owned) die(EXIT_BAD_FILE, "out of memory (the list of converted tensors)");
-    void *p = alloc_pages(bytes ? bytes : 1, "converted weights");
-    t->owned[t->n_owned++] = (OwnedPages){p, bytes ? bytes : 1};
+    bytes = (bytes + 63) / 64 * 64;
+    OwnedPages *last = t->n_owned ? &t->owned[t->n_owned - 1] : NULL;
+    if (!last || last->bytes - last->used < bytes) {
+        t->owned = realloc(t->owned, (size_t)(t->n_owned + 1) * sizeof(*t->owned));
+        if (!t->owned) die(EXIT_BAD_FILE, "out of memory (the list of converted tensors)");
+        size_t chunk = bytes > MODEL_CHUNK ? bytes : MODEL_CHUNK;
+        last = &t->owned[t->n_owned++];
+        *last = (OwnedPages){alloc_pages(chunk, "converted weights"), chunk, 0};
+    }
+    void *p = (char *)last->p + last->used;
+    last->used += bytes;
     return p;
 }
 
@@ -1538,7 +1550,8 @@ static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int r
 }
 
 /* Unpacks the blocks of x into values (int8, or 4-bit as section 2 lays
-   them out: value 2k in the low nibble of byte k), scales and offsets. */
+   them out: value 2k in the low nibble of byte k), scales and offsets
+   (group by group: (groups of a row, rows), as add_offsets reads them). */
 static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *values, float *scales, float *offsets) {
     const long long blocks = (long long)(x->bytes / (uint64_t)type->block_bytes);
     const int per = type->block / type->group;
@@ -1548,7 +1561,10 @@ static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *val
         float s[16], o[16];
         type->unpack((const uint8_t *)x->data + (size_t)b * type->block_bytes, q, s, o);
         memcpy(scales + (size_t)b * per, s, (size_t)per * sizeof(float));
-        if (offsets) memcpy(offsets + (size_t)b * per, o, (size_t)per * sizeof(float));
+        for (int k = 0; offsets && k < per; k++) { /* group g of row r */
+            const size_t at = (size_t)b * type->block + (size_t)k * type->group, r = at / x->ne[0], g = at % x->ne[0] / type->group;
+            offsets[g * x->ne[1] + r] = o[k];
+        }
         if (type->bits == 8) memcpy(values + (size_t)b * type->block, q, (size_t)type->block);
         else
             for (int j = 0; j < type->block; j += 2)
@@ -1856,7 +1872,7 @@ static void matrix_row(float *out, const Matrix *W, int row) {
         for (int j = 0; j < W->cols; j++) out[j] = W->q[at + j] * group_scale(W, (at + j) / W->group_size);
     }
     if (W->offsets)
-        for (int j = 0; j < W->cols; j++) out[j] += W->offsets[(at + j) / W->group_size];
+        for (int j = 0; j < W->cols; j++) out[j] += W->offsets[(size_t)(j / W->group_size) * W->rows + row];
 }
 
 /* Plain C, float32: each output summed left to right. */
@@ -2741,8 +2757,11 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
 
 /* out (n, W.rows) += the part of W @ x that W's offsets make (section 2.2:
    value = q * scale + offset): each row's offsets times the sums of x over
-   their groups. The sums go where prepare_inputs put the kernels' inputs,
-   read no more once the kernels are done. */
+   their groups, added group by group (in the same order for every row and
+   batch), ADD_OFFSETS_ROWS rows at a time so that the rows of a group are
+   one vector loop. The sums go where prepare_inputs put the kernels'
+   inputs, read no more once the kernels are done. */
+#define ADD_OFFSETS_ROWS 256
 static void add_offsets(float *out, const Matrix *W, const float *x, int n) {
     const int rows = W->rows, gs = W->group_size, groups = W->cols / gs;
     float *sums = scratch_get((size_t)n * groups * sizeof(float));
@@ -2751,13 +2770,16 @@ static void add_offsets(float *out, const Matrix *W, const float *x, int n) {
         for (int j = 0; j < gs; j++) sum += x[g * gs + j];
         sums[g] = sum;
     }
-    PARALLEL_FOR_IF((double)rows * groups * n >= PARALLEL_MIN_WORK)
-    for (int i = 0; i < rows; i++) {
-        const float *o = W->offsets + (size_t)i * groups;
+    const int blocks = (rows + ADD_OFFSETS_ROWS - 1) / ADD_OFFSETS_ROWS;
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n)) /* as the product itself */
+    for (int k = 0; k < blocks; k++) {
+        const int i0 = k * ADD_OFFSETS_ROWS, i1 = i0 + ADD_OFFSETS_ROWS < rows ? i0 + ADD_OFFSETS_ROWS : rows;
         for (int b = 0; b < n; b++) {
-            float acc = 0.0f;
-            for (int g = 0; g < groups; g++) acc += o[g] * sums[(size_t)b * groups + g];
-            out[(size_t)b * rows + i] += acc;
+            float *o = out + (size_t)b * rows;
+            for (int g = 0; g < groups; g++) {
+                const float s = sums[(size_t)b * groups + g], *offset = W->offsets + (size_t)g * rows;
+                for (int i = i0; i < i1; i++) o[i] += offset[i] * s;
+            }
         }
     }
 }
