@@ -645,7 +645,7 @@ typedef struct {
     OwnedPages *owned; /* (n_owned) GGUF: converted tensors, norms and biases */
     int n_owned;
     struct GGUF *gguf; /* GGUF: the parsed file (its vocabulary is read after the model) */
-    int weight_bits;   /* version 4: 4 for 4-bit weights, else 8 */
+    int weight_bits;   /* 4: 4-bit weights (version 3, version 4's WEIGHTS_Q4), else 8 */
 } Transformer;
 
 /* ------------------------------------------------------------------------ */
@@ -738,7 +738,7 @@ static void map_weights(Transformer *t, FileCursor *c, int shared_classifier) {
     int head_size = p->dim / p->n_heads;
     int kv_dim = head_size * p->n_kv_heads;
     uint64_t L = (uint64_t)p->n_layers, dim = (uint64_t)p->dim;
-    int gs = t->group_size, bits = t->version == 3 || t->weight_bits == 4 ? 4 : 8;
+    int gs = t->group_size, bits = t->weight_bits;
     if (t->version >= 1) {
         w->rms_att = take_floats(c, L * dim, "rms_att");
         w->rms_ffn = take_floats(c, L * dim, "rms_ffn");
@@ -932,6 +932,7 @@ static int read_header(Transformer *t, FileCursor *c) {
     }
     t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6], 1e-5f, 10000.0f, ROPE_SCALING_NONE, 0, 0, 0, 0, 0};
     validate_config(&t->config, c->path);
+    t->weight_bits = t->version == 3 ? 4 : 8;
     if (t->version == 4) read_header_v4(t, c);
     /* whole groups in every row; an int32 group sum of products of int8
        values (|q| <= 127) stays below 2^31; 4-bit groups are whole bytes */
@@ -939,7 +940,7 @@ static int read_header(Transformer *t, FileCursor *c) {
     if ((t->version == 2 || t->version == 3 || gs != 0) && (gs <= 0 || t->config.dim % gs != 0 || t->config.hidden_dim % gs != 0))
         die(EXIT_BAD_FILE, "%s: bad header: group size %d does not divide dim %d and hidden_dim %d",
             c->path, gs, t->config.dim, t->config.hidden_dim);
-    if ((t->version == 3 || t->weight_bits == 4) && gs % 2 != 0)
+    if (t->weight_bits == 4 && gs % 2 != 0)
         die(EXIT_BAD_FILE, "%s: bad header: group size %d is odd (4-bit values come in pairs)", c->path, gs);
     if (gs > 65536) die(EXIT_BAD_FILE, "%s: bad header: group size %d is above 65536", c->path, gs);
     return shared;
@@ -1065,15 +1066,20 @@ static float bf16_at(const uint8_t *p) {
     return f;
 }
 
-/* Q4_0, 32 values: f16 d, then 16 bytes, byte j holding value j in its low
-   nibble n and value j + 16 in its high one; value = d (n - 8). */
+/* The 4-bit values n - 8 of Q4_0 and Q4_1: 16 bytes at qs, byte j holding
+   value j in its low nibble and value j + 16 in its high one. */
+static void four_bit_values(const uint8_t *qs, int8_t *q) {
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((qs[j] & 15) - 8);
+        q[j + 16] = (int8_t)((qs[j] >> 4) - 8);
+    }
+}
+
+/* Q4_0, 32 values: f16 d, then 16 bytes of nibbles n; value = d (n - 8). */
 static void unpack_q4_0(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
     (void)offsets;
     scales[0] = f16_at(b);
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)((b[2 + j] & 15) - 8);
-        q[j + 16] = (int8_t)((b[2 + j] >> 4) - 8);
-    }
+    four_bit_values(b + 2, q);
 }
 
 /* Q4_1, 32 values: f16 d, f16 m, nibbles as Q4_0; value = d n + m, held as
@@ -1082,10 +1088,7 @@ static void unpack_q4_1(const uint8_t *b, int8_t *q, float *scales, float *offse
     float d = f16_at(b), m = f16_at(b + 2);
     scales[0] = d;
     offsets[0] = m + 8.0f * d;
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)((b[4 + j] & 15) - 8);
-        q[j + 16] = (int8_t)((b[4 + j] >> 4) - 8);
-    }
+    four_bit_values(b + 4, q);
 }
 
 /* The 5-bit values n - 16 of Q5_0 and Q5_1: the nibbles as Q4_0 at qs, the
@@ -1136,43 +1139,29 @@ static void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
     }
 }
 
-/* Q4_K, 256 values in 8 sub-blocks of 32: f16 d, f16 dmin, 12 bytes of
-   scales and minimums, 128 bytes: 4 runs of 32 bytes, run r holding
-   sub-block 2r in its low nibbles and 2r + 1 in its high ones;
-   value = (d sc) n - (dmin m), held as (d sc)(n - 8) + (8 d sc - dmin m). */
-static void unpack_q4_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
-    float d = f16_at(b), dmin = f16_at(b + 2);
-    const uint8_t *qs = b + 16;
+/* Q4_K and Q5_K, 256 values in 8 sub-blocks of 32: f16 d, f16 dmin, 12
+   bytes of scales and minimums, for Q5_K 32 bytes qh (bit g of byte l: the
+   fifth bit of value l of sub-block g), then 128 bytes: 4 runs of 32 bytes,
+   run r holding sub-block 2r in its low nibbles and 2r + 1 in its high ones;
+   value = (d sc) n - (dmin m), held centred as Q4_1 and Q5_1 are:
+   (d sc)(n - c) + (c d sc - dmin m), c = 8 or 16. */
+static void k_quant_values(const uint8_t *b, const uint8_t *qh, int8_t *q, float *scales, float *offsets) {
+    const float d = f16_at(b), dmin = f16_at(b + 2), centre = qh ? 16.0f : 8.0f;
+    const uint8_t *qs = qh ? qh + 32 : b + 16;
     for (int g = 0; g < 8; g++) {
         int sc, m;
         k_scale_min(b + 4, g, &sc, &m);
         scales[g] = d * (float)sc;
-        offsets[g] = 8.0f * scales[g] - dmin * (float)m;
+        offsets[g] = centre * scales[g] - dmin * (float)m;
         for (int l = 0; l < 32; l++) {
-            int byte = qs[g / 2 * 32 + l];
-            q[g * 32 + l] = (int8_t)((g % 2 ? byte >> 4 : byte & 15) - 8);
+            int byte = qs[g / 2 * 32 + l], n = (g % 2 ? byte >> 4 : byte & 15) | (qh ? ((qh[l] >> g) & 1) << 4 : 0);
+            q[g * 32 + l] = (int8_t)(n - (int)centre);
         }
     }
 }
 
-/* Q5_K, 256 values in 8 sub-blocks of 32: f16 d, f16 dmin, 12 bytes of
-   scales and minimums, 32 bytes qh (bit g of byte l: the fifth bit of value
-   l of sub-block g), 128 bytes of nibbles as Q4_K; value = (d sc) n - (dmin m),
-   held centred as Q5_1 is: (d sc)(n - 16) + (16 d sc - dmin m). */
-static void unpack_q5_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
-    float d = f16_at(b), dmin = f16_at(b + 2);
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int g = 0; g < 8; g++) {
-        int sc, m;
-        k_scale_min(b + 4, g, &sc, &m);
-        scales[g] = d * (float)sc;
-        offsets[g] = 16.0f * scales[g] - dmin * (float)m;
-        for (int l = 0; l < 32; l++) {
-            int byte = qs[g / 2 * 32 + l];
-            q[g * 32 + l] = (int8_t)(((g % 2 ? byte >> 4 : byte & 15) | ((qh[l] >> g) & 1) << 4) - 16);
-        }
-    }
-}
+static void unpack_q4_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) { k_quant_values(b, NULL, q, scales, offsets); }
+static void unpack_q5_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) { k_quant_values(b, b + 16, q, scales, offsets); }
 
 /* Q6_K, 256 values in 16 sub-blocks of 16: 128 bytes ql (low 4 bits), 64
    bytes qh (high 2 bits), 16 int8 scales, f16 d. Each half of 128 values
@@ -1617,17 +1606,19 @@ static Matrix *gguf_layer_matrices(Transformer *t, const GGUF *g, const char *wh
 }
 
 /* The vectors blk.N.<what> of n floats of every layer, (n_layers, n), into
-   memory of the model; NULL when no layer has one and it is optional. */
+   memory of the model (fresh pages, zeros: a layer without an optional one
+   adds nothing); NULL when no layer has one and it is optional. */
 static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what, int n, int required) {
     const int L = t->config.n_layers;
-    float *v = model_pages(t, (size_t)L * n * sizeof(float));
-    int found = 0;
+    float *v = NULL;
     for (int l = 0; l < L; l++) {
         char name[64];
         snprintf(name, sizeof(name), "blk.%d.%s", l, what);
-        found += gguf_vector(g, name, v + (size_t)l * n, n, required);
+        if (!required && !gguf_tensor(g, name)) continue;
+        if (!v) v = model_pages(t, (size_t)L * n * sizeof(float));
+        gguf_vector(g, name, v + (size_t)l * n, n, 1);
     }
-    return found ? v : NULL; /* a layer without one adds zeros */
+    return v;
 }
 
 /* The hyperparameters of a `llama` or `qwen2` file; returns whether RoPE
@@ -2755,21 +2746,27 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
 }
 #endif
 
-/* out (n, W.rows) += the part of W @ x that W's offsets make (section 2.2:
-   value = q * scale + offset): each row's offsets times the sums of x over
-   their groups, added group by group (in the same order for every row and
-   batch), ADD_OFFSETS_ROWS rows at a time so that the rows of a group are
-   one vector loop. The sums go where prepare_inputs put the kernels'
-   inputs, read no more once the kernels are done. */
-#define ADD_OFFSETS_ROWS 256
-static void add_offsets(float *out, const Matrix *W, const float *x, int n) {
-    const int rows = W->rows, gs = W->group_size, groups = W->cols / gs;
-    float *sums = scratch_get((size_t)n * groups * sizeof(float));
-    for (size_t g = 0; g < (size_t)n * groups; g++) {
+/* The sums of x (n, cols) over its groups of gs values, (n, cols / gs),
+   where prepare_inputs put the kernels' inputs, read no more once the
+   kernels are done. */
+static float *group_sums(const float *x, int n, int cols, int gs) {
+    float *sums = scratch_get((size_t)n * (cols / gs) * sizeof(float));
+    for (size_t g = 0; g < (size_t)n * (cols / gs); g++) {
         float sum = 0.0f;
         for (int j = 0; j < gs; j++) sum += x[g * gs + j];
         sums[g] = sum;
     }
+    return sums;
+}
+
+/* out (n, W.rows) += the part of W @ x that W's offsets make (section 2.2:
+   value = q * scale + offset): each row's offsets times the sums of x over
+   their groups (group_sums), added group by group (in the same order for
+   every row and batch), ADD_OFFSETS_ROWS rows at a time so that the rows of
+   a group are one vector loop. */
+#define ADD_OFFSETS_ROWS 256
+static void add_offsets(float *out, const Matrix *W, const float *sums, int n) {
+    const int rows = W->rows, groups = W->cols / W->group_size;
     const int blocks = (rows + ADD_OFFSETS_ROWS - 1) / ADD_OFFSETS_ROWS;
     PARALLEL_FOR_IF(PARALLEL_WORK(W, n)) /* as the product itself */
     for (int k = 0; k < blocks; k++) {
@@ -2807,8 +2804,12 @@ static void matmul_shared(const Matrix *const *Ws, float *const *outs, int count
 #ifdef SIMD_WIDTH
     if (in.kind >= KERNEL_F32_SIMD) matmul_simd(Ws, outs, count, &in);
 #endif
+    const float *sums = NULL; /* the matrices share cols and group_size */
     for (int m = 0; m < count; m++)
-        if (Ws[m]->offsets) add_offsets(outs[m], Ws[m], x, n);
+        if (Ws[m]->offsets) {
+            if (!sums) sums = group_sums(x, n, Ws[0]->cols, Ws[0]->group_size);
+            add_offsets(outs[m], Ws[m], sums, n);
+        }
 }
 
 /* out (n, W.rows) = x (n, W.cols) @ W^T with the fastest kernel that fits. */

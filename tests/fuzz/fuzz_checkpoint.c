@@ -12,7 +12,7 @@ static void check_checkpoint(const Transformer *t, size_t size) {
     const Config *p = &t->config;
     /* every weight value is at least 1 byte of the file (half a byte at 4 bits; GGUF's
        4-bit blocks take more than half a byte) */
-    uint64_t per_byte = t->version == 3 || t->weight_bits == 4 || t->version == VERSION_GGUF ? 2 : 1;
+    uint64_t per_byte = t->weight_bits == 4 || t->version == VERSION_GGUF ? 2 : 1;
     CHECK((uint64_t)p->vocab_size * (uint64_t)p->dim <= per_byte * (uint64_t)size, "the embedding cannot fit in %zu bytes", size);
     CHECK(t->version != 3 || (t->group_size > 0 && t->group_size % 2 == 0 && p->dim % t->group_size == 0 &&
                               p->hidden_dim % t->group_size == 0),
