@@ -4587,10 +4587,13 @@ static void consider_merge(const Tokenizer *t, const int *ids, int left, int rig
    not empty), each UTF-8 code point as its piece or else as byte tokens
    <0xNN>, then merges of the best-scoring adjacent pair, leftmost first, until
    none is in the vocabulary. A heap of candidate merges gives llama2.c's
-   result in O(n log n) instead of its O(n^2) rescans. */
-static int encode_sentencepiece(const Tokenizer *t, const char *text, int dummy_prefix, int *tokens, int *bad_byte) {
+   result in O(n log n) instead of its O(n^2) rescans. A `lead` token (>= 0)
+   goes first and takes part in the merges: llama2.c merges its BOS with the
+   text when the vocabulary has the concatenation. */
+static int encode_sentencepiece(const Tokenizer *t, const char *text, int lead, int dummy_prefix, int *tokens, int *bad_byte) {
     char *buffer = xcalloc((size_t)t->max_token_length * 2 + 3, 1);
     int n = 0;
+    if (lead >= 0) tokens[n++] = lead;
     if (dummy_prefix && text[0] != '\0') {
         int space = lookup_piece(t, " ");
         if (space != -1) tokens[n++] = space;
@@ -4660,16 +4663,19 @@ static Fragment *split_user_tokens(const Tokenizer *t, const char *text, size_t 
    count: BOS when asked and the vocabulary adds one, the text's tokens, EOS
    when asked (or with BOS, when the vocabulary adds it). Returns -1 (and names
    the byte in *bad_byte) when a byte has no token. A byte-level tokenizer's
-   text goes to encode_byte_level() (5.2). In a SentencePiece vocabulary from a
-   GGUF file, user-defined tokens are cut out of the text first; each stretch
-   of text between them is encoded alone, with the dummy prefix when it
-   starts the text or follows such a token, as llama.cpp does. */
+   text goes to encode_byte_level() (5.2). A tokenizer.bin's BOS merges
+   with the text as in llama2.c; a GGUF vocabulary's BOS stands alone, as in
+   llama.cpp. In a SentencePiece vocabulary from a GGUF file, user-defined
+   tokens are cut out of the text first; each stretch of text between them is
+   encoded alone, with the dummy prefix when it starts the text or follows
+   such a token, as llama.cpp does. */
 static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *tokens, int *bad_byte) {
     if (t->byte_level) return encode_byte_level(t, text, bos, eos, tokens);
     int n = 0;
-    if (bos && t->add_bos) tokens[n++] = t->bos;
+    if (bos && t->add_bos && !t->fixed_ids) tokens[n++] = t->bos;
     if (t->n_user == 0) {
-        int count = encode_sentencepiece(t, text, 1, tokens + n, bad_byte);
+        int lead = bos && t->add_bos && t->fixed_ids ? t->bos : -1;
+        int count = encode_sentencepiece(t, text, lead, 1, tokens + n, bad_byte);
         if (count < 0) return -1;
         n += count;
     } else {
@@ -4683,7 +4689,7 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
             }
             memcpy(piece, text + f[i].start, (size_t)f[i].len);
             piece[f[i].len] = '\0';
-            int count = encode_sentencepiece(t, piece, i == 0 || f[i - 1].token >= 0, tokens + n, bad_byte);
+            int count = encode_sentencepiece(t, piece, -1, i == 0 || f[i - 1].token >= 0, tokens + n, bad_byte);
             if (count < 0) {
                 free(piece);
                 free(f);

@@ -643,6 +643,14 @@ static void test_small_tokenizer(void) {
         free_tokenizer(&t);
         end();
     }
+    begin("small tokenizer: BOS merges with the text, as in llama2.c");
+    make_small_tokenizer_with(b, -10, -20, "\n<s>\n "); /* piece 9: BOS and the dummy prefix, score -5 */
+    write_bytes(tmp_path("small_tok.bin"), b->data, b->n);
+    Tokenizer tb;
+    load_tokenizer(&tb, tmp_path("small_tok.bin"), 10);
+    expect_ids(&tb, "ab", (int[]){9, 6}, 2);
+    free_tokenizer(&tb);
+    end();
     begin("small tokenizer: a byte without a token is reported");
     make_small_tokenizer(b, -10, -20);
     write_bytes(tmp_path("small_tok.bin"), b->data, b->n);
