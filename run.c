@@ -522,11 +522,15 @@ typedef struct {
 enum { ROPE_SCALING_NONE, ROPE_SCALING_LLAMA3 };
 
 /* A weight matrix W of shape (rows, cols), row-major, applied as W @ x:
-   float32 values, or int8 or 4-bit values in groups of group_size consecutive
+   float32 values (or 16-bit floats, computed as the float32 they widen to),
+   or int8 or 4-bit values in groups of group_size consecutive
    values of a row, value = q * scale of its group ("Q8_0", version 3's Q4),
    plus the group's offset for the GGUF types that have one (section 2.2). */
 typedef struct {
-    const float *w;     /* float32: (rows, cols); NULL for int8 and 4-bit */
+    const float *w;     /* float32: (rows, cols); NULL for the other types */
+    const uint16_t *half; /* GGUF F16 or BF16 (`bf16`): (rows, cols) 16-bit values, read in place from
+                             the file and widened to float32 as the kernels load them (exactly) */
+    int bf16;
     const int8_t *q;    /* int8: (rows, cols); NULL for 4-bit */
     const char *scales; /* int8, 4-bit: (rows * cols / group_size) float32, maybe unaligned */
     const float *offsets; /* GGUF types with a minimum: (cols / group_size, rows) float32, group
@@ -539,6 +543,10 @@ typedef struct {
        them (matrix_pack, section 3); NULL: read as stored */
     const uint8_t *packed;      /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
     const float *packed_scales; /* (rows / PACK_ROWS rounded up, groups, PACK_ROWS) */
+    /* a GGUF token embedding of a block type: the blocks as stored, a row
+       unpacked at each lookup (matrix_row); no other field is set */
+    const uint8_t *blocks;
+    int block_type;     /* its GGML type number */
 } Matrix;
 
 typedef struct {
@@ -1561,8 +1569,10 @@ static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *val
     }
 }
 
-/* The matrix tensor `name` of (rows, cols) in section 1's layout: F32 read
-   in place; F16 and BF16 widened; the block types unpacked. */
+/* The matrix tensor `name` of (rows, cols) in section 1's layout: F32, F16
+   and BF16 read in place (the kernels widen 16-bit values as they load
+   them: half the bytes of float32 to read per token); the block types
+   unpacked. */
 static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int rows, int cols) {
     const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, (uint64_t)rows, 1);
     const GGMLType *type = ggml_type(x->type);
@@ -1575,23 +1585,34 @@ static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int r
         return m;
     }
     if (!type->unpack) {
-        float *w = model_pages(t, count * sizeof(float));
-        PARALLEL_FOR_IF(count >= 65536)
-        for (size_t i = 0; i < count; i++) w[i] = tensor_float(x, i);
-        m.w = w;
-    } else {
-        const size_t groups = count / (size_t)type->group, value_bytes = ((type->bits == 4 ? count / 2 : count) + 63) / 64 * 64;
-        char *memory = model_pages(t, value_bytes + groups * sizeof(float) * (type->offsets ? 2 : 1));
-        float *scales = (float *)(memory + value_bytes), *offsets = type->offsets ? scales + groups : NULL;
-        unpack_tensor(x, type, (int8_t *)memory, scales, offsets);
-        m.group_size = type->group;
-        m.scales = (const char *)scales;
-        m.offsets = offsets;
-        if (type->bits == 4) m.q4 = (const uint8_t *)memory;
-        else m.q = (const int8_t *)memory;
+        if ((uintptr_t)x->data % sizeof(uint16_t) != 0)
+            die(EXIT_BAD_FILE, "%s: bad GGUF: %s tensor '%s' is not aligned to 2 bytes", g->path, type->name, name);
+        m.half = (const uint16_t *)x->data;
+        m.bf16 = x->type == GGML_BF16;
+        return m;
     }
+    const size_t groups = count / (size_t)type->group, value_bytes = ((type->bits == 4 ? count / 2 : count) + 63) / 64 * 64;
+    char *memory = model_pages(t, value_bytes + groups * sizeof(float) * (type->offsets ? 2 : 1));
+    float *scales = (float *)(memory + value_bytes), *offsets = type->offsets ? scales + groups : NULL;
+    unpack_tensor(x, type, (int8_t *)memory, scales, offsets);
+    m.group_size = type->group;
+    m.scales = (const char *)scales;
+    m.offsets = offsets;
+    if (type->bits == 4) m.q4 = (const uint8_t *)memory;
+    else m.q = (const int8_t *)memory;
     release_pages(x->data, (size_t)x->bytes); /* read once, never again */
     return m;
+}
+
+/* The token embedding (rows, cols): of a block type, read in place, each
+   looked-up row unpacked from its blocks (matrix_row), rather than a
+   converted copy of the whole table held for the few rows a text reads;
+   of a float type, as gguf_matrix reads it. */
+static Matrix gguf_embedding(Transformer *t, const GGUF *g, int rows, int cols) {
+    const GGUFTensor *x = gguf_shaped(g, "token_embd.weight", (uint64_t)cols, (uint64_t)rows, 1);
+    const GGMLType *type = ggml_type(x->type);
+    if (!type || !type->unpack) return gguf_matrix(t, g, "token_embd.weight", rows, cols);
+    return (Matrix){.rows = rows, .cols = cols, .blocks = (const uint8_t *)x->data, .block_type = (int)x->type};
 }
 
 /* n_layers matrices named blk.N.<what>.weight. */
@@ -1702,7 +1723,7 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     t->rope_freq = gguf_rope_frequencies(g, p, arch);
     const int dim = p->dim, hidden = p->hidden_dim, kv_dim = dim / p->n_heads * p->n_kv_heads;
     Weights *w = &t->weights;
-    w->token_embedding = gguf_matrix(t, g, "token_embd.weight", p->vocab_size, dim);
+    w->token_embedding = gguf_embedding(t, g, p->vocab_size, dim);
     w->wq = gguf_layer_matrices(t, g, "attn_q", dim, dim);
     w->wk = gguf_layer_matrices(t, g, "attn_k", kv_dim, dim);
     w->wv = gguf_layer_matrices(t, g, "attn_v", kv_dim, dim);
@@ -1718,7 +1739,9 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     w->bq = gguf_layer_vectors(t, g, "attn_q.bias", dim, 0);
     w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
     w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
-    w->wcls = gguf_tensor(g, "output.weight") ? gguf_matrix(t, g, "output.weight", p->vocab_size, dim) : w->token_embedding;
+    if (gguf_tensor(g, "output.weight")) w->wcls = gguf_matrix(t, g, "output.weight", p->vocab_size, dim);
+    else if (w->token_embedding.blocks) w->wcls = gguf_matrix(t, g, "token_embd.weight", p->vocab_size, dim); /* tied: converted */
+    else w->wcls = w->token_embedding; /* tied: both read in place */
     free(arch);
 }
 
@@ -1849,12 +1872,38 @@ static int q4_value(const Matrix *W, size_t at) {
     return (at % 2 ? pair >> 4 : pair & 15) - 8;
 }
 
+/* The weight at index `at` (row-major) of a float matrix: float32, or a
+   16-bit float widened (exactly). */
+static float float_weight(const Matrix *W, size_t at) {
+    if (W->w) return W->w[at];
+    if (!W->bf16) return half_to_float(W->half[at]);
+    uint32_t bits = (uint32_t)W->half[at] << 16; /* bfloat16: the top half of a float32 */
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
 /* out = row `row` of W in float32: quantised values times their group's
-   scale, plus its offset where W has them. */
+   scale, plus its offset where W has them (a row of blocks unpacked as
+   section 2.2 unpacks them: the values a converted copy would give). */
 static void matrix_row(float *out, const Matrix *W, int row) {
     size_t at = (size_t)row * W->cols;
+    if (W->blocks) {
+        const GGMLType *type = &ggml_types[W->block_type];
+        const uint8_t *block = W->blocks + at / type->block * type->block_bytes;
+        for (int j0 = 0; j0 < W->cols; j0 += type->block, block += type->block_bytes) {
+            int8_t q[256];
+            float s[16], o[16];
+            type->unpack(block, q, s, o);
+            for (int j = 0; j < type->block; j++) {
+                out[j0 + j] = q[j] * s[j / type->group];
+                if (type->offsets) out[j0 + j] += o[j / type->group];
+            }
+        }
+        return;
+    }
     if (W->group_size == 0) {
-        memcpy(out, W->w + at, (size_t)W->cols * sizeof(float));
+        for (int j = 0; j < W->cols; j++) out[j] = float_weight(W, at + j);
         return;
     }
     if (W->q4) {
@@ -1866,16 +1915,20 @@ static void matrix_row(float *out, const Matrix *W, int row) {
         for (int j = 0; j < W->cols; j++) out[j] += W->offsets[(size_t)(j / W->group_size) * W->rows + row];
 }
 
-/* Plain C, float32: each output summed left to right. */
+/* Plain C, float32: each output summed left to right (16-bit weights
+   widened one at a time). */
 static void matmul_f32_plain(float *out, const float *x, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols;
     PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
     for (int i = 0; i < rows; i++) {
-        const float *w = W->w + (size_t)i * cols;
+        const float *w = W->w ? W->w + (size_t)i * cols : NULL;
         for (int b = 0; b < n; b++) {
             const float *xr = x + (size_t)b * cols;
             float val = 0.0f;
-            for (int j = 0; j < cols; j++) val += w[j] * xr[j];
+            if (w)
+                for (int j = 0; j < cols; j++) val += w[j] * xr[j];
+            else
+                for (int j = 0; j < cols; j++) val += float_weight(W, (size_t)i * cols + j) * xr[j];
             out[(size_t)b * rows + i] = val;
         }
     }
@@ -1986,6 +2039,11 @@ static inline vfloat vi_to_float(vint v) { return _mm512_cvtepi32_ps(v); }
    (the key/value cache's f16 and q8_0 types) */
 #define VF_CACHE_LOADS 1
 static inline vfloat vf_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* SIMD_WIDTH bfloat16 values as floats: each the top half of its float */
+#define VF_HALF_LOADS 1
+static inline vfloat vf_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static inline vfloat vf_load_i8_scaled(const int8_t *p, float scale) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), _mm512_set1_ps(scale));
 }
@@ -2049,6 +2107,10 @@ static inline vint vi_dot(vint acc, vint a, vint b) { return _mm256_add_epi32(ac
 #ifdef __F16C__
 #define VF_CACHE_LOADS 1
 static inline vfloat vf_load_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#define VF_HALF_LOADS 1
+static inline vfloat vf_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 static inline vfloat vf_load_i8_scaled(const int8_t *p, float scale) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))), _mm256_set1_ps(scale));
 }
@@ -2084,6 +2146,10 @@ static inline vfloat vf_sums(const vfloat *v) {
 }
 static inline vint vi_zero(void) { return vdupq_n_s32(0); }
 static inline vfloat vi_to_float(vint v) { return vcvtq_f32_s32(v); }
+/* SIMD_WIDTH half-precision or bfloat16 values as floats (GGUF F16, BF16) */
+#define VF_HALF_LOADS 1
+static inline vfloat vf_load_half(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+static inline vfloat vf_load_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 #ifdef __ARM_FEATURE_DOTPROD
 #define KERNEL_NAME "NEON dotprod"
 /* 16 columns per vi_dot: the quantised inputs (in -127..127) narrowed to
@@ -2177,6 +2243,20 @@ static int matrix_packs(const Matrix *W) {
    over rows and inputs unroll and the accumulators live in registers. */
 #define KERNEL static inline __attribute__((always_inline))
 
+/* How block_f32 loads weights: float32, or 16-bit floats widened. */
+enum { LOAD_F32, LOAD_F16, LOAD_BF16 };
+
+/* SIMD_WIDTH weights from column j of a row at w, as floats: float32, or
+   F16/BF16 widened (builds with VF_HALF_LOADS). */
+KERNEL vfloat vf_load_weights(const void *w, int j, const int kind) {
+#ifdef VF_HALF_LOADS
+    if (kind == LOAD_F16) return vf_load_half((const uint16_t *)w + j);
+    if (kind == LOAD_BF16) return vf_load_bf16((const uint16_t *)w + j);
+#endif
+    (void)kind;
+    return vf_load((const float *)w + j);
+}
+
 /* out[b * stride + r] = the lanes of acc[r * NB + b] added up (vf_sum),
    for the n_rows x n_in results a block keeps; SIMD_WIDTH of them at a time
    with vf_sums, which adds the same pairs. */
@@ -2209,20 +2289,23 @@ KERNEL void store_sums(float *out, size_t stride, const vfloat *acc, int n_rows,
    whole rows. A block reads NR short streams of weights (a row of int8 is
    about a kilobyte), too short for the hardware prefetchers to follow: the
    kernels prefetch `next`, the next block of rows (NULL: none), as many
-   bytes at a time as they read. */
-KERNEL void block_f32(float *out, size_t stride, const float *w, size_t ld, int n_rows, const float *next, int share, const float *xp,
-                      int n_in, int cols, const vfloat *from, vfloat *to, const int NR, const int NB) {
-    const float *wr[MB_MAX];
+   bytes at a time as they read. The weights are float32, or 16-bit floats
+   (`kind`) widened as they are loaded: the same products in the same order
+   as the float32 matrix they widen to. */
+KERNEL void block_f32(float *out, size_t stride, const void *w, size_t ld, int n_rows, const void *next, int share, const float *xp,
+                      int n_in, int cols, const vfloat *from, vfloat *to, const int NR, const int NB, const int kind) {
+    const size_t size = kind == LOAD_F32 ? sizeof(float) : sizeof(uint16_t);
+    const char *wr[MB_MAX];
     vfloat acc[MB_MAX * MB_MAX_INPUTS]; /* acc[r * NB + b] */
-    for (int r = 0; r < NR; r++) wr[r] = w + (size_t)(r < n_rows ? r : n_rows - 1) * ld;
+    for (int r = 0; r < NR; r++) wr[r] = (const char *)w + (size_t)(r < n_rows ? r : n_rows - 1) * ld * size;
     for (int r = 0; r < NR; r++)
         for (int b = 0; b < NB; b++) acc[r * NB + b] = from ? from[r * NB + b] : vf_zero();
     for (int j = 0; j < cols; j += SIMD_WIDTH) {
         vfloat xv[MB_MAX_INPUTS];
         for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)j * NB + b * SIMD_WIDTH);
-        if (next) prefetch(next + (size_t)NR * j / share, NR * SIMD_WIDTH * sizeof(float) / share);
+        if (next) prefetch((const char *)next + (size_t)NR * j / share * size, NR * SIMD_WIDTH * size / share);
         for (int r = 0; r < NR; r++) {
-            vfloat wv = vf_load(wr[r] + j);
+            vfloat wv = vf_load_weights(wr[r], j, kind);
             for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_fma(wv, xv[b], acc[r * NB + b]);
         }
     }
@@ -2468,7 +2551,11 @@ typedef enum {
 
 static KernelKind kernel_of(const Matrix *W) {
 #ifdef SIMD_WIDTH
+#ifdef VF_HALF_LOADS
     if (W->group_size == 0 && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
+#else
+    if (W->w && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
+#endif
 #ifdef VNNI
     if (W->packed) return W->q4 ? KERNEL_Q4_SIMD : KERNEL_Q8_SIMD;
 #else
@@ -2644,41 +2731,50 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
 }
 #endif
 
+/* Rows i.. (a block) of a float matrix W times all the input rows, its
+   weights loaded as `kind` says (a constant in each inlined copy). */
+KERNEL void matmul_float_block(float *out, const Matrix *W, int i, const void *next, const Inputs *in, const int kind) {
+    const int rows = W->rows, cols = W->cols, n = in->n;
+    const size_t size = kind == LOAD_F32 ? sizeof(float) : sizeof(uint16_t);
+    const char *w = (kind == LOAD_F32 ? (const char *)W->w : (const char *)W->half) + (size_t)i * cols * size;
+    if (n == 1) {
+        block_f32(out + i, (size_t)rows, w, (size_t)cols, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, 1, in->x, 1, cols, NULL, NULL,
+                  MM_ROWS, 1, kind);
+        return;
+    }
+    /* passes of MB_INPUTS input rows over a slice of the block, F32_SLAB
+       passes at a time; each prefetches its share of the next block */
+    const int passes = (n + MB_INPUTS - 1) / MB_INPUTS, n_rows = rows - i < MB_ROWS ? rows - i : MB_ROWS;
+    const int slice = cols < F32_SLICE ? cols : F32_SLICE;
+    vfloat carry[F32_SLAB][MB_ROWS * MB_INPUTS];
+    size_t done = 0; /* columns read by the passes so far */
+    for (int p0 = 0; p0 < passes; p0 += F32_SLAB)
+        for (int j0 = 0; j0 < cols; j0 += slice) {
+            const int len = cols - j0 < slice ? cols - j0 : slice;
+            for (int p = p0; p < passes && p < p0 + F32_SLAB; p++, done += len) {
+                const int b = p * MB_INPUTS;
+                block_f32(out + (size_t)b * rows + i, (size_t)rows, w + (size_t)j0 * size, (size_t)cols, n_rows,
+                          next ? (const char *)next + (size_t)MB_ROWS * done / passes * size : NULL, passes,
+                          in->xf + (size_t)b * cols + (size_t)j0 * MB_INPUTS, n - b, len, j0 > 0 ? carry[p - p0] : NULL,
+                          j0 + len < cols ? carry[p - p0] : NULL, MB_ROWS, MB_INPUTS, kind);
+            }
+        }
+}
+
 /* Rows i.. (a block) of W times all the input rows; `next`: the weights of
    the next block (NULL: none). */
 static void matmul_block(float *out, const Matrix *W, int i, const void *next, const Inputs *in) {
-    const int rows = W->rows, cols = W->cols, n = in->n;
     if (in->kind == KERNEL_F32_SIMD) {
-        const float *w = W->w + (size_t)i * cols;
-        if (n == 1) {
-            block_f32(out + i, (size_t)rows, w, (size_t)cols, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, 1, in->x, 1, cols, NULL, NULL,
-                      MM_ROWS, 1);
-            return;
-        }
-        /* passes of MB_INPUTS input rows over a slice of the block, F32_SLAB
-           passes at a time; each prefetches its share of the next block */
-        const int passes = (n + MB_INPUTS - 1) / MB_INPUTS, n_rows = rows - i < MB_ROWS ? rows - i : MB_ROWS;
-        const int slice = cols < F32_SLICE ? cols : F32_SLICE;
-        vfloat carry[F32_SLAB][MB_ROWS * MB_INPUTS];
-        size_t done = 0; /* columns read by the passes so far */
-        for (int p0 = 0; p0 < passes; p0 += F32_SLAB)
-            for (int j0 = 0; j0 < cols; j0 += slice) {
-                const int len = cols - j0 < slice ? cols - j0 : slice;
-                for (int p = p0; p < passes && p < p0 + F32_SLAB; p++, done += len) {
-                    const int b = p * MB_INPUTS;
-                    block_f32(out + (size_t)b * rows + i, (size_t)rows, w + j0, (size_t)cols, n_rows,
-                              next ? (const float *)next + (size_t)MB_ROWS * done / passes : NULL, passes,
-                              in->xf + (size_t)b * cols + (size_t)j0 * MB_INPUTS, n - b, len, j0 > 0 ? carry[p - p0] : NULL,
-                              j0 + len < cols ? carry[p - p0] : NULL, MB_ROWS, MB_INPUTS);
-                }
-            }
+        if (W->w) matmul_float_block(out, W, i, next, in, LOAD_F32);
+        else if (W->bf16) matmul_float_block(out, W, i, next, in, LOAD_BF16);
+        else matmul_float_block(out, W, i, next, in, LOAD_F16);
         return;
     }
 #ifdef VNNI
     if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
     else matmul_packed(out, W, i, next, in, 8);
 #else
-    const int groups = cols / W->group_size;
+    const int rows = W->rows, cols = W->cols, n = in->n, groups = cols / W->group_size;
 #ifdef HAVE_Q4_SIMD
     if (in->kind == KERNEL_Q4_SIMD) {
         const uint8_t *pre = next ? next : W->q4 + (size_t)i * cols / 2;
@@ -2719,6 +2815,7 @@ static int block_rows(const Inputs *in) {
 static const void *matrix_weights(const Matrix *W, int i) {
     if (W->packed) return W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     if (W->w) return W->w + (size_t)i * W->cols;
+    if (W->half) return W->half + (size_t)i * W->cols;
     if (W->q) return W->q + (size_t)i * W->cols;
     return W->q4 + (size_t)i * W->cols / 2;
 }
@@ -2875,8 +2972,6 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
     return n;
 }
 
-static int shares_storage(const Matrix *a, const Matrix *b) { return a->q == b->q && a->q4 == b->q4; }
-
 /* Packs every matrix that a matmul reads, all in one allocation (so that
    the system can give it 2 MB pages), and gives back the pages of each as
    stored (the classifier's too when it is the token embedding: lookups map
@@ -2893,10 +2988,9 @@ static void pack_weights(Transformer *t) {
         for (int m = 0; m < n; m++) {
             matrix_pack(all[m], at);
             at += matrix_packed_bytes(all[m]);
-            /* at once: the peak of memory is the packed copy and one matrix;
-               but a converted embedding (GGUF) has no file to map again */
-            if (!t->gguf || !shares_storage(all[m], &t->weights.token_embedding))
-                matrix_release_stored(all[m]);
+            /* at once: the peak of memory is the packed copy and one matrix
+               (a GGUF embedding is never a converted copy: gguf_embedding) */
+            matrix_release_stored(all[m]);
         }
     }
     free(all);

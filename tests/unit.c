@@ -1409,6 +1409,55 @@ static void test_matmul_slices(void) {
     end();
 }
 
+/* An IEEE half-precision value from its bits, by its definition: subnormal
+   m * 2^-24, normal (1 + m / 1024) * 2^(e - 15) (no infinities or NaNs are
+   drawn). */
+static float half_by_definition(uint16_t h) {
+    int e = (h >> 10) & 31, m = h & 1023;
+    double v = e == 0 ? ldexp(m, -24) : ldexp(1.0 + m / 1024.0, e - 15);
+    return (float)(h & 0x8000 ? -v : v);
+}
+
+/* GGUF F16 and BF16 matrices, read in place and widened by the kernels as
+   they load (section 2.2): every output, for n = 1..40 input rows and rows
+   long enough for slices, has the same bits as the float32 matrix of the
+   widened values (each widened here by its definition). */
+static void test_matmul_half(void) {
+    enum { R = 11, C = 2096, N = 40 };
+    static uint16_t h[R * C];
+    static float w[R * C], x[N * C], out[N * R], want[N * R];
+    uint64_t state = 0x4a1f16b16ULL;
+    for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    for (int bf16 = 0; bf16 <= 1; bf16++) {
+        begin("matmul %s (%s): the bits of the float32 matrix it widens to, n = 1..%d", bf16 ? "BF16" : "F16", KERNEL_NAME, N);
+        for (int i = 0; i < R * C; i++) {
+            /* exponents kept small (|w| < 4): a half's 1..30, a bfloat16's 120..128 */
+            int e = bf16 ? 120 + (int)draw_below(&state, 9) : 1 + (int)draw_below(&state, 16);
+            uint16_t sign = (uint16_t)(draw_below(&state, 2) << 15);
+            if (bf16) {
+                h[i] = (uint16_t)(sign | e << 7 | (int)draw_below(&state, 128));
+                uint32_t bits = (uint32_t)h[i] << 16;
+                memcpy(&w[i], &bits, sizeof(float));
+            } else {
+                h[i] = (uint16_t)(sign | e << 10 | (int)draw_below(&state, 1024));
+                w[i] = half_by_definition(h[i]);
+            }
+        }
+        if (!bf16) h[5] = 0x0201, w[5] = half_by_definition(0x0201); /* a subnormal */
+        Matrix m16 = {.half = h, .bf16 = bf16, .rows = R, .cols = C}, m32 = {.w = w, .rows = R, .cols = C};
+        for (int n = 1; n <= N && !case_failed; n++) {
+            matmul(out, x, &m16, n);
+            matmul(want, x, &m32, n);
+            for (int k = 0; k < n * R; k++)
+                if (!expect(memcmp(&out[k], &want[k], sizeof(float)) == 0, "n %d output %d: %.9g, float32 %.9g", n, k, out[k], want[k])) break;
+        }
+        float row[C];
+        matrix_row(row, &m16, 3);
+        expect(memcmp(row, w + 3 * C, sizeof(row)) == 0, "matrix_row differs from the widened values");
+        end();
+    }
+}
+
 /* ------------------------------------------------------------------------ */
 /* The paged cache's block allocator against a plain model of it            */
 /* ------------------------------------------------------------------------ */
@@ -2674,6 +2723,7 @@ int main(void) {
     test_quantised_matmul();
     test_matmul_vector_shapes();
     test_matmul_slices();
+    test_matmul_half();
     test_block_allocator();
     test_attention_tiles();
     test_kv_f16();
