@@ -10289,6 +10289,7 @@ static void serve_on_done(Request *r, void *user) {
     const Hypothesis *h = r->n_hyps > 0 ? &r->hyps[0] : NULL;
     if (c->stream && h && !r->error) {
         if (c->held[choice].n > 0) send_chunk(srv, c, choice, c->held[choice].data, NULL);
+        buf_free(&c->held[choice]); /* nothing of it is left for the connection's next answer */
         send_chunk(srv, c, choice, NULL, finish_reason(h));
     }
     if (h) fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s\n", c->id, r->n_prompt, h->n_tokens,
