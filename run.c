@@ -6265,12 +6265,19 @@ static int sample(Sampler *s, float *logits) {
     return sample_topp(logits, s->vocab_size, s->topp, s->probindex, coin);
 }
 
+/* log sum exp(x - max) over the n logits, in double; *max_val gets the max. */
+static double log_normalizer(const float *logits, int n, float *max_val) {
+    *max_val = logits[sample_argmax(logits, n)];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - *max_val);
+    return log(sum);
+}
+
 /* log softmax(logits)[token], in double: log p = x_token - max - log sum exp(x - max) */
 static double log_prob(const float *logits, int n, int token) {
-    float max_val = logits[sample_argmax(logits, n)];
-    double sum = 0.0;
-    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - max_val);
-    return (double)logits[token] - max_val - log(sum);
+    float max_val;
+    double log_sum = log_normalizer(logits, n, &max_val);
+    return (double)logits[token] - max_val - log_sum;
 }
 
 static int is_end_token(const Tokenizer *tok, int token) { return token == tok->bos || is_eos_token(tok, token); }
@@ -6779,6 +6786,74 @@ typedef struct {
     HypothesisPool pool;
 } BeamState;
 
+/* ---- Log-probabilities reported --------------------------------------------
+   A request may keep, for each token it chooses, the log-probability of that
+   token and of the `top` likeliest ones, under the distribution it was chosen
+   from: log softmax of the logits after the logits processors (repetition
+   penalty, no-repeat n-grams, minimum new tokens) and before temperature and
+   the warpers, so that they add up to the JSON output's score at any
+   temperature (both are log_prob of the same values). With `score_prompt`
+   it keeps them for its prompt's tokens too, each predicted from the
+   tokens before it by the plain logits, as -m perplexity scores a text: the
+   engine then computes the logits of every prompt row (and reads the whole
+   prompt, none of it taken from the prefix index). The server's logprobs
+   and echo are these. */
+
+#define MAX_TOP_LOGPROBS 20
+
+/* One token's log-probability, and the likeliest tokens where it was chosen,
+   best first (ties: the lower id first). */
+typedef struct {
+    int token;
+    double logprob;
+    int top_token[MAX_TOP_LOGPROBS];
+    double top_logprob[MAX_TOP_LOGPROBS];
+} TokenLogprob;
+
+typedef struct {
+    int top;                /* alternatives kept per token, 0..MAX_TOP_LOGPROBS */
+    int score_prompt;       /* the prompt's tokens are scored too */
+    TokenLogprob *prompt;   /* (n_prompt) prompt token p >= 1 at [p]; the first token has none */
+    TokenLogprob *chosen;   /* (max_new + 1) each chosen token's, an end token that ended it included */
+    int n_chosen;
+    /* this step: the prompt rows read from position scored_from, their logits from logits row scored_at */
+    int scored_from, scored_rows, scored_at;
+} Logprobs;
+
+static Logprobs *logprobs_new(int top, int score_prompt, int n_prompt, int max_new) {
+    Logprobs *lp = xcalloc(1, sizeof(Logprobs));
+    lp->top = top;
+    lp->score_prompt = score_prompt;
+    if (score_prompt) lp->prompt = xcalloc((size_t)n_prompt, sizeof(TokenLogprob));
+    lp->chosen = xcalloc((size_t)max_new + 1, sizeof(TokenLogprob));
+    return lp;
+}
+
+static void logprobs_free(Logprobs *lp) {
+    if (!lp) return;
+    free(lp->prompt);
+    free(lp->chosen);
+    free(lp);
+}
+
+/* Fills `out` for `token` from `logits` (vocab values): its log-probability
+   as log_prob gives it, and the `top` likeliest tokens' (an insertion into
+   the kept ones, best first). */
+static void record_logprob(TokenLogprob *out, const float *logits, int vocab, int token, int top) {
+    float max_val;
+    double log_sum = log_normalizer(logits, vocab, &max_val);
+    out->token = token;
+    out->logprob = (double)logits[token] - max_val - log_sum;
+    int n = 0;
+    for (int i = 0; i < vocab && top > 0; i++) {
+        if (n == top && !(logits[i] > logits[out->top_token[top - 1]])) continue;
+        int at = n < top ? n++ : top - 1;
+        for (; at > 0 && logits[i] > logits[out->top_token[at - 1]]; at--) out->top_token[at] = out->top_token[at - 1];
+        out->top_token[at] = i;
+    }
+    for (int k = 0; k < n; k++) out->top_logprob[k] = (double)logits[out->top_token[k]] - max_val - log_sum;
+}
+
 typedef enum { REQUEST_WAITING, REQUEST_RUNNING, REQUEST_DONE } RequestState;
 
 typedef struct Request Request;
@@ -6789,7 +6864,8 @@ struct Request {
     int max_new;            /* tokens to generate at most */
     int stop_at_eos;        /* sampling: EOS ends the continuation as BOS does */
     Decoding d;
-    int index;              /* place in the input, for ordered output */
+    int index;              /* place in the input, for ordered output (the server's: see Conn) */
+    Logprobs *lp;           /* the log-probabilities to keep; NULL: none (owned by the request) */
     char *id;               /* --batch: the request's "id" as JSON text */
     const char *error;      /* set when the request cannot run */
     /* called with the text of each sampled token once it is safe to print
@@ -6910,6 +6986,7 @@ static void request_free(Request *r) {
     free(r->hyps);
     free(r->prompt);
     free(r->id);
+    logprobs_free(r->lp);
     free(r);
 }
 
@@ -7004,7 +7081,20 @@ static int choose_token(const Engine *e, Request *r, float *logits) {
     if (r->raw) memcpy(r->raw, logits, (size_t)vocab * sizeof(float));
     int next = sample_with_controls(&r->sampler, ctl, logits);
     if (r->raw) r->hyps[0].score += log_prob(r->raw, vocab, next);
+    if (r->lp) record_logprob(&r->lp->chosen[r->lp->n_chosen++], r->raw, vocab, next, r->lp->top);
     return next;
+}
+
+/* Keeps the log-probabilities of the prompt tokens that r's prompt rows of
+   this step predict (see Logprobs), from their logits. */
+static void score_prompt_rows(const Engine *e, Request *r, const float *logits) {
+    Logprobs *lp = r->lp;
+    const int vocab = e->t->config.vocab_size;
+    for (int k = 0; lp && k < lp->scored_rows; k++) {
+        int p = lp->scored_from + k + 1; /* the token row k predicts */
+        if (p >= r->n_prompt) break;
+        record_logprob(&lp->prompt[p], logits + (size_t)(lp->scored_at + k) * vocab, vocab, r->prompt[p], lp->top);
+    }
 }
 
 /* Ends a request at Ctrl-C: every token it has is fed. */
@@ -7468,7 +7558,7 @@ static int engine_start(Engine *e, Request *r) {
     long long need = request_blocks(r, t->config.seq_len);
     if (c->promised + need > c->n_blocks) return 0;
     int *matched = xcalloc((size_t)r->n_prompt / KV_BLOCK + 1, sizeof(int));
-    int n_matched = prefix_match(c, r, matched);
+    int n_matched = r->lp && r->lp->score_prompt ? 0 : prefix_match(c, r, matched);
     if (n_matched < 0) {
         free(matched);
         return 0;
@@ -7499,7 +7589,7 @@ static int engine_start(Engine *e, Request *r) {
     }
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
     r->stops = stop_matcher(&r->d.controls);
-    if (r->d.beam.beams == 0 && r->d.format == FORMAT_JSON) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
+    if (r->d.beam.beams == 0 && (r->d.format == FORMAT_JSON || r->lp)) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
     if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
     r->n_hyps = r->d.beam.beams == 0;
     r->state = REQUEST_RUNNING;
@@ -7529,8 +7619,8 @@ static void engine_admit(Engine *e) {
 /* Adds sequence s's next `rows` tokens to the step's batch; the last one's
    logits are wanted when it is the last token s has, every row's when they
    are drafts to verify (`verify`: then verify_step, not the step, counts
-   the positions that stay cached). */
-static int add_rows(Engine *e, int n, Sequence *s, int rows, int *n_logits, int verify) {
+   the positions that stay cached) or prompt rows to score (`every`). */
+static int add_rows(Engine *e, int n, Sequence *s, int rows, int *n_logits, int verify, int every) {
     KVCache *c = &e->t->state.cache;
     for (int i = 0; i < rows; i++, n++) {
         int at = s->n_cached + i, pos = at; /* the token's index, and its position */
@@ -7544,7 +7634,7 @@ static int add_rows(Engine *e, int n, Sequence *s, int rows, int *n_logits, int 
         e->row_pos[n] = pos;
         e->row_table[n] = &s->table;
         e->row_seq[n] = verify ? NULL : s;
-        if (verify || at == s->n_tokens - 1) e->logit_rows[(*n_logits)++] = n;
+        if (verify || every || at == s->n_tokens - 1) e->logit_rows[(*n_logits)++] = n;
     }
     return n;
 }
@@ -7559,15 +7649,16 @@ static int engine_gather(Engine *e, int *n_logits, int *n_prompt_rows) {
     for (int i = 0; i < e->n_running; i++) {
         Request *r = e->running[i];
         r->logit_at = -1;
+        if (r->lp) r->lp->scored_rows = 0;
         if (r->n_draft >= 0) {
             r->logit_at = *n_logits;
-            n = add_rows(e, n, &r->seqs[0], 1 + r->n_draft, n_logits, 1);
+            n = add_rows(e, n, &r->seqs[0], 1 + r->n_draft, n_logits, 1, 0);
             continue;
         }
         if (r->seqs[0].n_tokens - r->seqs[0].n_cached != 1) continue;
         r->logit_at = *n_logits;
         int live = r->beam ? r->n_seqs : 1;
-        for (int j = 0; j < live; j++) n = add_rows(e, n, &r->seqs[j], 1, n_logits, 0);
+        for (int j = 0; j < live; j++) n = add_rows(e, n, &r->seqs[j], 1, n_logits, 0, 0);
     }
     *n_prompt_rows = 0;
     for (int i = 0; i < e->n_running && budget > 0; i++) {
@@ -7575,9 +7666,14 @@ static int engine_gather(Engine *e, int *n_logits, int *n_prompt_rows) {
         Sequence *s = &r->seqs[0];
         int pending = s->n_tokens - s->n_cached;
         if (r->logit_at >= 0 || pending == 0) continue;
-        int rows = pending < budget ? pending : budget;
-        if (rows == pending) r->logit_at = *n_logits;
-        n = add_rows(e, n, s, rows, n_logits, 0);
+        int rows = pending < budget ? pending : budget, every = r->lp && r->lp->score_prompt;
+        if (every) {
+            r->lp->scored_from = s->n_cached;
+            r->lp->scored_rows = rows;
+            r->lp->scored_at = *n_logits;
+        }
+        if (rows == pending) r->logit_at = *n_logits + (every ? rows - 1 : 0);
+        n = add_rows(e, n, s, rows, n_logits, 0, every);
         budget -= rows;
         *n_prompt_rows += rows;
     }
@@ -7600,6 +7696,7 @@ static int engine_step(Engine *e) {
         sequence_index_blocks(c, e->row_seq[i]);
     }
     const int vocab = e->t->config.vocab_size, stop_now = interrupted();
+    for (int i = 0; i < e->n_running; i++) score_prompt_rows(e, e->running[i], logits);
     /* sampled requests choose their tokens in parallel (a choice touches only
        its own request: softmax and top-p over the vocabulary are the costly
        part), then everything else happens in order */
@@ -9466,6 +9563,7 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
 #define SERVE_TIMEOUT 10.0
 #define SERVE_IDLE_TIMEOUT 5.0
 #define SERVE_MAX_BEAMS 4 /* num_beams at most, unless -b is more */
+#define SERVE_MAX_N 16     /* n: choices of one completion, at most */
 
 /* A growing byte buffer, NUL-terminated. */
 typedef struct {
@@ -9636,7 +9734,11 @@ typedef struct {
     BatchLine line;
     int stream, chat;
     int vocab;
-    int max_tokens;          /* 0: not given */
+    int max_tokens;          /* -1: not given */
+    int n;                   /* choices (see "Choices and their log-probabilities") */
+    int echo;                /* completions: the prompt comes before each choice's text */
+    int logprobs;            /* log-probabilities asked for (completions: "logprobs" given; chat: true) */
+    int top_logprobs;        /* alternatives per token; -1: not given */
     char **roles, **contents; /* (n_messages) chat */
     int n_messages;
     char *name, *text;       /* the field being read (freed on any exit) */
@@ -9744,7 +9846,7 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
 
 /* Fields of the OpenAI API that change the result in ways run does not do:
    refused unless they hold their harmless value (null, false, 0, 1, {}). */
-static const char *const refused_fields[] = {"n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "presence_penalty",
+static const char *const refused_fields[] = {"best_of", "echo", "top_logprobs", "suffix", "presence_penalty",
                                              "frequency_penalty", "logit_bias", "tools", "tool_choice", "functions",
                                              "function_call", "response_format"};
 
@@ -9761,6 +9863,28 @@ static int harmless_value(JsonCursor *j, ServeFields *f) {
            strcmp(v, "{}") == 0 || strcmp(v, "0.0") == 0 || strcmp(v, "1.0") == 0 || strcmp(v, "[]") == 0;
 }
 
+/* The fields of choices and log-probabilities (see "Choices and their
+   log-probabilities" below): n in both endpoints; completions' logprobs
+   (0..20 alternatives) and echo; chat's logprobs (true or false) and
+   top_logprobs. Reads the value of field `name` when it is one of them and
+   returns 1; 0 for any other (chat's echo and completions' top_logprobs go
+   on to be refused). null stands for an absent field. */
+static int choice_field(JsonCursor *j, ServeFields *f, const char *name) {
+    int bool_field = (f->chat && strcmp(name, "logprobs") == 0) || (!f->chat && strcmp(name, "echo") == 0);
+    int int_field = strcmp(name, "n") == 0 || (!f->chat && strcmp(name, "logprobs") == 0) ||
+                    (f->chat && strcmp(name, "top_logprobs") == 0);
+    if (!bool_field && !int_field) return 0;
+    JsonKind kind = json_value(j, name, &f->text);
+    if (kind == JSON_NULL) return 1;
+    if (bool_field && kind != JSON_TRUE && kind != JSON_FALSE) json_fail(j, "field '%s': must be true or false", name);
+    if (name[0] == 'n') f->n = (int)integer_field(j, name, kind, f->text, 1, SERVE_MAX_N);
+    else if (name[0] == 'e') f->echo = kind == JSON_TRUE;
+    else if (f->chat && name[0] == 'l') f->logprobs = kind == JSON_TRUE;
+    else f->top_logprobs = (int)integer_field(j, name, kind, f->text, 0, MAX_TOP_LOGPROBS);
+    if (!f->chat && name[0] == 'l') f->logprobs = 1;
+    return 1;
+}
+
 /* One field of the request body. The fields that --batch has go through
    its apply_field; null stands for an absent field; unknown ones are
    ignored. */
@@ -9772,6 +9896,7 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
         parse_messages(j, f);
     } else if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
         parse_stop_list(j, &f->line, &f->text);
+    } else if (choice_field(j, f, name)) {
     } else {
         int refused = 0, known = 0;
         for (size_t i = 0; i < sizeof(refused_fields) / sizeof(refused_fields[0]); i++)
@@ -9798,7 +9923,7 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
                 }
                 apply_field(j, &f->line, name, kind, f->text, f->vocab);
             } else if (strcmp(name, "max_tokens") == 0 || strcmp(name, "max_completion_tokens") == 0) {
-                f->max_tokens = (int)integer_field(j, name, kind, f->text, 1, INT_MAX);
+                f->max_tokens = (int)integer_field(j, name, kind, f->text, 0, INT_MAX);
             } else if (strcmp(name, "num_beams") == 0) {
                 f->line.o.beams = (int)integer_field(j, name, kind, f->text, 1, INT_MAX);
             } else if (strcmp(name, "stream") == 0) {
@@ -9871,7 +9996,9 @@ typedef enum { CONN_FREE, CONN_READING, CONN_RUNNING, CONN_WRITING } ConnPhase;
 /* One client connection: the bytes received (at most HTTP_MAX_HEADER plus
    --max-body-kb; those of the request being answered are dropped once it is
    read, so what follows is the client's next request), the answer still to
-   send, and its request while it runs. */
+   send, and its completion's requests (one per choice) while they run. A
+   request's index is its connection's place times SERVE_MAX_N plus its
+   choice. */
 typedef struct {
     Socket s;
     ConnPhase phase;
@@ -9886,9 +10013,12 @@ typedef struct {
     int keep;             /* the answer's head said keep-alive: the next request is read once it is sent */
     int chunked;          /* the answer's body is in chunked transfer coding (a stream) */
     long long served;     /* answers sent in full on this connection */
-    Request *req;
-    int chat, stream, first_chunk;
-    ByteBuf held;             /* streamed text not yet sent: an incomplete UTF-8 character */
+    Request *req[SERVE_MAX_N]; /* (n_choices) each choice's request, kept until all are done */
+    int n_choices, n_left;     /* choices, and those still running */
+    char *echo;                /* the prompt, put before each choice's text (echo); NULL: none */
+    int chat, stream;
+    unsigned char first_chunk[SERVE_MAX_N]; /* a choice's next chunk is its first */
+    ByteBuf held[SERVE_MAX_N]; /* each choice's streamed text not yet sent: an incomplete UTF-8 character */
     char *stops[MAX_STOPS]; /* the request's stop strings */
     char id[40];
     long long created;
@@ -9973,17 +10103,35 @@ static void conn_error(Server *srv, Conn *c, int status, const char *message) {
     fprintf(stderr, "run: serve: %d %s\n", status, message);
 }
 
+/* Drops c's requests, waiting, running or done, and what they held. */
+static void conn_drop_requests(Engine *e, Conn *c) {
+    for (int i = 0; i < c->n_choices; i++) {
+        engine_cancel(e, c->req[i]);
+        request_free(c->req[i]);
+        c->req[i] = NULL;
+    }
+    c->n_choices = c->n_left = 0;
+    free(c->echo);
+    c->echo = NULL;
+}
+
+/* Whether one of c's requests is still waiting for its place. */
+static int conn_waiting(const Conn *c) {
+    for (int i = 0; i < c->n_choices; i++)
+        if (c->req[i]->state == REQUEST_WAITING) return 1;
+    return 0;
+}
+
 static void conn_close(Server *srv, Conn *c) {
-    if (c->req) {
-        engine_cancel(srv->e, c->req);
+    if (c->n_choices > 0) {
+        conn_drop_requests(srv->e, c);
         fprintf(stderr, "run: serve: %s cancelled (the client went away)\n", c->id);
-        request_free(c->req);
     }
     if (c->s != NO_SOCKET) net_close(c->s);
     for (int k = 0; k < MAX_STOPS; k++) free(c->stops[k]);
     free(c->in);
     buf_free(&c->out);
-    buf_free(&c->held);
+    for (int i = 0; i < SERVE_MAX_N; i++) buf_free(&c->held[i]);
     memset(c, 0, sizeof(*c));
     c->s = NO_SOCKET;
 }
@@ -10020,18 +10168,18 @@ static void completion_head(Server *srv, Conn *c, ByteBuf *b, const char *object
     buf_json(b, srv->model);
 }
 
-/* One Server-Sent Event with the text delta `text` (NULL: the last one,
-   with the finish reason). */
-static void send_chunk(Server *srv, Conn *c, const char *text, const char *finish) {
+/* One Server-Sent Event with choice `choice`'s text delta `text` (NULL: the
+   last one, with the finish reason). */
+static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const char *finish) {
     ByteBuf b = {0};
     buf_str(&b, "data: ");
     completion_head(srv, c, &b, c->chat ? "chat.completion.chunk" : "text_completion");
-    buf_str(&b, ",\"choices\":[{\"index\":0,");
+    buf_printf(&b, ",\"choices\":[{\"index\":%d,", choice);
     if (c->chat) {
         buf_str(&b, "\"delta\":{");
-        if (c->first_chunk) buf_str(&b, "\"role\":\"assistant\"");
+        if (c->first_chunk[choice]) buf_str(&b, "\"role\":\"assistant\"");
         if (text) {
-            if (c->first_chunk) buf_str(&b, ",");
+            if (c->first_chunk[choice]) buf_str(&b, ",");
             buf_str(&b, "\"content\":");
             buf_json(&b, text);
         }
@@ -10041,7 +10189,7 @@ static void send_chunk(Server *srv, Conn *c, const char *text, const char *finis
         buf_json(&b, text ? text : "");
         buf_str(&b, ",");
     }
-    c->first_chunk = 0;
+    c->first_chunk[choice] = 0;
     if (finish) buf_printf(&b, "\"finish_reason\":\"%s\"}]}\n\n", finish);
     else buf_str(&b, "\"finish_reason\":null}]}\n\n");
     conn_body(c, b.data, b.n);
@@ -10061,62 +10209,204 @@ static size_t utf8_whole(const char *s, size_t n) {
     return n;
 }
 
+/* The connection and the choice of a request (see Conn). */
+static Conn *request_conn(Server *srv, const Request *r) { return &srv->conns[r->index / SERVE_MAX_N]; }
+static int request_choice(const Request *r) { return r->index % SERVE_MAX_N; }
+
 /* The engine's on_text: a streamed request's next text, as one event per
    token (a character split between tokens waits for its end). */
 static void serve_on_text(Request *r, const char *text, size_t n) {
     Server *srv = r->owner;
-    Conn *c = &srv->conns[r->index];
+    Conn *c = request_conn(srv, r);
+    int choice = request_choice(r);
+    ByteBuf *held = &c->held[choice];
     if (!c->stream || c->gone) return;
-    buf_add(&c->held, text, n);
-    size_t whole = utf8_whole(c->held.data, c->held.n);
+    buf_add(held, text, n);
+    size_t whole = utf8_whole(held->data, held->n);
     if (whole == 0) return;
     char *piece = xcalloc(whole + 1, 1);
-    memcpy(piece, c->held.data, whole);
-    memmove(c->held.data, c->held.data + whole, c->held.n - whole + 1);
-    c->held.n -= whole;
-    send_chunk(srv, c, piece, NULL);
+    memcpy(piece, held->data, whole);
+    memmove(held->data, held->data + whole, held->n - whole + 1);
+    held->n -= whole;
+    send_chunk(srv, c, choice, piece, NULL);
     free(piece);
 }
 
 static const char *finish_reason(const Hypothesis *h) { return strcmp(h->stop, "length") == 0 ? "length" : "stop"; }
 
-/* The engine's on_done: the answer (or the stream's last events), a log
-   line, and the request is freed. */
-static void serve_on_done(Request *r, void *user) {
-    Server *srv = user;
-    Conn *c = &srv->conns[r->index];
-    const Hypothesis *h = r->n_hyps > 0 ? &r->hyps[0] : NULL;
-    if (r->error || !h) {
-        conn_error(srv, c, 503, r->error ? r->error : "the request produced nothing");
-    } else if (c->stream) {
-        if (c->held.n > 0) send_chunk(srv, c, c->held.data, NULL);
-        send_chunk(srv, c, NULL, finish_reason(h));
-        conn_body(c, "data: [DONE]\n\n", 14);
-        conn_end_stream(c);
+/* ---- Choices and their log-probabilities -----------------------------------
+   A completion with n choices runs as n requests on the engine, choice i
+   with seed + i (the request's seed, or the clock's), so they are batched
+   together and choice i is what a request for one choice with that seed
+   gives. The answer waits for all of them; a stream carries each choice's
+   chunks under its index, each ending with its finish reason, and [DONE]
+   after the last. With logprobs each request keeps its tokens'
+   log-probabilities (see Logprobs); with echo and logprobs its prompt's too.
+   A token's text is what it adds to the printed text (decode after the token
+   before it; nothing for a byte that is not printed); an end token's is its
+   vocabulary entry, which adds nothing to the text. */
+
+static const char *token_text(const Tokenizer *tok, int prev_token, int token) {
+    if (is_end_token(tok, token)) return tok->vocab[token];
+    const char *piece = decode(tok, prev_token, token);
+    return piece_is_printable(tok, piece) ? piece : "";
+}
+
+/* A log-probability as JSON: all of its digits, so that sums come out as
+   the engine's; a masked token's (-infinity) as -9999, as OpenAI gives it. */
+static void buf_logprob(ByteBuf *b, double v) {
+    if (isfinite(v)) buf_printf(b, "%.17g", v);
+    else buf_str(b, "-9999.0");
+}
+
+/* The UTF-8 bytes of s as a JSON list of numbers. */
+static void buf_bytes(ByteBuf *b, const char *s) {
+    buf_str(b, "[");
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) buf_printf(b, p == (const unsigned char *)s ? "%u" : ",%u", *p);
+    buf_str(b, "]");
+}
+
+/* One token of the legacy completions' logprobs lists: tokens,
+   token_logprobs, top_logprobs and text_offset, in four buffers. `lp` NULL:
+   an unscored first prompt token. Returns the text offset after it. */
+static size_t completion_logprob(const Tokenizer *tok, ByteBuf lists[4], int prev, int token, const TokenLogprob *lp, int top,
+                                 size_t offset) {
+    const char *text = token_text(tok, prev, token);
+    for (int k = 0; k < 4; k++) buf_str(&lists[k], lists[k].n > 1 ? "," : "");
+    buf_json(&lists[0], text);
+    if (!lp) {
+        buf_str(&lists[1], "null");
+        buf_str(&lists[2], "null");
     } else {
+        buf_logprob(&lists[1], lp->logprob);
+        buf_str(&lists[2], "{");
+        for (int k = 0; k < top; k++) {
+            if (k) buf_str(&lists[2], ",");
+            buf_json(&lists[2], token_text(tok, prev, lp->top_token[k]));
+            buf_str(&lists[2], ":");
+            buf_logprob(&lists[2], lp->top_logprob[k]);
+        }
+        buf_str(&lists[2], "}");
+    }
+    buf_printf(&lists[3], "%zu", offset);
+    return offset + (is_end_token(tok, token) ? 0 : strlen(text));
+}
+
+/* A completion choice's "logprobs" object: with echo the prompt's tokens
+   first (the first one unscored), then every chosen token, an end token that
+   ended the choice included (so they add up to the command line's score). */
+static void completion_logprobs(const Tokenizer *tok, ByteBuf *b, const Request *r, const char *echo) {
+    const Logprobs *lp = r->lp;
+    ByteBuf lists[4] = {{0}};
+    for (int k = 0; k < 4; k++) buf_str(&lists[k], "[");
+    size_t offset = 0;
+    for (int p = 0; echo && p < r->n_prompt; p++)
+        offset = completion_logprob(tok, lists, p > 0 ? r->prompt[p - 1] : -1, r->prompt[p], p > 0 ? &lp->prompt[p] : NULL, lp->top, offset);
+    offset = echo ? strlen(echo) : 0;
+    for (int i = 0, prev = r->prompt[r->n_prompt - 1]; i < lp->n_chosen; prev = lp->chosen[i++].token)
+        offset = completion_logprob(tok, lists, prev, lp->chosen[i].token, &lp->chosen[i], lp->top, offset);
+    static const char *const names[4] = {"tokens", "token_logprobs", "top_logprobs", "text_offset"};
+    for (int k = 0; k < 4; k++) {
+        buf_printf(b, "%s\"%s\":%s]", k ? "," : "{", names[k], lists[k].data);
+        buf_free(&lists[k]);
+    }
+    buf_str(b, "}");
+}
+
+/* A chat choice's "logprobs" object: content, one entry per token of the
+   reply (an end token that ended it is not part of the reply). */
+static void chat_logprobs(const Tokenizer *tok, ByteBuf *b, const Request *r) {
+    const Logprobs *lp = r->lp;
+    buf_str(b, "{\"content\":[");
+    for (int i = 0, prev = r->prompt[r->n_prompt - 1]; i < r->hyps[0].n_tokens; prev = lp->chosen[i++].token) {
+        const TokenLogprob *t = &lp->chosen[i];
+        for (int k = -1; k < lp->top; k++) {
+            const char *text = token_text(tok, prev, k < 0 ? t->token : t->top_token[k]);
+            buf_str(b, k < 0 ? (i ? ",{\"token\":" : "{\"token\":") : k ? ",{\"token\":" : "{\"token\":");
+            buf_json(b, text);
+            buf_str(b, ",\"logprob\":");
+            buf_logprob(b, k < 0 ? t->logprob : t->top_logprob[k]);
+            buf_str(b, ",\"bytes\":");
+            buf_bytes(b, text);
+            buf_str(b, k < 0 ? ",\"top_logprobs\":[" : "}");
+        }
+        buf_str(b, "]}");
+    }
+    buf_str(b, "],\"refusal\":null}");
+}
+
+/* The whole answer of a completion whose choices are all done. */
+static void answer_choices(Server *srv, Conn *c) {
+    ByteBuf b = {0};
+    int generated = 0;
+    completion_head(srv, c, &b, c->chat ? "chat.completion" : "text_completion");
+    buf_str(&b, ",\"choices\":[");
+    for (int i = 0; i < c->n_choices; i++) {
+        const Request *r = c->req[i];
+        const Hypothesis *h = &r->hyps[0];
         char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
-        ByteBuf b = {0};
-        completion_head(srv, c, &b, c->chat ? "chat.completion" : "text_completion");
-        buf_str(&b, ",\"choices\":[{\"index\":0,");
+        buf_printf(&b, "%s{\"index\":%d,", i ? "," : "", i);
         if (c->chat) {
             buf_str(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
             buf_json(&b, text);
-            buf_str(&b, "},");
+            buf_str(&b, "},\"logprobs\":");
+            if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
+            char *whole = xcalloc(strlen(c->echo ? c->echo : "") + strlen(text) + 1, 1);
+            strcat(strcpy(whole, c->echo ? c->echo : ""), text);
             buf_str(&b, "\"text\":");
-            buf_json(&b, text);
-            buf_str(&b, ",");
+            buf_json(&b, whole);
+            free(whole);
+            buf_str(&b, ",\"logprobs\":");
+            if (r->lp) completion_logprobs(srv->tok, &b, r, c->echo);
         }
-        buf_printf(&b, "\"finish_reason\":\"%s\"}],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}}",
-                   finish_reason(h), r->n_prompt, h->n_tokens, r->n_prompt + h->n_tokens);
-        conn_answer(srv, c, 200, "application/json", b.data);
-        buf_free(&b);
+        if (!r->lp) buf_str(&b, "null");
+        buf_printf(&b, ",\"finish_reason\":\"%s\"}", finish_reason(h));
+        generated += h->n_tokens;
         free(text);
+    }
+    int n_prompt = c->req[0]->n_prompt; /* the prompt counts once, as OpenAI counts it */
+    buf_printf(&b, "],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}}", n_prompt, generated,
+               n_prompt + generated);
+    conn_answer(srv, c, 200, "application/json", b.data);
+    buf_free(&b);
+}
+
+/* The engine's on_done for one choice: its stream's last events, a log
+   line; once every choice is done, the answer (or the stream's end), and
+   the requests are freed. Every choice needs the same cache, so when one
+   cannot run none can: the answer is then the error. */
+static void serve_on_done(Request *r, void *user) {
+    Server *srv = user;
+    Conn *c = request_conn(srv, r);
+    int choice = request_choice(r);
+    const Hypothesis *h = r->n_hyps > 0 ? &r->hyps[0] : NULL;
+    if (c->stream && h && !r->error) {
+        if (c->held[choice].n > 0) send_chunk(srv, c, choice, c->held[choice].data, NULL);
+        buf_free(&c->held[choice]); /* nothing of it is left for the connection's next answer */
+        send_chunk(srv, c, choice, NULL, finish_reason(h));
     }
     if (h) fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s\n", c->id, r->n_prompt, h->n_tokens,
                    now_seconds() - c->started, h->stop);
-    c->req = NULL;
-    request_free(r);
+    if (--c->n_left > 0) return;
+    const char *error = NULL;
+    for (int i = 0; i < c->n_choices; i++)
+        if (c->req[i]->error || c->req[i]->n_hyps == 0) error = c->req[i]->error ? c->req[i]->error : "the request produced nothing";
+    if (error) {
+        conn_error(srv, c, 503, error);
+    } else if (c->stream) {
+        conn_body(c, "data: [DONE]\n\n", 14);
+        conn_end_stream(c);
+    } else {
+        answer_choices(srv, c);
+    }
+    for (int i = 0; i < c->n_choices; i++) {
+        request_free(c->req[i]);
+        c->req[i] = NULL;
+    }
+    c->n_choices = 0;
+    free(c->echo);
+    c->echo = NULL;
     for (int k = 0; k < MAX_STOPS; k++) { free(c->stops[k]); c->stops[k] = NULL; }
 }
 
@@ -10130,13 +10420,49 @@ static int authorized(const char *key, const HttpRequest *h) {
     return diff == 0;
 }
 
+/* Why the choices and log-probabilities asked for cannot be given, or NULL. */
+static const char *choice_refusal(const ServeFields *f) {
+    if (f->max_tokens == 0 && !f->echo) return "field 'max_tokens': 0 is allowed only with 'echo': true";
+    if (f->max_tokens == 0 && f->line.o.beams > 0) return "field 'max_tokens': 0 cannot be combined with num_beams";
+    if (f->top_logprobs >= 0 && !f->logprobs) return "field 'top_logprobs' needs 'logprobs': true";
+    if (f->logprobs && f->line.o.beams > 0) return "field 'logprobs' cannot be combined with num_beams";
+    if (f->logprobs && f->stream) return "field 'logprobs' cannot be streamed: ask with stream false";
+    return NULL;
+}
+
+/* Submits the n choices of a completion (see "Choices and their
+   log-probabilities"), each with its own copy of the prompt (this one goes
+   to the first). */
+static void submit_choices(Server *srv, Conn *c, const ServeFields *f, const Decoding *d, int *prompt, int n_prompt) {
+    int max_new = f->max_tokens == 0 ? 0 : cap_new_tokens(d, srv->steps - n_prompt + 1);
+    c->n_choices = c->n_left = f->n;
+    for (int i = 0; i < f->n; i++) {
+        Decoding di = *d;
+        di.seed = d->seed + (uint64_t)i;
+        int *tokens = prompt;
+        if (i > 0) {
+            tokens = xcalloc((size_t)n_prompt, sizeof(int));
+            memcpy(tokens, prompt, (size_t)n_prompt * sizeof(int));
+        }
+        Request *r = request_new(tokens, n_prompt, max_new, f->chat || srv->tok->eos_ends_generate, &di);
+        if (f->logprobs) r->lp = logprobs_new(f->top_logprobs > 0 ? f->top_logprobs : 0, f->echo, n_prompt, max_new);
+        r->index = (int)(c - srv->conns) * SERVE_MAX_N + i;
+        r->owner = srv;
+        r->on_text = serve_on_text;
+        c->req[i] = r;
+        c->first_chunk[i] = 1;
+    }
+}
+
 /* Starts a completion (chat or not) from the request body: the fields are
-   read over the command line's options and the request is built as
+   read over the command line's options and its requests are built as
    run_batch builds one; a streamed answer's head goes out at once. */
 static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int chat) {
     ServeFields *f = xcalloc(1, sizeof(ServeFields));
     f->line.o = *srv->o;
     f->chat = chat;
+    f->max_tokens = f->top_logprobs = -1;
+    f->n = 1;
     f->vocab = srv->e->t->config.vocab_size;
     jmp_buf trap;
     error_trap = &trap;
@@ -10153,6 +10479,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     const char *refusal = NULL;
     if (o->beams > srv->beams) refusal = "num_beams is more than the server allows (4, or -b when it is more)";
     else if (o->beams > 0 && f->stream) refusal = "num_beams cannot be streamed: ask with stream false";
+    else refusal = choice_refusal(f);
     int n_prompt = 0, *prompt = NULL;
     const char *why = "the prompt does not fit the model's context";
     if (!refusal && chat) prompt = chat_messages_tokens(srv->tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt, &why);
@@ -10167,19 +10494,18 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
-    Request *r = request_new(prompt, n_prompt, cap_new_tokens(&d, srv->steps - n_prompt + 1), chat || srv->tok->eos_ends_generate, &d);
-    r->index = (int)(c - srv->conns);
-    r->owner = srv;
-    r->on_text = serve_on_text;
-    /* the request's stop strings are f's: the connection keeps them */
+    submit_choices(srv, c, f, &d, prompt, n_prompt);
+    /* the requests' stop strings are f's: the connection keeps them */
     for (int k = 0; k < d.controls.n_stops; k++) c->stops[k] = f->line.stops[k];
     f->line.o.controls.n_stops = 0;
-    c->req = r;
     c->chat = chat;
     c->stream = f->stream;
+    if (f->echo) {
+        c->echo = f->line.prompt;
+        f->line.prompt = NULL;
+    }
     free_serve_fields(f);
     free(f);
-    c->first_chunk = 1;
     c->phase = CONN_RUNNING;
     c->created = (long long)time(NULL);
     c->started = now_seconds();
@@ -10190,8 +10516,9 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
         c->chunked = 1;
         buf_printf(&c->out, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                    "Transfer-Encoding: chunked\r\nConnection: %s\r\n\r\n", c->keep ? "keep-alive" : "close");
+        for (int i = 0; c->echo && i < c->n_choices; i++) send_chunk(srv, c, i, c->echo, NULL);
     }
-    engine_submit(srv->e, r);
+    for (int i = 0; i < c->n_choices; i++) engine_submit(srv->e, c->req[i]);
 }
 
 /* GET /metrics: Prometheus text. */
@@ -10347,10 +10674,8 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
             for (int i = 0; i < SERVE_MAX_CONNS; i++) {
                 Conn *c = &srv->conns[i];
                 if (c->phase == CONN_READING) conn_close(srv, c);
-                else if (c->req && c->req->state == REQUEST_WAITING) {
-                    engine_cancel(e, c->req);
-                    request_free(c->req);
-                    c->req = NULL;
+                else if (conn_waiting(c)) {
+                    conn_drop_requests(e, c);
                     if (c->stream) conn_end_stream(c);
                     else conn_error(srv, c, 503, "the server is stopping");
                 }

@@ -246,7 +246,7 @@ def test_bad_requests(srv):
         (400, ('POST', '/v1/completions', {'prompt': 'x', 'stream': 1}), 'stream a number'),
         (400, ('POST', '/v1/completions', {}), 'no prompt'),
         (400, ('POST', '/v1/completions', {'prompt': 'x ' * 900}), 'prompt too long'),
-        (400, ('POST', '/v1/completions', {'prompt': 'x', 'n': 2}), 'n = 2'),
+        (400, ('POST', '/v1/completions', {'prompt': 'x', 'n': 17}), 'n = 17'),
         (400, ('POST', '/v1/completions', {'prompt': 'x', 'num_beams': 2, 'stream': True}), 'beams streamed'),
         (400, ('POST', '/v1/chat/completions', {'messages': 'hi'}), 'messages a string'),
         (400, ('POST', '/v1/chat/completions', {'messages': [{'role': 'user'}]}), 'message without content'),
