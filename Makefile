@@ -17,7 +17,7 @@ TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
 RUN ?= ./run
 BENCH_RUNS ?= 5
 
-.PHONY: all test bench clean
+.PHONY: all test bench bench-gguf clean
 
 # The first of $(PYTHON), python3 and /usr/bin/python3 that is a Python 3
 # and runs the statement $(1) (an import), or nothing.
@@ -155,6 +155,12 @@ build/bench/peak: bench/peak.c run.c
 
 bench: runomp build/bench/bandwidth build/bench/peak
 	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/bench.py --runs $(BENCH_RUNS)
+	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/gguf.py --runs $(BENCH_RUNS)
+
+# GGUF files against llama.cpp's llama-bench (LLAMA_CPP: a llama.cpp build
+# directory, outside this repository; without it run.c's figures alone)
+bench-gguf: runomp build/bench/bandwidth
+	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/gguf.py --runs $(BENCH_RUNS)
 
 tokenizer.bin: $(TOKENIZER_MODEL) export.py
 	$(TOOL_PYTHON) export.py tokenizer $(TOKENIZER_MODEL) $@

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""GGUF speed: run.c against llama.cpp on the very same files (`make bench`
+runs it after bench.py; `make bench-gguf` alone).
+
+The stories110M shape with GQA (dim 768, hidden 2048, 12 layers, 12 heads,
+4 key/value heads, vocabulary 32000, untied; random weights, seed 1, the
+Llama 2 vocabulary from tokenizer.bin): F32, F16, BF16, Q8_0 and Q4_0 files
+written by export.py; Q4_K_M, Q5_K_M and Q6_K made from the F16 file by
+llama.cpp's llama-quantize when LLAMA_CPP names a llama.cpp build (a
+directory holding bin/llama-quantize and bin/llama-bench, built from a
+fetched copy outside this repository: bench/llamacpp.md). In interleaved
+rounds (medians), for each file:
+  run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt
+             pp128: prompt tok/s of a 128-token prompt (both greedy, -T 2)
+  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1: avg_ts of pp128, tg128
+then the ratios, the bytes one token reads (every matrix once: the layers'
+and the classifier's tensor bytes as stored in the file), run.c's tg128 x
+those bytes as a fraction of the streaming-read probe (bench/bandwidth.c,
+2 threads, one probe per round), run.c's peak RSS against the file, and
+its load time (the first prompt token's wall time is not separated: the
+load is `-n 1` with an empty prompt, timed whole).
+
+Environment / options: RUN (default ./runomp), MODELS_DIR (tokenizer.bin),
+PYTHON, LLAMA_CPP; --runs N, --cache DIR (default build/bench/gguf),
+--bandwidth BIN, --out FILE (default bench/gguf-results.md).
+"""
+import argparse
+import csv
+import datetime
+import io
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from bench import make_prompt, machine, probe_bandwidth, stats_of  # noqa: E402
+from gguf_ref import read_gguf  # noqa: E402
+
+SHAPE = "s110gqa=768,2048,12,12,4,32000,1024"
+EXPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0"]  # export.py --encoding, lower-cased
+QUANTIZED = ["Q4_K_M", "Q5_K_M", "Q6_K"]  # llama-quantize from the F16 file
+
+
+def make_files(python, cache, tok, llama):
+    """{type: path} of the files this run measures, written once."""
+    os.makedirs(cache, exist_ok=True)
+    paths = {}
+    for t in EXPORTED:
+        path = os.path.join(cache, "s110gqa.%s.gguf" % t)
+        if not os.path.exists(path):
+            print("bench: writing %s" % path, file=sys.stderr)
+            subprocess.run([python, os.path.join(ROOT, "export.py"), "random", path, "--shape", SHAPE, "--seed", "1",
+                            "--untied", "--encoding", t.lower(), "--tokenizer", tok], check=True, stdout=subprocess.DEVNULL)
+        paths[t] = path
+    quantize = llama and os.path.join(llama, "bin", "llama-quantize")
+    for t in QUANTIZED if quantize and os.path.exists(quantize) else []:
+        path = os.path.join(cache, "s110gqa.%s.gguf" % t)
+        if not os.path.exists(path):
+            print("bench: quantizing %s" % path, file=sys.stderr)
+            subprocess.run([quantize, paths["F16"], path, t], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        paths[t] = path
+    return paths
+
+
+def bytes_per_token(path):
+    """The bytes of the matrices one token reads: every 2-D tensor but the
+    token embedding (of which a token reads one row), or the embedding
+    itself when it is also the classifier (tied)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        g = read_gguf(m)
+        sizes = {name: len(raw) for name, (_t, ne, raw) in g.tensors.items() if len(ne) == 2}
+    tied = "output.weight" not in sizes
+    return sum(b for name, b in sizes.items() if name != "token_embd.weight" or tied)
+
+
+def llama_bench(binary, path):
+    """(pp128, tg128) tok/s of one llama-bench run (-r 1)."""
+    out = subprocess.run([binary, "-m", path, "-p", "128", "-n", "128", "-t", "2", "-r", "1", "-o", "csv"], check=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout.decode()
+    got = {}
+    for row in csv.DictReader(io.StringIO(out)):
+        got[(int(row["n_prompt"]), int(row["n_gen"]))] = float(row["avg_ts"])
+    return got[(128, 0)], got[(0, 128)]
+
+
+def load_seconds(runbin, path):
+    """Wall time of a run that loads the model and decodes one token."""
+    start = time.perf_counter()
+    subprocess.run([runbin, path, "-t", "0", "-T", "2", "-n", "1", "-i", ""], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench", "gguf"))
+    ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gguf-results.md"))
+    args = ap.parse_args()
+    runbin = os.environ.get("RUN", "./runomp")
+    tok = os.path.join(os.environ.get("MODELS_DIR", "../shared/models"), "tokenizer.bin")
+    python = os.environ.get("PYTHON", sys.executable)
+    llama = os.environ.get("LLAMA_CPP")
+    if not os.path.exists(tok):
+        sys.exit("bench: %s not found (set MODELS_DIR)" % tok)
+    lbench = llama and os.path.join(llama, "bin", "llama-bench")
+    if lbench and not os.path.exists(lbench):
+        sys.exit("bench: %s not found (LLAMA_CPP names a llama.cpp build directory)" % lbench)
+    paths = make_files(python, args.cache, tok, llama)
+    p16, p128 = make_prompt(runbin, paths["F32"], tok, 16), make_prompt(runbin, paths["F32"], tok, 128)
+
+    runs = {t: {"tg": [], "pp": [], "ltg": [], "lpp": [], "load": [], "rss": 0} for t in paths}
+    probes = []
+    for r in range(args.runs):
+        for t, path in paths.items():
+            base = [runbin, path, "-t", "0", "-T", "2"]
+            (_, _, _, tg), rss1 = stats_of(base + ["-n", "144", "-i", p16])
+            (_, pp, _, _), rss2 = stats_of(base + ["-n", "129", "-i", p128])
+            runs[t]["tg"].append(tg)
+            runs[t]["pp"].append(pp)
+            runs[t]["rss"] = max(runs[t]["rss"], rss1, rss2)
+            runs[t]["load"].append(load_seconds(runbin, path))
+            if lbench:
+                lpp, ltg = llama_bench(lbench, path)
+                runs[t]["lpp"].append(lpp)
+                runs[t]["ltg"].append(ltg)
+        probes.append(probe_bandwidth(args.bandwidth)[2])
+        print("bench: round %d of %d done" % (r + 1, args.runs), file=sys.stderr)
+    bw = statistics.median(probes)
+
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    rows = []
+    for t, path in paths.items():
+        x = runs[t]
+        size, per_token = os.path.getsize(path), bytes_per_token(path)
+        tg, pp, ltg, lpp = med(x["tg"]), med(x["pp"]), med(x["ltg"]), med(x["lpp"])
+        rows.append("| %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f | %.0f | %.2fx | %.0f%% | %.2fx | %.2f |" % (
+            t, size / 1e6, per_token / 1e6, tg, ltg, tg / ltg, pp, lpp, pp / lpp, 100 * tg * per_token / 1e9 / bw,
+            x["rss"] / size, med(x["load"])))
+    lines = [
+        "# GGUF: run.c and llama.cpp on the same files",
+        "",
+        "%s; %s; `%s`%s, medians of %d interleaved rounds, 2 threads, greedy." % (
+            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), machine(), runbin,
+            " and llama-bench (%s)" % llama if lbench else " (LLAMA_CPP not set: no llama.cpp figures)", args.runs),
+        "",
+        "Shape %s (dim, hidden, layers, heads, kv heads, vocabulary, context), random weights, seed 1." % SHAPE,
+        "Streaming-read probe (bench/bandwidth.c, 2 threads): %.1f GB/s. Probe fraction: tg128 x bytes per token." % bw,
+        "RSS: run.c's peak against the file (its key/value cache of 1024 positions, 25 MB, included).",
+        "",
+        "| type | file MB | bytes/token MB | tg128 run.c | tg128 llama.cpp | tg ratio | pp128 run.c | pp128 llama.cpp "
+        "| pp ratio | probe fraction | RSS / file | load s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ] + rows
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
