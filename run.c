@@ -9936,7 +9936,7 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
 
 #define SERVE_IDLE_TIMEOUT 5.0
 #define SERVE_SEND_TIMEOUT 10.0
-#define SERVE_MAX_PENDING (64 * 1024)
+#define SERVE_MAX_PENDING (32 * 1024)
 #define SERVE_SWEEP 0.1
 #define SERVE_DRAIN_GRACE 1.0
 #define SERVE_FD_RESERVE 16 /* descriptors kept beyond the connections: standard streams, the listener, the poller */
