@@ -17,7 +17,7 @@ TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
 RUN ?= ./run
 BENCH_RUNS ?= 5
 
-.PHONY: all test bench clean
+.PHONY: all test bench soak clean
 
 # The first of $(PYTHON), python3 and /usr/bin/python3 that is a Python 3
 # and runs the statement $(1) (an import), or nothing.
@@ -155,6 +155,11 @@ build/bench/peak: bench/peak.c run.c
 
 bench: runomp build/bench/bandwidth build/bench/peak
 	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/bench.py --runs $(BENCH_RUNS)
+
+# -m serve under mixed traffic for SOAK_SECONDS (bench/soak_serve.py)
+SOAK_SECONDS ?= 600
+soak: run
+	MODELS_DIR=$(MODELS_DIR) RUN=./run $(PYTHON) bench/soak_serve.py --seconds $(SOAK_SECONDS)
 
 tokenizer.bin: $(TOKENIZER_MODEL) export.py
 	$(TOOL_PYTHON) export.py tokenizer $(TOKENIZER_MODEL) $@
