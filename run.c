@@ -10546,6 +10546,7 @@ static void on_serve_stop(int sig) {
    waiting requests answered 503 (a stream ends empty); the running ones go
    on until drain_until. */
 static void serve_stop(Server *srv, Socket *listener) {
+    fprintf(stderr, "run: serve: stopping: %d requests running, up to %g s\n", srv->e->n_running, srv->o->drain_seconds);
     srv->stopping = 1;
     srv->drain_until = srv->now + srv->o->drain_seconds;
     net_unwatch(srv->poller, *listener, srv->max_conns);
@@ -10565,7 +10566,6 @@ static void serve_stop(Server *srv, Socket *listener) {
             conn_advance(srv, c);
         }
     }
-    fprintf(stderr, "run: serve: stopping: %d requests running, up to %g s\n", srv->e->n_running, srv->o->drain_seconds);
 }
 
 /* Connections at most: --max-conns, or fewer when the system grants fewer

@@ -194,7 +194,7 @@ def test_non_readers(srv, n=100, ordinary=20, baseline=None):
     return figures + '; cache blocks free %d of %d' % (after['run_cache_blocks_free'], after['run_cache_blocks'])
 
 
-def test_idle_connections(n=4000, rounds=6):
+def test_idle_connections(n=4000, rounds=10):
     room = load.raise_nofile()
     n = min(n, room - 200)
     srv = Server('--header-timeout', '120')
@@ -206,20 +206,21 @@ def test_idle_connections(n=4000, rounds=6):
                 check_answer(r, PROMPTS[i], 200)
             return rounds * 200 / (time.monotonic() - t0)
         rate()  # warm
-        alone = rate()
+        alone = max(rate() for _ in range(3))  # the best of three: the least disturbed by the machine's other work
         idle = load.open_idle(srv.port, n)
         try:
             time.sleep(0.5)
             m = load.metrics(srv.port)
             assert m['run_connections_open'] >= n, 'only %d connections open' % m['run_connections_open']
-            beside = rate()
+            beside = max(rate() for _ in range(3))
         finally:
             for s in idle:
                 s.close()
     finally:
         code = srv.stop()
     assert code == 0, 'exit %r' % code
-    return '%d idle connections: %.0f tok/s beside them, %.0f alone (%.1f%%; not judged, the machine is shared)' % (
+    return '%d idle connections: %.0f tok/s beside them, %.0f alone, best of 3 each (%+.1f%%; not judged, the machine is ' \
+           'shared)' % (
         n, beside, alone, 100.0 * (beside - alone) / alone)
 
 
