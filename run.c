@@ -83,6 +83,9 @@
 #ifdef __linux__
 #include <sys/epoll.h>
 #endif
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <unistd.h>
 #endif
 #ifdef _OPENMP
@@ -342,14 +345,23 @@ static long net_raise_descriptors(long want, long *hard) {
     return r.rlim_cur == RLIM_INFINITY ? want : (long)r.rlim_cur;
 }
 
-/* What each tag is watched for: 0 not watched, else 1 + read (1) + write (2). */
+/* Gives the allocator's free memory back to the system: glibc keeps what a
+   burst of requests freed for reuse, so that a server idle after one would
+   keep the size of its peak. */
+static void release_free_memory(void) {
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
+}
+
+/* What a socket is watched for: NET_READ, NET_WRITE, both or neither (0). */
 #define NET_READ 1
 #define NET_WRITE 2
 
 #ifdef __linux__
 struct NetPoller {
     int fd;                     /* the epoll instance */
-    unsigned char *watched;     /* (capacity) by tag */
+    unsigned char *watched;     /* (capacity) by tag: 0 not watched, else 1 + what it is watched for */
     struct epoll_event *ready;  /* (capacity) what a wait found */
     int capacity;
 };
@@ -614,6 +626,7 @@ static ptrdiff_t net_recv(Socket s, char *buf, size_t n) { (void)s, (void)buf, (
 static ptrdiff_t net_send(Socket s, const char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static void net_close(Socket s) { (void)s; }
 static long net_raise_descriptors(long want, long *hard) { *hard = -1; return want; }
+static void release_free_memory(void) {}
 #define NET_READ 1
 #define NET_WRITE 2
 struct NetPoller { int unused; };
@@ -9989,6 +10002,7 @@ typedef struct {
     NetPoller *poller;       /* the conns by index; the listener as max_conns */
     double now;              /* this turn of the loop */
     double header_timeout;
+    int trimmed;             /* idle, and the memory its requests freed given back */
     int stopping;            /* SIGTERM: draining until drain_until */
     double drain_until;
     long long n_requests, n_failed, n_refused, n_dropped, next_id;
@@ -10636,6 +10650,8 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
         if (srv->now >= next_sweep) {
             serve_sweep(srv);
             next_sweep = srv->now + SERVE_SWEEP;
+            if (!busy && !srv->trimmed) release_free_memory();
+            srv->trimmed = !busy;
         }
         if (busy) {
             engine_step(e);
