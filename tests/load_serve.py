@@ -11,8 +11,8 @@ function that returns what it saw, for the suite to judge.
 - non_readers(): streamed completions whose clients never read (plain
   sockets with a small receive buffer and segment size, so that the
   kernel's buffers take little of the stream).
-- server_usage(): a process's resident memory and open descriptors, from
-  /proc.
+- server_usage(), server_cpu(): a process's resident memory, open
+  descriptors and CPU time, from /proc.
 """
 import asyncio
 import json
@@ -161,6 +161,13 @@ def server_usage(pid):
             if line.startswith('VmRSS:'):
                 rss = int(line.split()[1])
     return rss, len(os.listdir('/proc/%d/fd' % pid))
+
+
+def server_cpu(pid):
+    """The CPU seconds (user and system) process pid has used."""
+    with open('/proc/%d/stat' % pid) as f:
+        fields = f.read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
 
 def metrics(port):
