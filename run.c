@@ -10607,6 +10607,8 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
     srv->steps = o->steps_given ? resolve_steps(o->steps, e->t->config.seq_len) : e->t->config.seq_len;
     srv->beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS;
     model_name(srv->model, sizeof(srv->model), o->checkpoint);
+    int port;
+    Socket listener = net_listen(o->host, o->port, &port); /* first: where serving is not built, this says so */
     srv->max_conns = serve_max_conns(o);
     srv->conns = xcalloc((size_t)srv->max_conns, sizeof(Conn));
     srv->free_slots = xcalloc((size_t)srv->max_conns, sizeof(int));
@@ -10619,8 +10621,6 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
     NetEvent *events = xcalloc((size_t)srv->max_conns + 1, sizeof(NetEvent));
     e->on_done = serve_finished;
     e->user = srv;
-    int port;
-    Socket listener = net_listen(o->host, o->port, &port);
     net_watch(srv->poller, listener, srv->max_conns, NET_READ);
     serve_stop_asked = 0;
     on_sigterm(on_serve_stop);
