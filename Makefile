@@ -17,7 +17,7 @@ TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
 RUN ?= ./run
 BENCH_RUNS ?= 5
 
-.PHONY: all test bench bench-gguf clean
+.PHONY: all test bench bench-gguf soak clean
 
 # The first of $(PYTHON), python3 and /usr/bin/python3 that is a Python 3
 # and runs the statement $(1) (an import), or nothing.
@@ -161,6 +161,11 @@ bench: runomp build/bench/bandwidth build/bench/peak
 # directory, outside this repository; without it run.c's figures alone)
 bench-gguf: runomp build/bench/bandwidth
 	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/gguf.py --runs $(BENCH_RUNS)
+
+# -m serve under mixed traffic for SOAK_SECONDS (bench/soak_serve.py)
+SOAK_SECONDS ?= 600
+soak: run
+	MODELS_DIR=$(MODELS_DIR) RUN=./run $(PYTHON) bench/soak_serve.py --seconds $(SOAK_SECONDS)
 
 tokenizer.bin: $(TOKENIZER_MODEL) export.py
 	$(TOOL_PYTHON) export.py tokenizer $(TOKENIZER_MODEL) $@

@@ -78,7 +78,14 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#ifdef __linux__
+#include <sys/epoll.h>
+#endif
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <unistd.h>
 #endif
 #ifdef _OPENMP
@@ -148,12 +155,17 @@ static void *xcalloc(size_t count, size_t size) {
 typedef int Socket;
 #define NO_SOCKET (-1)
 
-/* What a socket is waited for (want_*) and what poll found (can_*). */
+/* The server's sockets are waited on together by a poller: each is watched
+   under a tag (a small integer, below the poller's capacity) for reading,
+   writing or neither, and a wait reports the tags of those that can move.
+   Its cost is that of the sockets that are ready, not of those watched
+   (epoll on Linux; elsewhere poll, over all of them). */
 typedef struct {
-    Socket s;
-    int want_read, want_write;
-    int can_read, can_write;
-} NetWait;
+    int tag;
+    int can_read, can_write;   /* a closed or failed socket counts as readable */
+} NetEvent;
+
+typedef struct NetPoller NetPoller;
 
 #ifndef _WIN32
 /* Maps the regular file at `path` read-only and sets *size to its length;
@@ -257,8 +269,8 @@ static void on_sigint(void (*handler)(int), int restart) {
 /* Calls `handler` on SIGTERM (a service manager's stop). */
 static void on_sigterm(void (*handler)(int)) { signal(SIGTERM, handler); }
 
-/* Sockets for the server (section 11): TCP, non-blocking, waited on with
-   poll(). */
+/* Sockets for the server (section 11): TCP, non-blocking, waited on by a
+   NetPoller. */
 static void net_nonblocking(Socket s) { fcntl(s, F_SETFL, fcntl(s, F_GETFL, 0) | O_NONBLOCK); }
 
 /* A listening socket on host:port (port 0: a free one); *bound gets the
@@ -280,7 +292,7 @@ static Socket net_listen(const char *host, int port, int *bound) {
         if (s < 0) { error = errno; s = NO_SOCKET; continue; }
         int one = 1;
         setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        if (bind(s, a->ai_addr, a->ai_addrlen) != 0 || listen(s, 128) != 0) {
+        if (bind(s, a->ai_addr, a->ai_addrlen) != 0 || listen(s, SOMAXCONN) != 0) {
             error = errno;
             close(s);
             s = NO_SOCKET;
@@ -318,21 +330,142 @@ static ptrdiff_t net_send(Socket s, const char *buf, size_t n) {
 
 static void net_close(Socket s) { close(s); }
 
-/* Waits up to timeout_ms for any of the n sockets; sets their can_* flags
-   (a closed or failed socket counts as readable). */
-static void net_wait(NetWait *w, int n, int timeout_ms) {
-    struct pollfd *p = xcalloc((size_t)n, sizeof(struct pollfd));
-    for (int i = 0; i < n; i++) {
-        p[i].fd = w[i].s;
-        p[i].events = (short)((w[i].want_read ? POLLIN : 0) | (w[i].want_write ? POLLOUT : 0));
+/* The soft limit on open descriptors raised toward `want` (as far as the
+   hard limit allows); returns the soft limit now, and *hard the hard one
+   (-1: none). */
+static long net_raise_descriptors(long want, long *hard) {
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0) { *hard = -1; return want; }
+    *hard = r.rlim_max == RLIM_INFINITY ? -1 : (long)r.rlim_max;
+    if (r.rlim_cur != RLIM_INFINITY && (long)r.rlim_cur < want) {
+        rlim_t before = r.rlim_cur;
+        r.rlim_cur = r.rlim_max != RLIM_INFINITY && (long)r.rlim_max < want ? r.rlim_max : (rlim_t)want;
+        if (setrlimit(RLIMIT_NOFILE, &r) != 0) r.rlim_cur = before;
     }
-    int ready = poll(p, (nfds_t)n, timeout_ms);
+    return r.rlim_cur == RLIM_INFINITY ? want : (long)r.rlim_cur;
+}
+
+/* Gives the allocator's free memory back to the system: glibc keeps what a
+   burst of requests freed for reuse, so that a server idle after one would
+   keep the size of its peak. */
+static void release_free_memory(void) {
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
+}
+
+/* What a socket is watched for: NET_READ, NET_WRITE, both or neither (0). */
+#define NET_READ 1
+#define NET_WRITE 2
+
+#ifdef __linux__
+struct NetPoller {
+    int fd;                     /* the epoll instance */
+    unsigned char *watched;     /* (capacity) by tag: 0 not watched, else 1 + what it is watched for */
+    struct epoll_event *ready;  /* (capacity) what a wait found */
+    int capacity;
+};
+
+static NetPoller *net_poller_new(int capacity) {
+    NetPoller *p = xcalloc(1, sizeof(NetPoller));
+    p->fd = epoll_create1(EPOLL_CLOEXEC);
+    if (p->fd < 0) die(EXIT_BAD_FILE, "cannot create an epoll instance: %s", strerror(errno));
+    p->watched = xcalloc((size_t)capacity, 1);
+    p->ready = xcalloc((size_t)capacity, sizeof(struct epoll_event));
+    p->capacity = capacity;
+    return p;
+}
+
+/* Watches socket s under `tag` for what want (NET_READ | NET_WRITE) says;
+   nothing is asked of the system when that has not changed. */
+static void net_watch(NetPoller *p, Socket s, int tag, int want) {
+    if (p->watched[tag] == want + 1) return;
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.events = (want & NET_READ ? EPOLLIN : 0u) | (want & NET_WRITE ? EPOLLOUT : 0u);
+    ev.data.u32 = (uint32_t)tag;
+    epoll_ctl(p->fd, p->watched[tag] ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, s, &ev);
+    p->watched[tag] = (unsigned char)(want + 1);
+}
+
+/* Stops watching s (before it is closed). */
+static void net_unwatch(NetPoller *p, Socket s, int tag) {
+    if (!p->watched[tag]) return;
+    epoll_ctl(p->fd, EPOLL_CTL_DEL, s, NULL);
+    p->watched[tag] = 0;
+}
+
+/* Waits up to timeout_ms for a watched socket to be ready; fills ev (room
+   for the poller's capacity) and returns how many are. */
+static int net_poll(NetPoller *p, NetEvent *ev, int timeout_ms) {
+    int n = epoll_wait(p->fd, p->ready, p->capacity, timeout_ms);
     for (int i = 0; i < n; i++) {
-        w[i].can_read = ready > 0 && (p[i].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL));
-        w[i].can_write = ready > 0 && (p[i].revents & (POLLOUT | POLLERR | POLLHUP));
+        uint32_t r = p->ready[i].events;
+        ev[i] = (NetEvent){(int)p->ready[i].data.u32, (r & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0, (r & (EPOLLOUT | EPOLLHUP | EPOLLERR)) != 0};
     }
+    return n > 0 ? n : 0;
+}
+
+static void net_poller_free(NetPoller *p) {
+    close(p->fd);
+    free(p->watched);
+    free(p->ready);
     free(p);
 }
+#else
+struct NetPoller {
+    struct pollfd *fds;         /* (n) the watched sockets */
+    int *tag_of;                /* (n) the tag of each */
+    int *at;                    /* (capacity) by tag: its place in fds, -1 when not watched */
+    int n, capacity;
+};
+
+static NetPoller *net_poller_new(int capacity) {
+    NetPoller *p = xcalloc(1, sizeof(NetPoller));
+    p->fds = xcalloc((size_t)capacity, sizeof(struct pollfd));
+    p->tag_of = xcalloc((size_t)capacity, sizeof(int));
+    p->at = xcalloc((size_t)capacity, sizeof(int));
+    for (int i = 0; i < capacity; i++) p->at[i] = -1;
+    p->capacity = capacity;
+    return p;
+}
+
+static void net_watch(NetPoller *p, Socket s, int tag, int want) {
+    if (p->at[tag] < 0) {
+        p->at[tag] = p->n;
+        p->tag_of[p->n] = tag;
+        p->fds[p->n++].fd = s;
+    }
+    p->fds[p->at[tag]].events = (short)((want & NET_READ ? POLLIN : 0) | (want & NET_WRITE ? POLLOUT : 0));
+}
+
+static void net_unwatch(NetPoller *p, Socket s, int tag) {
+    (void)s;
+    int i = p->at[tag];
+    if (i < 0) return;
+    p->n--;
+    p->fds[i] = p->fds[p->n];
+    p->tag_of[i] = p->tag_of[p->n];
+    p->at[p->tag_of[i]] = i;
+    p->at[tag] = -1;
+}
+
+static int net_poll(NetPoller *p, NetEvent *ev, int timeout_ms) {
+    int ready = poll(p->fds, (nfds_t)p->n, timeout_ms), k = 0;
+    for (int i = 0; ready > 0 && i < p->n; i++) {
+        short r = p->fds[i].revents;
+        if (r) ev[k++] = (NetEvent){p->tag_of[i], (r & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) != 0, (r & (POLLOUT | POLLERR | POLLHUP)) != 0};
+    }
+    return k;
+}
+
+static void net_poller_free(NetPoller *p) {
+    free(p->fds);
+    free(p->tag_of);
+    free(p->at);
+    free(p);
+}
+#endif
 #else
 /* Text is UTF-8 inside the program, as on POSIX; Windows' own calls take
    UTF-16. Returns the UTF-16 copy of `s`, to be freed. */
@@ -492,10 +625,20 @@ static Socket net_accept(Socket listener) { (void)listener; return NO_SOCKET; }
 static ptrdiff_t net_recv(Socket s, char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static ptrdiff_t net_send(Socket s, const char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static void net_close(Socket s) { (void)s; }
-static void net_wait(NetWait *w, int n, int timeout_ms) {
-    (void)w, (void)n;
+static long net_raise_descriptors(long want, long *hard) { *hard = -1; return want; }
+static void release_free_memory(void) {}
+#define NET_READ 1
+#define NET_WRITE 2
+struct NetPoller { int unused; };
+static NetPoller *net_poller_new(int capacity) { (void)capacity; return xcalloc(1, sizeof(NetPoller)); }
+static void net_watch(NetPoller *p, Socket s, int tag, int want) { (void)p, (void)s, (void)tag, (void)want; }
+static void net_unwatch(NetPoller *p, Socket s, int tag) { (void)p, (void)s, (void)tag; }
+static int net_poll(NetPoller *p, NetEvent *ev, int timeout_ms) {
+    (void)p, (void)ev;
     Sleep((DWORD)timeout_ms);
+    return 0;
 }
+static void net_poller_free(NetPoller *p) { free(p); }
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -8465,6 +8608,8 @@ typedef struct {
     int port;
     const char *api_key;
     int max_body_kb;
+    int max_conns, max_queue;  /* -m serve: --max-conns, --max-queue, --header-timeout, --drain-seconds */
+    double header_timeout, drain_seconds;
 } Options;
 
 static const char *usage_text =
@@ -8528,6 +8673,11 @@ static const char *usage_text =
     "  --port <int>       port, 0 for a free one (default 8080)\n"
     "  --api-key <string> requests need 'Authorization: Bearer KEY' (default: none)\n"
     "  --max-body-kb <int>  request bodies above this many KiB get 413 (default 1024)\n"
+    "  --max-conns <int>  connections open at once; the open-file limit is raised for them (default 4096)\n"
+    "  --max-queue <int>  requests waiting beyond the --parallel running; more get 429 (default 1024)\n"
+    "  --header-timeout <float>  seconds a request's header may take, and its body as long again;\n"
+    "                     slower clients are dropped (default 5)\n"
+    "  --drain-seconds <float>   on SIGTERM, seconds the running requests have to end (default 5)\n"
     "\n"
     "Performance:\n"
     "  -T <int>           threads, >= 1 (default: all cores; needs an OpenMP build)\n"
@@ -8664,6 +8814,10 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--port") == 0) { o->port = (int)parse_integer(flag, option_value(argc, argv, i), 0, 65535); return 2; }
     if (strcmp(flag, "--api-key") == 0) { o->api_key = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--max-body-kb") == 0) { o->max_body_kb = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1 << 20); return 2; }
+    if (strcmp(flag, "--max-conns") == 0) { o->max_conns = (int)parse_integer(flag, option_value(argc, argv, i), 1, 1 << 20); return 2; }
+    if (strcmp(flag, "--max-queue") == 0) { o->max_queue = (int)parse_integer(flag, option_value(argc, argv, i), 0, 1 << 20); return 2; }
+    if (strcmp(flag, "--header-timeout") == 0) { o->header_timeout = parse_number(flag, option_value(argc, argv, i), 0.1, 3600); return 2; }
+    if (strcmp(flag, "--drain-seconds") == 0) { o->drain_seconds = parse_number(flag, option_value(argc, argv, i), 0, 3600); return 2; }
     Controls *c = &o->controls;
     if (strcmp(flag, "--min-new-tokens") == 0) { c->min_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX); return 2; }
     if (strcmp(flag, "--repetition-penalty") == 0) { c->repetition_penalty = parse_penalty(flag, option_value(argc, argv, i)); return 2; }
@@ -8744,7 +8898,8 @@ static void check_keep(const Options *o) {
 static Options parse_options(int argc, char **argv) {
     Options o = {.mode = "generate", .temperature = 1.0f, .topp = 0.9f, .steps = 256,
                  .format = FORMAT_TEXT, .length_penalty = 1.0f, .early_stopping = STOP_HEURISTIC, .n_return = 1, .parallel = 8,
-                 .chat_template = -1, .host = "127.0.0.1", .port = 8080, .max_body_kb = 1024, .draft_max = 8, .keep = -1};
+                 .chat_template = -1, .host = "127.0.0.1", .port = 8080, .max_body_kb = 1024,
+                 .max_conns = 4096, .max_queue = 1024, .header_timeout = 5.0, .drain_seconds = 5.0, .draft_max = 8, .keep = -1};
     if (argc < 2) { /* no arguments at all: a first try, shown everything */
         fputs(usage_text, stderr);
         leave(EXIT_USAGE);
@@ -9549,19 +9704,15 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
    answer is Server-Sent Events in chunked transfer coding, so that its end
    is marked without closing. Limits come before memory: a header over
    HTTP_MAX_HEADER bytes or a body over --max-body-kb is refused before it
-   is stored, a client silent for SERVE_TIMEOUT seconds in the middle of a
-   request is dropped, as is one idle between requests for
-   SERVE_IDLE_TIMEOUT; at most SERVE_MAX_IDLE connections are kept open
-   between requests (an answer beyond that closes its connection), a new
-   connection when all SERVE_MAX_CONNS are taken pushes out the one idle the
-   longest, and gets 503 when none is idle. A client that goes away cancels
-   its request. */
+   is stored. A crowd is held, not refused (see "Holding a crowd" below):
+   requests beyond what the engine runs at once wait in its queue, first
+   come first served, and only beyond --max-queue get 429; up to
+   --max-conns connections are open at once, and the loop's cost per engine
+   step is that of the sockets that are ready, not of those open; slow and
+   hostile clients are dropped by deadlines and a cap on what is buffered
+   for them. A client that goes away cancels its request. */
 
 #define HTTP_MAX_HEADER 16384
-#define SERVE_MAX_CONNS 64
-#define SERVE_MAX_IDLE 32
-#define SERVE_TIMEOUT 10.0
-#define SERVE_IDLE_TIMEOUT 5.0
 #define SERVE_MAX_BEAMS 4 /* num_beams at most, unless -b is more */
 #define SERVE_MAX_N 16     /* n: choices of one completion, at most */
 
@@ -9991,6 +10142,37 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
 
 /* ---- Connections ------------------------------------------------------------ */
 
+/* ---- Holding a crowd ---------------------------------------------------------
+
+   Connections: --max-conns slots, allocated at the start; the soft limit
+   on open descriptors is raised for them (and --max-conns lowered to what
+   the system grants, said on stderr). A new connection when every slot is
+   taken pushes out the one idle the longest between requests, and gets 503
+   when none is idle. The sockets are watched by a NetPoller (epoll on
+   Linux), so a step of the engine costs a wait on the ready ones; the
+   deadlines below are checked in a sweep over the slots every
+   SERVE_SWEEP seconds, not at every step.
+   Deadlines: a request's header must be whole within --header-timeout of
+   its first byte (of the connection, for its first request), and its body
+   within as long again; a connection idle between requests is closed after
+   SERVE_IDLE_TIMEOUT; an answer that no byte of leaves for
+   SERVE_SEND_TIMEOUT is dropped. A streamed answer whose client does not
+   read it is dropped, and its request cancelled (its cache blocks freed),
+   once SERVE_MAX_PENDING bytes of it wait in the process.
+   Back-pressure: a completion that would make more than --parallel
+   running plus --max-queue waiting gets 429 with Retry-After.
+   Stopping (SIGTERM or SIGINT): no more connections are accepted, waiting
+   requests get 503, running ones have --drain-seconds to end (then they end
+   at their next token, as a second signal makes them), and the answers
+   SERVE_DRAIN_GRACE more to leave. */
+
+#define SERVE_IDLE_TIMEOUT 5.0
+#define SERVE_SEND_TIMEOUT 10.0
+#define SERVE_MAX_PENDING (32 * 1024)
+#define SERVE_SWEEP 0.1
+#define SERVE_DRAIN_GRACE 1.0
+#define SERVE_FD_RESERVE 16 /* descriptors kept beyond the connections: standard streams, the listener, the poller */
+
 typedef enum { CONN_FREE, CONN_READING, CONN_RUNNING, CONN_WRITING } ConnPhase;
 
 /* One client connection: the bytes received (at most HTTP_MAX_HEADER plus
@@ -10007,6 +10189,10 @@ typedef struct {
     ByteBuf out;
     size_t sent;
     double last;          /* when it last moved bytes */
+    double deadline;      /* reading a request: when its header (head set: its body) must be whole; 0: idle */
+    double blocked;       /* since when its answer waits for the client to read; 0: not waiting */
+    int head;             /* the request's header is whole, its body is awaited */
+    int retry_after;      /* the next answer says Retry-After: this many seconds (0: not) */
     int gone;             /* the client went away: closed after the engine step */
     int continued;        /* "100 Continue" was sent */
     int may_keep;         /* the request allows the connection to persist (see conn_keeps) */
@@ -10033,8 +10219,17 @@ typedef struct {
     char model[256];         /* the checkpoint's file name */
     size_t max_body;
     int steps, beams;        /* positions per request and beams the engine was set up for */
-    Conn conns[SERVE_MAX_CONNS];
-    long long n_requests, n_failed, next_id;
+    Conn *conns;             /* (max_conns) */
+    int max_conns, n_open;
+    int *free_slots, n_free; /* (max_conns) the unused conns */
+    int *finished, n_finished; /* (max_conns) conns whose request ended in this engine step */
+    NetPoller *poller;       /* the conns by index; the listener as max_conns */
+    double now;              /* this turn of the loop */
+    double header_timeout;
+    int trimmed;             /* idle, and the memory its requests freed given back */
+    int stopping;            /* SIGTERM: draining until drain_until */
+    double drain_until;
+    long long n_requests, n_failed, n_refused, n_dropped, next_id;
 } Server;
 
 static const char *status_text(int status) {
@@ -10045,6 +10240,7 @@ static const char *status_text(int status) {
     case 404: return "Not Found";
     case 405: return "Method Not Allowed";
     case 413: return "Payload Too Large";
+    case 429: return "Too Many Requests";
     case 431: return "Request Header Fields Too Large";
     case 501: return "Not Implemented";
     default: return "Service Unavailable";
@@ -10054,25 +10250,19 @@ static const char *status_text(int status) {
 /* Whether c, between requests, waits for the next one. */
 static int conn_idle(const Conn *c) { return c->phase == CONN_READING && c->served > 0 && c->n_in == 0; }
 
-/* Whether c's answer may keep the connection open: the request allows it,
-   the server is not stopping, and fewer than SERVE_MAX_IDLE other
-   connections are idle or have been promised to stay. */
-static int conn_keeps(const Server *srv, const Conn *c) {
-    if (!c->may_keep || interrupted()) return 0;
-    int kept = 0;
-    for (int i = 0; i < SERVE_MAX_CONNS; i++) {
-        const Conn *o = &srv->conns[i];
-        if (o != c && o->phase != CONN_FREE && (o->keep || conn_idle(o))) kept++;
-    }
-    return kept < SERVE_MAX_IDLE;
-}
+/* Whether c's answer may keep the connection open: the request allows it
+   and the server is not stopping. */
+static int conn_keeps(const Server *srv, const Conn *c) { return c->may_keep && !srv->stopping; }
 
 /* Queues a whole answer; the connection waits for the next request once it
    is sent, or closes (see conn_keeps). */
 static void conn_answer(Server *srv, Conn *c, int status, const char *type, const char *body) {
     c->keep = conn_keeps(srv, c);
-    buf_printf(&c->out, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: %s\r\n\r\n", status,
-               status_text(status), type, strlen(body), c->keep ? "keep-alive" : "close");
+    buf_printf(&c->out, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n", status, status_text(status), type,
+               strlen(body));
+    if (c->retry_after) buf_printf(&c->out, "Retry-After: %d\r\n", c->retry_after);
+    c->retry_after = 0;
+    buf_printf(&c->out, "Connection: %s\r\n\r\n", c->keep ? "keep-alive" : "close");
     buf_add(&c->out, body, strlen(body));
     c->phase = CONN_WRITING;
 }
@@ -10092,7 +10282,8 @@ static void conn_end_stream(Conn *c) {
 
 /* An answer in the OpenAI API's error shape. */
 static void conn_error(Server *srv, Conn *c, int status, const char *message) {
-    const char *type = status == 401 ? "authentication_error" : status >= 500 ? "server_error" : "invalid_request_error";
+    const char *type = status == 401 ? "authentication_error" : status == 429 ? "rate_limit_error" :
+                       status >= 500 ? "server_error" : "invalid_request_error";
     ByteBuf b = {0};
     buf_str(&b, "{\"error\":{\"message\":");
     buf_json(&b, message);
@@ -10122,42 +10313,97 @@ static int conn_waiting(const Conn *c) {
     return 0;
 }
 
+/* Closes c (its requests, if any, are cancelled: their cache blocks are
+   freed) and gives its slot back. */
 static void conn_close(Server *srv, Conn *c) {
+    if (c->phase == CONN_FREE) return;
+    int slot = (int)(c - srv->conns);
     if (c->n_choices > 0) {
         conn_drop_requests(srv->e, c);
-        fprintf(stderr, "run: serve: %s cancelled (the client went away)\n", c->id);
+        fprintf(stderr, "run: serve: %s cancelled (its connection closed)\n", c->id);
     }
-    if (c->s != NO_SOCKET) net_close(c->s);
+    net_unwatch(srv->poller, c->s, slot);
+    net_close(c->s);
     for (int k = 0; k < MAX_STOPS; k++) free(c->stops[k]);
     free(c->in);
     buf_free(&c->out);
     for (int i = 0; i < SERVE_MAX_N; i++) buf_free(&c->held[i]);
     memset(c, 0, sizeof(*c));
     c->s = NO_SOCKET;
+    srv->free_slots[srv->n_free++] = slot;
+    srv->n_open--;
+}
+
+/* Closes a connection the server gives up on, saying why. */
+static void conn_drop(Server *srv, Conn *c, const char *why) {
+    fprintf(stderr, "run: serve: a connection dropped: %s\n", why);
+    srv->n_dropped++;
+    conn_close(srv, c);
+}
+
+/* The most bytes a connection holds received. */
+static size_t conn_limit(const Server *srv) { return HTTP_MAX_HEADER + srv->max_body; }
+
+/* Tells the poller what c waits for: bytes to read (a full buffer is not
+   read while its request runs) and room to write its answer. */
+static void conn_watch(Server *srv, Conn *c) {
+    int want = (c->phase == CONN_READING || c->n_in < conn_limit(srv) ? NET_READ : 0) | (c->sent < c->out.n ? NET_WRITE : 0);
+    net_watch(srv->poller, c->s, (int)(c - srv->conns), want);
+}
+
+/* Sends what it can of the queued answer; an answer sent in full closes the
+   connection, or, kept, readies it for the next request. A stream whose
+   client lets more than SERVE_MAX_PENDING bytes wait is dropped. */
+static void conn_flush(Server *srv, Conn *c) {
+    while (c->sent < c->out.n) {
+        ptrdiff_t k = net_send(c->s, c->out.data + c->sent, c->out.n - c->sent);
+        if (k == -2) break;
+        if (k <= 0) { conn_close(srv, c); return; }
+        c->sent += (size_t)k;
+        c->last = srv->now;
+        c->blocked = 0;
+    }
+    if (c->sent < c->out.n) {
+        if (c->phase == CONN_RUNNING && c->out.n - c->sent > SERVE_MAX_PENDING) {
+            conn_drop(srv, c, "its client does not read its stream");
+            return;
+        }
+        if (!c->blocked) c->blocked = srv->now;
+        if (c->sent > c->out.n / 2) { /* what was sent is let go of */
+            memmove(c->out.data, c->out.data + c->sent, c->out.n - c->sent + 1);
+            c->out.n -= c->sent;
+            c->sent = 0;
+        }
+        return;
+    }
+    buf_free(&c->out);
+    c->sent = 0;
+    c->blocked = 0;
+    if (c->phase != CONN_WRITING) return;
+    if (!c->keep || srv->stopping) { conn_close(srv, c); return; }
+    c->phase = CONN_READING;
+    c->served++;
+    c->last = srv->now;
+    c->head = 0;
+    c->deadline = c->n_in > 0 ? srv->now + srv->header_timeout : 0;
+    c->continued = c->keep = c->chunked = c->may_keep = 0;
 }
 
 static void conn_parse(Server *srv, Conn *c);
 
-/* Sends what it can of the queued answer; an answer sent in full closes the
-   connection, or, kept, readies it for the next request (which may have
-   arrived already: it is served now). */
-static void conn_flush(Server *srv, Conn *c, double now) {
-    while (c->sent < c->out.n) {
-        ptrdiff_t k = net_send(c->s, c->out.data + c->sent, c->out.n - c->sent);
-        if (k == -2) return;
-        if (k <= 0) { conn_close(srv, c); return; }
-        c->sent += (size_t)k;
-        c->last = now;
+/* Moves c on as far as it can without waiting: serves a whole request that
+   has arrived, sends what it can, and, when an answer has gone in full,
+   serves the next request already received (pipelined), one after another;
+   then tells the poller what c waits for. */
+static void conn_advance(Server *srv, Conn *c) {
+    for (;;) {
+        long long served = c->served;
+        if (c->phase == CONN_READING && c->n_in > 0) conn_parse(srv, c);
+        if (c->phase != CONN_FREE && (c->sent < c->out.n || c->phase == CONN_WRITING)) conn_flush(srv, c);
+        if (c->phase == CONN_FREE) return;
+        if (c->served == served || c->phase != CONN_READING || c->n_in == 0) break;
     }
-    buf_free(&c->out);
-    c->sent = 0;
-    if (c->phase != CONN_WRITING) return;
-    if (!c->keep || interrupted()) { conn_close(srv, c); return; }
-    c->phase = CONN_READING;
-    c->served++;
-    c->last = now;
-    c->continued = c->keep = c->chunked = c->may_keep = 0;
-    if (c->n_in > 0) conn_parse(srv, c);
+    conn_watch(srv, c);
 }
 
 /* ---- Completions ------------------------------------------------------------ */
@@ -10410,6 +10656,15 @@ static void serve_on_done(Request *r, void *user) {
     for (int k = 0; k < MAX_STOPS; k++) { free(c->stops[k]); c->stops[k] = NULL; }
 }
 
+/* The engine's on_done while serving: the answer, and its connection is
+   noted to be flushed after the step. */
+static void serve_finished(Request *r, void *user) {
+    Server *srv = user;
+    int slot = r->index;
+    serve_on_done(r, user);
+    srv->finished[srv->n_finished++] = slot;
+}
+
 /* Whether the Authorization header is "Bearer KEY", compared in a time that
    does not depend on where they differ. */
 static int authorized(const char *key, const HttpRequest *h) {
@@ -10532,8 +10787,19 @@ static void answer_metrics(Server *srv, Conn *c) {
     buf_printf(&b, "# TYPE run_prompt_tokens_reused_total counter\nrun_prompt_tokens_reused_total %d\n", e->stats.reused_tokens);
     buf_printf(&b, "# TYPE run_queue_length gauge\nrun_queue_length %d\n", e->n_queue - e->next_waiting);
     buf_printf(&b, "# TYPE run_running_requests gauge\nrun_running_requests %d\n", e->n_running);
+    buf_printf(&b, "# TYPE run_requests_refused_total counter\nrun_requests_refused_total %lld\n", srv->n_refused);
+    buf_printf(&b, "# TYPE run_connections_open gauge\nrun_connections_open %d\n", srv->n_open);
+    buf_printf(&b, "# TYPE run_connections_dropped_total counter\nrun_connections_dropped_total %lld\n", srv->n_dropped);
+    buf_printf(&b, "# TYPE run_cache_blocks gauge\nrun_cache_blocks %d\n", e->t->state.cache.n_blocks);
+    buf_printf(&b, "# TYPE run_cache_blocks_free gauge\nrun_cache_blocks_free %d\n", e->t->state.cache.n_blocks - e->t->state.cache.held);
     conn_answer(srv, c, 200, "text/plain; version=0.0.4", b.data);
     buf_free(&b);
+}
+
+/* Whether a new completion would wait beyond --max-queue. */
+static int queue_full(const Server *srv) {
+    const Engine *e = srv->e;
+    return e->n_running + waiting_requests(e) >= e->parallel + srv->o->max_queue;
 }
 
 /* Answers (or starts) a whole request. */
@@ -10560,11 +10826,14 @@ static void serve_request(Server *srv, Conn *c, const HttpRequest *h) {
         buf_free(&b);
         return;
     }
+    if (queue_full(srv)) {
+        c->retry_after = 1;
+        srv->n_refused++;
+        conn_error(srv, c, 429, "too many requests are waiting (--max-queue): retry later");
+        return;
+    }
     start_completion(srv, c, h, route == 4);
 }
-
-/* The most bytes a connection holds received. */
-static size_t conn_limit(const Server *srv) { return HTTP_MAX_HEADER + srv->max_body; }
 
 /* Serves the request at the start of what c has received, if it is whole;
    its bytes are then dropped (what follows is the next request). A request
@@ -10577,7 +10846,13 @@ static void conn_parse(Server *srv, Conn *c) {
         buf_str(&c->out, "HTTP/1.1 100 Continue\r\n\r\n");
         c->continued = 1;
     }
+    if (status == 0 && h.header_len > 0 && !c->head) { /* the header is whole: the body's deadline starts */
+        c->head = 1;
+        c->deadline = srv->now + srv->header_timeout;
+    }
     if (status == 0) return;
+    c->head = 0;
+    c->deadline = 0;
     c->may_keep = status == 1 && !h.close;
     if (status != 1) {
         conn_error(srv, c, status, status == 413 ? "the body is over --max-body-kb" : status == 431 ? "the header is too large" :
@@ -10591,10 +10866,10 @@ static void conn_parse(Server *srv, Conn *c) {
 }
 
 /* Reads what has arrived on a connection into its buffer, which grows only
-   as far as the limits allow; between requests, a whole request is served,
-   a bad one refused. While a request runs, what arrives waits (the client's
-   next request), and the end of the connection marks it gone. */
-static void conn_read(Server *srv, Conn *c, double now) {
+   as far as the limits allow. While a request runs, what arrives waits (the
+   client's next request), and the end of the connection marks it gone. The
+   first byte of a request starts its header's deadline. */
+static void conn_read(Server *srv, Conn *c) {
     size_t limit = conn_limit(srv);
     if (c->n_in == c->cap_in) {
         size_t cap = c->cap_in ? 2 * c->cap_in : 4096;
@@ -10613,32 +10888,75 @@ static void conn_read(Server *srv, Conn *c, double now) {
         return;
     }
     c->n_in += (size_t)k;
-    c->last = now;
-    if (c->phase == CONN_READING) conn_parse(srv, c);
+    c->last = srv->now;
+    if (c->phase == CONN_READING && c->deadline == 0) c->deadline = srv->now + srv->header_timeout;
 }
 
-/* A connection beyond SERVE_MAX_CONNS: 503 at once, as far as one send
-   takes it, and closed. */
-static void refuse_busy(Socket s) {
+/* A connection beyond --max-conns: 503 at once, as far as one send takes
+   it, and closed. */
+static void refuse_busy(Server *srv, Socket s) {
     static const char body[] = "{\"error\":{\"message\":\"too many connections\",\"type\":\"server_error\",\"code\":503}}";
     char answer[512];
     int n = snprintf(answer, sizeof(answer), "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                      "Content-Length: %zu\r\nConnection: close\r\n\r\n%s", sizeof(body) - 1, body);
     (void)net_send(s, answer, (size_t)n);
     net_close(s);
+    srv->n_refused++;
 }
 
 /* A free connection for a new client: an unused one, or else the one idle
-   the longest between requests, closed; NULL when every one is busy. */
+   the longest between requests, closed (a scan made only when all are
+   taken); NULL when every one is busy. */
 static Conn *conn_slot(Server *srv) {
-    Conn *idlest = NULL;
-    for (int i = 0; i < SERVE_MAX_CONNS; i++) {
-        Conn *c = &srv->conns[i];
-        if (c->phase == CONN_FREE) return c;
-        if (conn_idle(c) && (!idlest || c->last < idlest->last)) idlest = c;
+    if (srv->n_free == 0) {
+        Conn *idlest = NULL;
+        for (int i = 0; i < srv->max_conns; i++) {
+            Conn *c = &srv->conns[i];
+            if (conn_idle(c) && (!idlest || c->last < idlest->last)) idlest = c;
+        }
+        if (!idlest) return NULL;
+        conn_close(srv, idlest);
     }
-    if (idlest) conn_close(srv, idlest);
-    return idlest;
+    srv->n_open++;
+    return &srv->conns[srv->free_slots[--srv->n_free]];
+}
+
+/* Takes every connection waiting on the listener. */
+static void serve_accept(Server *srv, Socket listener) {
+    for (Socket s; (s = net_accept(listener)) != NO_SOCKET;) {
+        Conn *c = conn_slot(srv);
+        if (!c) { refuse_busy(srv, s); continue; }
+        *c = (Conn){.s = s, .phase = CONN_READING, .last = srv->now, .deadline = srv->now + srv->header_timeout};
+        conn_watch(srv, c);
+    }
+}
+
+/* The deadlines of "Holding a crowd", checked for every open connection. */
+static void serve_sweep(Server *srv) {
+    for (int i = 0; i < srv->max_conns; i++) {
+        Conn *c = &srv->conns[i];
+        if (c->phase == CONN_READING && c->deadline > 0 && srv->now > c->deadline)
+            conn_drop(srv, c, c->head ? "its body took longer than --header-timeout" : "its header took longer than --header-timeout");
+        else if (c->phase == CONN_READING && c->deadline == 0 && srv->now - c->last > SERVE_IDLE_TIMEOUT) conn_close(srv, c);
+        else if (c->phase != CONN_FREE && c->blocked > 0 && srv->now - c->blocked > SERVE_SEND_TIMEOUT)
+            conn_drop(srv, c, "its client read none of its answer for a while");
+    }
+}
+
+/* After an engine step: the answers it added to are sent as far as they go
+   (the running requests' streams, from the last, since a dropped one leaves
+   the running list; then those that ended in the step). */
+static void serve_flush_step(Server *srv) {
+    const Engine *e = srv->e;
+    for (int i = e->n_running - 1; i >= 0; i--) {
+        Conn *c = &srv->conns[e->running[i]->index];
+        if (c->sent < c->out.n) conn_advance(srv, c);
+    }
+    for (int i = 0; i < srv->n_finished; i++) {
+        Conn *c = &srv->conns[srv->finished[i]];
+        if (c->phase != CONN_FREE) conn_advance(srv, c);
+    }
+    srv->n_finished = 0;
 }
 
 /* The checkpoint's file name, the model's name in answers. */
@@ -10649,77 +10967,122 @@ static void model_name(char *out, size_t size, const char *path) {
     snprintf(out, size, "%s", base);
 }
 
-/* -m serve: listens until SIGTERM or SIGINT, then stops accepting, lets the
-   running requests end (they stop at their next token), answers 503 to the
-   waiting ones, and returns 0. */
+/* SIGTERM or SIGINT while serving: the first drains (see serve_stop), a
+   second ends the running requests at their next token. */
+static volatile sig_atomic_t serve_stop_asked;
+
+static void on_serve_stop(int sig) {
+    (void)sig;
+    if (serve_stop_asked) interrupt_pending = 1;
+    serve_stop_asked = 1;
+}
+
+/* Stops accepting: the connections between requests are closed, and the
+   waiting requests answered 503 (a stream ends empty); the running ones go
+   on until drain_until. */
+static void serve_stop(Server *srv, Socket *listener) {
+    fprintf(stderr, "run: serve: stopping: %d requests running, up to %g s\n", srv->e->n_running, srv->o->drain_seconds);
+    srv->stopping = 1;
+    srv->drain_until = srv->now + srv->o->drain_seconds;
+    net_unwatch(srv->poller, *listener, srv->max_conns);
+    net_close(*listener);
+    *listener = NO_SOCKET;
+    for (int i = 0; i < srv->max_conns; i++) {
+        Conn *c = &srv->conns[i];
+        if (c->phase == CONN_READING) {
+            conn_close(srv, c);
+        } else if (conn_waiting(c)) {
+            conn_drop_requests(srv->e, c);
+            srv->n_refused++;
+            if (c->stream) conn_end_stream(c);
+            else conn_error(srv, c, 503, "the server is stopping");
+            conn_advance(srv, c);
+        }
+    }
+}
+
+/* Connections at most: --max-conns, or fewer when the system grants fewer
+   descriptors (the soft limit is raised toward the hard one for them); the
+   one line on stderr says which. */
+static int serve_max_conns(const Options *o) {
+    long hard, want = (long)o->max_conns + SERVE_FD_RESERVE;
+    long got = net_raise_descriptors(want, &hard);
+    int n = got - SERVE_FD_RESERVE < (long)o->max_conns ? (int)(got - SERVE_FD_RESERVE) : o->max_conns;
+    if (n < 1) n = 1;
+    char hard_text[32];
+    if (hard < 0) snprintf(hard_text, sizeof(hard_text), "unlimited");
+    else snprintf(hard_text, sizeof(hard_text), "%ld", hard);
+    fprintf(stderr, "run: serve: %ld open files allowed (hard limit %s): %d connections at most%s\n", got, hard_text, n,
+            n < o->max_conns ? " (fewer than --max-conns)" : "");
+    return n;
+}
+
+/* -m serve: listens until SIGTERM or SIGINT, then drains (serve_stop) and
+   returns 0. */
 static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clock_seed) {
     Server *srv = xcalloc(1, sizeof(Server));
-    *srv = (Server){.e = e, .tok = tok, .o = o, .clock_seed = clock_seed, .max_body = (size_t)o->max_body_kb * 1024};
+    *srv = (Server){.e = e, .tok = tok, .o = o, .clock_seed = clock_seed, .max_body = (size_t)o->max_body_kb * 1024,
+                    .header_timeout = o->header_timeout};
     srv->steps = o->steps_given ? resolve_steps(o->steps, e->t->config.seq_len) : e->t->config.seq_len;
     srv->beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS;
     model_name(srv->model, sizeof(srv->model), o->checkpoint);
-    for (int i = 0; i < SERVE_MAX_CONNS; i++) srv->conns[i].s = NO_SOCKET;
-    e->on_done = serve_on_done;
-    e->user = srv;
     int port;
-    Socket listener = net_listen(o->host, o->port, &port);
-    on_sigterm(on_interrupt);
+    Socket listener = net_listen(o->host, o->port, &port); /* first: where serving is not built, this says so */
+    srv->max_conns = serve_max_conns(o);
+    srv->conns = xcalloc((size_t)srv->max_conns, sizeof(Conn));
+    srv->free_slots = xcalloc((size_t)srv->max_conns, sizeof(int));
+    srv->finished = xcalloc((size_t)srv->max_conns, sizeof(int));
+    for (int i = srv->max_conns - 1; i >= 0; i--) {
+        srv->conns[i].s = NO_SOCKET;
+        srv->free_slots[srv->n_free++] = i;
+    }
+    srv->poller = net_poller_new(srv->max_conns + 1);
+    NetEvent *events = xcalloc((size_t)srv->max_conns + 1, sizeof(NetEvent));
+    e->on_done = serve_finished;
+    e->user = srv;
+    net_watch(srv->poller, listener, srv->max_conns, NET_READ);
+    serve_stop_asked = 0;
+    on_sigterm(on_serve_stop);
+    on_sigint(on_serve_stop, 1);
     fprintf(stderr, "listening on http://%s:%d\n", o->host, port);
-    NetWait w[SERVE_MAX_CONNS + 1];
-    for (;;) {
-        double now = now_seconds();
-        if (interrupted() && listener != NO_SOCKET) {
-            net_close(listener);
-            listener = NO_SOCKET;
-            for (int i = 0; i < SERVE_MAX_CONNS; i++) {
-                Conn *c = &srv->conns[i];
-                if (c->phase == CONN_READING) conn_close(srv, c);
-                else if (conn_waiting(c)) {
-                    conn_drop_requests(e, c);
-                    if (c->stream) conn_end_stream(c);
-                    else conn_error(srv, c, 503, "the server is stopping");
-                }
+    for (double next_sweep = 0;;) {
+        srv->now = now_seconds();
+        if (serve_stop_asked && !srv->stopping) serve_stop(srv, &listener);
+        if (srv->stopping && srv->now > srv->drain_until) interrupt_pending = 1; /* the running requests end at their next token */
+        if (srv->stopping && srv->now > srv->drain_until + SERVE_DRAIN_GRACE)
+            for (int i = 0; i < srv->max_conns; i++) conn_close(srv, &srv->conns[i]);
+        if (srv->stopping && srv->n_open == 0) break;
+        int busy = e->n_running > 0 || e->next_waiting < e->n_queue;
+        int n = net_poll(srv->poller, events, busy ? 0 : 100);
+        srv->now = now_seconds();
+        for (int i = 0; i < n; i++) {
+            if (events[i].tag == srv->max_conns) {
+                if (listener != NO_SOCKET) serve_accept(srv, listener);
+                continue;
             }
-        }
-        int busy = e->n_running > 0 || e->next_waiting < e->n_queue, n = 0, open = 0;
-        if (listener != NO_SOCKET) w[n++] = (NetWait){listener, 1, 0, 0, 0};
-        for (int i = 0; i < SERVE_MAX_CONNS; i++) {
-            Conn *c = &srv->conns[i];
+            Conn *c = &srv->conns[events[i].tag];
             if (c->phase == CONN_FREE) continue;
-            open++;
-            /* a full buffer is not read while its request runs */
-            w[n++] = (NetWait){c->s, c->phase == CONN_READING || c->n_in < conn_limit(srv), c->sent < c->out.n, 0, 0};
-        }
-        if (listener == NO_SOCKET && open == 0) break;
-        net_wait(w, n, busy ? 0 : 100);
-        int k = 0;
-        if (listener != NO_SOCKET && w[k++].can_read) {
-            for (Socket s; (s = net_accept(listener)) != NO_SOCKET;) {
-                Conn *c = conn_slot(srv);
-                if (!c) {
-                    refuse_busy(s);
-                    continue;
-                }
-                *c = (Conn){.s = s, .phase = CONN_READING, .last = now};
-            }
-        }
-        for (int i = 0; i < SERVE_MAX_CONNS; i++) {
-            Conn *c = &srv->conns[i];
-            if (c->phase == CONN_FREE) continue;
-            int can_read = w[k].can_read, can_write = w[k].can_write;
-            k++;
-            if (can_read) conn_read(srv, c, now);
+            if (events[i].can_read) conn_read(srv, c);
             if (c->phase != CONN_FREE && c->gone) conn_close(srv, c);
-            if (c->phase != CONN_FREE && (can_write || c->out.n > c->sent)) conn_flush(srv, c, now);
-            if (c->phase == CONN_READING && now - c->last > (conn_idle(c) ? SERVE_IDLE_TIMEOUT : SERVE_TIMEOUT)) conn_close(srv, c);
-            else if (c->phase == CONN_WRITING && c->out.n > c->sent && now - c->last > SERVE_TIMEOUT) conn_close(srv, c);
+            if (c->phase != CONN_FREE) conn_advance(srv, c);
         }
-        if (busy) engine_step(e);
-        for (int i = 0; i < SERVE_MAX_CONNS; i++) {
-            Conn *c = &srv->conns[i];
-            if (c->phase != CONN_FREE && c->out.n > c->sent) conn_flush(srv, c, now_seconds());
+        if (srv->now >= next_sweep) {
+            serve_sweep(srv);
+            next_sweep = srv->now + SERVE_SWEEP;
+            if (!busy && !srv->trimmed) release_free_memory();
+            srv->trimmed = !busy;
+        }
+        if (busy) {
+            engine_step(e);
+            srv->now = now_seconds();
+            serve_flush_step(srv);
         }
     }
+    net_poller_free(srv->poller);
+    free(events);
+    free(srv->conns);
+    free(srv->free_slots);
+    free(srv->finished);
     free(srv);
     clear_interrupt();
     fprintf(stderr, "run: serve: stopped\n");

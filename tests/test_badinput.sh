@@ -182,6 +182,11 @@ for v in -1 abc "" 1.5 32 99 99999999999999999999; do
 done
 check "--keep in chat" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -m chat -y s
 check "--keep with serve" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -m serve
+# the server's limits: out of range or not numbers, refused before it listens
+check "--max-conns 0" 2 usage -- "$MODEL" -z "$TOK" -m serve --max-conns 0
+check "--max-queue -1" 2 usage -- "$MODEL" -z "$TOK" -m serve --max-queue -1
+check "--header-timeout 0" 2 usage -- "$MODEL" -z "$TOK" -m serve --header-timeout 0
+check "--drain-seconds abc" 2 usage -- "$MODEL" -z "$TOK" -m serve --drain-seconds abc
 check "--keep with -m perplexity" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -m perplexity -i a
 check "--keep with beams" 2 usage -- "$MODEL" -z "$TOK" --keep 4 -b 2
 check "--keep with --lookup" 2 usage -- "$MODEL" -z "$TOK" --keep 4 --lookup 2 -t 0

@@ -6,7 +6,7 @@ and seed (the command line is itself checked against the numpy references by
 test_reference.py), also among 15 other requests at once; a client that goes
 away mid-stream cancels its request and the server goes on; every bad request
 gets its status and the OpenAI error body; keep-alive (several requests on one
-connection, Connection: close, pipelining, the idle timeout and cap);
+connection, Connection: close, pipelining, the idle timeout, --max-conns);
 --api-key; SIGTERM ends it with 0.
 
 Environment: RUN, MODELS_DIR, TEST_TMP, as the other suites.
@@ -288,8 +288,9 @@ def test_models_health(srv):
 
 
 def test_connection_limit(srv):
-    """Connections beyond 64 get 503; a client that sends half a request and
-    then nothing is dropped after 10 s; the server goes on."""
+    """Connections beyond --max-conns 64 get 503 when none is idle; a client
+    that sends a header and half a body is dropped --header-timeout (5 s)
+    after the header; the server goes on."""
     idle = [socket.create_connection(('127.0.0.1', srv.port)) for _ in range(64)]
     try:
         time.sleep(0.3)
@@ -301,7 +302,7 @@ def test_connection_limit(srv):
         idle[0].settimeout(20)
         t0 = time.time()
         assert idle[0].recv(4096) == b'', 'the slow client got an answer'
-        assert 9 < time.time() - t0 < 15, 'dropped after %.1f s' % (time.time() - t0)
+        assert 4 < time.time() - t0 < 9, 'dropped after %.1f s' % (time.time() - t0)
     finally:
         for s in idle:
             s.close()
@@ -378,9 +379,9 @@ def test_keep_alive(srv):
 
 
 def test_keep_alive_limits(srv):
-    """A connection idle between requests is closed after 5 s; at most 32
-    stay open between requests (the 33rd answer closes its connection); a
-    new client when all 64 connections are taken pushes out the idlest."""
+    """A connection idle between requests is closed after 5 s; connections
+    stay open between requests (33 here, no cap but --max-conns); a new
+    client when all 64 connections are taken pushes out the idlest."""
     time.sleep(0.5)  # earlier tests' connections, closed by their clients, are gone
     s = socket.create_connection(('127.0.0.1', srv.port))
     s.sendall(b'GET /health HTTP/1.1\r\nHost: x\r\n\r\n')
@@ -400,8 +401,8 @@ def test_keep_alive_limits(srv):
             r.read()
             kept.append((c, r.getheader('Connection')))
         states = [conn for _, conn in kept]
-        assert states == ['keep-alive'] * 32 + ['close'], states
-        fresh = [socket.create_connection(('127.0.0.1', srv.port)) for _ in range(32)]
+        assert states == ['keep-alive'] * 33, states
+        fresh = [socket.create_connection(('127.0.0.1', srv.port)) for _ in range(31)]
         try:
             time.sleep(0.3)
             status, _, _ = srv.request('GET', '/health')
@@ -444,7 +445,7 @@ def main():
     if not (os.path.exists(MODEL) and os.path.exists(TOK)):
         case('serve', lambda: (_ for _ in ()).throw(Skip('stories260K.bin or tok512.bin not in MODELS_DIR')))
         return
-    srv = Server('--max-body-kb', '2', '--parallel', '16')
+    srv = Server('--max-body-kb', '2', '--parallel', '16', '--max-conns', '64')
     try:
         case('serve_completions_equal_cli', lambda: test_completions(srv))
         case('serve_beams_equal_cli', lambda: test_beams(srv))

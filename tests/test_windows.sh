@@ -29,7 +29,11 @@ if [ ! -f "$M/stories260K.bin" ] || [ ! -f "$M/tok512.bin" ]; then
     echo "SKIP windows: $M/stories260K.bin or tok512.bin not found (set MODELS_DIR)"
     exit 0
 fi
-WORK="$(pwd)/${TEST_TMP:-tests/.tmp}/windows"
+# TEST_TMP absolute (/tmp/x) or relative to the repository
+case "${TEST_TMP:-tests/.tmp}" in
+    /*) WORK="$TEST_TMP/windows" ;;
+    *) WORK="$(pwd)/${TEST_TMP:-tests/.tmp}/windows" ;;
+esac
 rm -rf "$WORK" && mkdir -p "$WORK/src"
 # a fresh Wine configuration of our own, made once here (its first start
 # prints to stderr); no debug channels

@@ -5,7 +5,10 @@
    input; a whole request's body is then read as a completion (or, for
    /v1/chat/completions, a chat completion) by parse_request_body(), which
    must fail with a usage error (the server's 400) or return fields within
-   what the command line accepts. */
+   what the command line accepts. The server's --header-timeout reads, from
+   a request still arriving, whether its header is whole (header_len set
+   while asking for more): every prefix of the input must say so from the
+   header's end on, with the whole input's header length, and never before. */
 #include "fuzz_common.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
@@ -27,11 +30,32 @@ static void check_fields(const ServeFields *f) {
     for (int k = 0; k < c->n_stops; k++) CHECK(c->stops[k] == f->line.stops[k] && c->stops[k][0] != '\0', "stop string %d", k);
 }
 
+/* The prefixes of buf (n bytes) at a few lengths, against the whole input's
+   parse `whole` (status) and h. */
+static void check_prefixes(const char *buf, size_t n, int whole, const HttpRequest *h) {
+    size_t cuts[] = {n / 3, n / 2, n - 1, h->header_len - 1, h->header_len, h->header_len + 1};
+    for (size_t i = 0; i < sizeof(cuts) / sizeof(cuts[0]); i++) {
+        size_t k = cuts[i];
+        if (k == 0 || k >= n) continue;
+        char *prefix = malloc(k);
+        memcpy(prefix, buf, k);
+        HttpRequest p;
+        int status = http_parse(prefix, k, 4096, &p);
+        free(prefix);
+        if (status != 0) continue; /* refused early: the server answers at once */
+        if (whole == 1 || (whole == 0 && h->header_len > 0)) {
+            CHECK(p.header_len == (k >= h->header_len ? h->header_len : 0), "a prefix of %zu bytes: header %zu, the whole's %zu", k,
+                  p.header_len, h->header_len);
+        }
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char *buf = malloc(size + 1); /* exactly the input: reads past it are caught */
     memcpy(buf, data, size);
     HttpRequest h;
     int status = http_parse(buf, size, 4096, &h);
+    check_prefixes(buf, size, status, &h);
     CHECK(status == 0 || status == 1 || status == 400 || status == 413 || status == 431 || status == 501, "status %d", status);
     if (status == 0) CHECK(size < HTTP_MAX_HEADER + 4096, "a whole request's bytes and still asking for more");
     if (status == 1) {
