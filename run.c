@@ -10222,7 +10222,7 @@ typedef struct {
     Conn *conns;             /* (max_conns) */
     int max_conns, n_open;
     int *free_slots, n_free; /* (max_conns) the unused conns */
-    int *finished, n_finished; /* (max_conns) conns whose request ended in this engine step */
+    int *finished, n_finished; /* (max_conns * SERVE_MAX_N) conns whose requests (choices) ended in this engine step */
     NetPoller *poller;       /* the conns by index; the listener as max_conns */
     double now;              /* this turn of the loop */
     double header_timeout;
@@ -10660,7 +10660,7 @@ static void serve_on_done(Request *r, void *user) {
    noted to be flushed after the step. */
 static void serve_finished(Request *r, void *user) {
     Server *srv = user;
-    int slot = r->index;
+    int slot = (int)(request_conn(srv, r) - srv->conns);
     serve_on_done(r, user);
     srv->finished[srv->n_finished++] = slot;
 }
@@ -10944,12 +10944,14 @@ static void serve_sweep(Server *srv) {
 }
 
 /* After an engine step: the answers it added to are sent as far as they go
-   (the running requests' streams, from the last, since a dropped one leaves
-   the running list; then those that ended in the step). */
+   (the running requests' streams, from the last, since a dropped connection
+   takes its requests, one or more choices, off the running list; then those
+   that ended in the step). */
 static void serve_flush_step(Server *srv) {
     const Engine *e = srv->e;
     for (int i = e->n_running - 1; i >= 0; i--) {
-        Conn *c = &srv->conns[e->running[i]->index];
+        if (i >= e->n_running) continue; /* gone with the choices of a dropped connection */
+        Conn *c = request_conn(srv, e->running[i]);
         if (c->sent < c->out.n) conn_advance(srv, c);
     }
     for (int i = 0; i < srv->n_finished; i++) {
@@ -11031,7 +11033,7 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
     srv->max_conns = serve_max_conns(o);
     srv->conns = xcalloc((size_t)srv->max_conns, sizeof(Conn));
     srv->free_slots = xcalloc((size_t)srv->max_conns, sizeof(int));
-    srv->finished = xcalloc((size_t)srv->max_conns, sizeof(int));
+    srv->finished = xcalloc((size_t)srv->max_conns * SERVE_MAX_N, sizeof(int));
     for (int i = srv->max_conns - 1; i >= 0; i--) {
         srv->conns[i].s = NO_SOCKET;
         srv->free_slots[srv->n_free++] = i;
