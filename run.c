@@ -7206,12 +7206,72 @@ static void check_ref_loops(SchemaCompiler *c) {
     if (loop) schema_fail(c, "$ref/anyOf: a schema refers to itself before any value is written");
 }
 
-/* Compiles the schema text (n bytes); NULL with a one-line message in err
-   when it is not JSON, not a schema, or outside the subset. */
-static JsonSchema *compile_schema(const char *text, size_t n, char *err, size_t err_len) {
+/* The schema of response_format `format` (a value of the tree): node 1 an
+   object for "json_object", the schema of "json_schema"; *plain for "text". */
+static void compile_response_format(SchemaCompiler *c, int format, int *plain) {
+    if (c->v[format].kind != JV_OBJECT) schema_fail(c, "must be an object with a \"type\"");
+    int type = jv_member(c, format, "type"), inner = jv_member(c, format, "json_schema");
+    for (int m = c->v[format].first; m >= 0; m = c->v[m].next)
+        if (m != type && m != inner) schema_fail(c, "unknown field '%.60s'", jv_key(c, m));
+    const char *name = type >= 0 && c->v[type].kind == JV_STRING ? jv_str(c, type) : "";
+    *plain = strcmp(name, "text") == 0;
+    if (*plain) return;
+    if (strcmp(name, "json_object") == 0) {
+        c->s->nodes[new_node(c)].types = JT_OBJECT;
+        return;
+    }
+    if (strcmp(name, "json_schema") != 0) schema_fail(c, "type: must be \"text\", \"json_object\" or \"json_schema\"");
+    if (inner < 0 || c->v[inner].kind != JV_OBJECT) schema_fail(c, "json_schema: must be an object with a \"schema\"");
+    int schema = -1;
+    for (int m = c->v[inner].first; m >= 0; m = c->v[m].next) {
+        const char *key = jv_key(c, m);
+        if (strcmp(key, "schema") == 0) schema = m;
+        else if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0 && strcmp(key, "strict") != 0)
+            schema_fail(c, "json_schema: unknown field '%.60s'", key);
+    }
+    if (schema < 0) schema_fail(c, "json_schema: missing field 'schema'");
+    c->root = schema;
+}
+
+/* The compilation proper (see compile_json_value); 0 after an error. */
+static int compile_value_at(SchemaCompiler *c, int response_format, const char *text, size_t *used, int *plain) {
+    if (setjmp(c->fail)) return 0;
+    c->root = jv_value(c, 0);
+    *used = (size_t)(c->p - text);
+    new_node(c); /* node 0: any value */
+    c->s->nodes[0].items = 0;
+    if (response_format) compile_response_format(c, c->root, plain);
+    if (c->s->n_nodes > 1 || *plain) return 1; /* "json_object", or "text" */
+    c->defs = -1;
+    if (c->v[c->root].kind == JV_OBJECT) {
+        c->defs = jv_member(c, c->root, "$defs");
+        if (c->defs < 0) c->defs = jv_member(c, c->root, "definitions");
+        if (c->defs >= 0 && c->v[c->defs].kind != JV_OBJECT) schema_fail(c, "%s: must be an object", jv_key(c, c->defs));
+    }
+    c->def_node = xcalloc((size_t)c->n_v, sizeof(int));
+    for (int i = 0; i < c->n_v; i++) c->def_node[i] = -1;
+    compile_node(c, c->root); /* node 1: the root */
+    check_ref_loops(c);
+    return 1;
+}
+
+/* Compiles the JSON value at text (up to end): a schema, or with
+   `response_format` a response_format object holding one; *used gets the
+   value's length. Returns the schema, or NULL: for response_format "text"
+   (*plain set), or with a one-line message in err when the value is not
+   JSON, not a schema, or outside the subset. */
+static JsonSchema *compile_json_value(const char *text, const char *end, int response_format, size_t *used, int *plain,
+                                      char *err, size_t err_len) {
+    size_t n = (size_t)(end - text);
+    *plain = 0;
+    *used = 0;
+    if (n > (size_t)INT_MAX / 4) {
+        snprintf(err, err_len, "the schema is too long");
+        return NULL;
+    }
     SchemaCompiler *c = xcalloc(1, sizeof(SchemaCompiler));
     c->p = text;
-    c->end = text + n;
+    c->end = end;
     c->cap_v = (int)n + 1;
     c->v = xcalloc((size_t)c->cap_v, sizeof(Jv));
     c->chars = xcalloc(2 * n + 2, 1);
@@ -7219,26 +7279,9 @@ static JsonSchema *compile_schema(const char *text, size_t n, char *err, size_t 
     c->err_len = err_len;
     c->s = xcalloc(1, sizeof(JsonSchema));
     JsonSchema *s = c->s;
-    if (setjmp(c->fail)) {
-        free_schema(c->s);
+    if (!compile_value_at(c, response_format, text, used, plain) || *plain) {
+        free_schema(s);
         s = NULL;
-    } else {
-        if (n > (size_t)INT_MAX / 4) schema_fail(c, "the schema is too long");
-        c->root = jv_value(c, 0);
-        jv_space(c);
-        if (c->p < c->end) schema_fail(c, "text after the schema");
-        c->defs = -1;
-        if (c->v[c->root].kind == JV_OBJECT) {
-            c->defs = jv_member(c, c->root, "$defs");
-            if (c->defs < 0) c->defs = jv_member(c, c->root, "definitions");
-            if (c->defs >= 0 && c->v[c->defs].kind != JV_OBJECT) schema_fail(c, "%s: must be an object", jv_key(c, c->defs));
-        }
-        c->def_node = xcalloc((size_t)c->n_v, sizeof(int));
-        for (int i = 0; i < c->n_v; i++) c->def_node[i] = -1;
-        new_node(c);                   /* node 0: any value */
-        c->s->nodes[0].items = 0;
-        compile_node(c, c->root);      /* node 1: the root */
-        check_ref_loops(c);
     }
     free(c->v);
     free(c->chars);
@@ -7247,11 +7290,28 @@ static JsonSchema *compile_schema(const char *text, size_t n, char *err, size_t 
     return s;
 }
 
+/* The schema text of a file (n bytes), compiled; NULL with err as above. */
+static JsonSchema *compile_schema(const char *text, size_t n, char *err, size_t err_len) {
+    size_t used;
+    int plain;
+    JsonSchema *s = compile_json_value(text, text + n, 0, &used, &plain, err, err_len);
+    const char *rest = text + used;
+    while (s && rest < text + n && strchr(" \t\r\n", *rest)) rest++;
+    if (s && rest < text + n) {
+        free_schema(s);
+        snprintf(err, err_len, "text after the schema");
+        return NULL;
+    }
+    return s;
+}
+
 /* The schema of --json and response_format "json_object": any object. */
 static JsonSchema *any_object_schema(void) {
+    size_t used;
+    int plain;
     char err[8];
-    JsonSchema *s = compile_schema("{\"type\":\"object\"}", 17, err, sizeof(err));
-    return s;
+    static const char format[] = "{\"type\":\"json_object\"}";
+    return compile_json_value(format, format + strlen(format), 1, &used, &plain, err, sizeof(err));
 }
 
 /* -- The automaton: reading an answer byte by byte -- */
@@ -9995,6 +10055,7 @@ typedef struct {
     char *prompt;
     char *id;
     char *stops[MAX_STOPS]; /* the texts o.controls.stops points to */
+    JsonSchema *schema;     /* its "response_format"'s, which o.schema points to; NULL: none */
 } BatchLine;
 
 /* The strings a line's parse holds for a moment (field names, a value's
@@ -10101,6 +10162,21 @@ static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
     j->p++; /* ] */
 }
 
+/* Field "response_format", OpenAI's: {"type": "text"}, {"type":
+   "json_object"} or {"type": "json_schema", "json_schema": {"name",
+   "schema", "strict", "description"}}; the line's answers follow it. */
+static void apply_response_format(JsonCursor *j, BatchLine *line) {
+    char err[256];
+    size_t used = 0;
+    int plain;
+    JsonSchema *s = compile_json_value(j->p, j->end, 1, &used, &plain, err, sizeof(err));
+    if (!s && !plain) json_fail(j, "field 'response_format': %s", err);
+    j->p += used;
+    free_schema(line->schema);
+    line->schema = s;
+    line->o.schema = s;
+}
+
 /* Parses one line (a flat JSON object) over the defaults in line->o. */
 static int run_positions(const Options *o, int seq_len);
 
@@ -10123,6 +10199,8 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
             if (strcmp(tmp->names[i], name) == 0) json_fail(j, "field '%s' appears twice", name);
         if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
             parse_stop_list(j, line, &tmp->text);
+        } else if (strcmp(name, "response_format") == 0) {
+            apply_response_format(j, line);
         } else {
             JsonKind kind = json_value(j, name, &tmp->text);
             apply_field(j, line, name, kind, tmp->text, vocab);
@@ -10295,6 +10373,8 @@ static int parse_line(const char *text, size_t n, const char *where, BatchLine *
         free(line->prompt);
         line->prompt = NULL;
         free_batch_stops(line);
+        free_schema(line->schema);
+        line->schema = NULL;
         return -1;
     }
     parse_batch_line(&j, line, tmp, lim->vocab, lim->seq_len);
@@ -10452,6 +10532,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     Request *r = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0, b->tok->eos_ends_generate, &d);
     r->index = i;
     r->id = line->id;
+    r->own_schema = line->schema;
     slot_at(&b->out, i)->request = r;
     b->out.requests++;
     if (!prompt) {
@@ -10722,6 +10803,7 @@ typedef struct {
 
 static void free_serve_fields(ServeFields *f) {
     free(f->line.prompt);
+    free_schema(f->line.schema);
     for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
     for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
     free(f->roles);
@@ -10823,7 +10905,7 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
    refused unless they hold their harmless value (null, false, 0, 1, {}). */
 static const char *const refused_fields[] = {"n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "presence_penalty",
                                              "frequency_penalty", "logit_bias", "tools", "tool_choice", "functions",
-                                             "function_call", "response_format"};
+                                             "function_call"};
 
 /* Whether the value at the cursor is harmless for a refused field. */
 static int harmless_value(JsonCursor *j, ServeFields *f) {
@@ -10849,6 +10931,8 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
         parse_messages(j, f);
     } else if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
         parse_stop_list(j, &f->line, &f->text);
+    } else if (strcmp(name, "response_format") == 0) {
+        apply_response_format(j, &f->line);
     } else {
         int refused = 0, known = 0;
         for (size_t i = 0; i < sizeof(refused_fields) / sizeof(refused_fields[0]); i++)
@@ -11246,6 +11330,8 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     d.n_return = 1;
     Request *r = request_new(prompt, n_prompt, cap_new_tokens(&d, srv->steps - n_prompt + 1), chat || srv->tok->eos_ends_generate, &d);
     r->index = (int)(c - srv->conns);
+    r->own_schema = f->line.schema;
+    f->line.schema = NULL;
     r->owner = srv;
     r->on_text = serve_on_text;
     /* the request's stop strings are f's: the connection keeps them */
