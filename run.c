@@ -6974,6 +6974,7 @@ static int literal_fits(const SchemaCompiler *c, const SchemaNode *nd, int v) {
     return 0;
 }
 
+static void compile_into(SchemaCompiler *c, int v, int at);
 static int compile_node(SchemaCompiler *c, int v);
 
 /* The node a "$ref" names. */
@@ -6985,7 +6986,10 @@ static int resolve_ref(SchemaCompiler *c, const char *ref) {
     if (!name) schema_fail(c, "$ref: only \"#\", \"#/$defs/NAME\" and \"#/definitions/NAME\" are supported, got \"%.60s\"", ref);
     int m = c->defs >= 0 ? jv_member(c, c->defs, name) : -1;
     if (m < 0) schema_fail(c, "$ref: \"%.60s\" names no definition", ref);
-    if (c->def_node[m] < 0) c->def_node[m] = compile_node(c, m);
+    if (c->def_node[m] < 0) { /* numbered first: a definition may refer to itself */
+        c->def_node[m] = new_node(c);
+        compile_into(c, m, c->def_node[m]);
+    }
     return c->def_node[m];
 }
 
@@ -7113,14 +7117,13 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
     }
 }
 
-/* Compiles schema value v (an object or a boolean) into a new node; its
-   number. */
-static int compile_node(SchemaCompiler *c, int v) {
+/* Compiles schema value v (an object or a boolean) into node `at`. */
+static void compile_into(SchemaCompiler *c, int v, int at) {
     if (++c->depth > 4 * SCHEMA_MAX_NESTING) schema_fail(c, "the schema is nested too deeply ($ref included)");
     const Jv *x = &c->v[v];
     if (x->kind == JV_FALSE) schema_fail(c, "the schema false admits no value");
     if (x->kind != JV_TRUE && x->kind != JV_OBJECT) schema_fail(c, "a schema must be an object or true");
-    int at = new_node(c), required = -1;
+    int required = -1;
     for (int m = x->kind == JV_OBJECT ? x->first : -1; m >= 0; m = c->v[m].next) {
         const char *key = jv_key(c, m);
         const Jv *val = &c->v[m];
@@ -7180,6 +7183,12 @@ static int compile_node(SchemaCompiler *c, int v) {
     }
     check_node(c, at, v, required);
     c->depth--;
+}
+
+/* Compiles schema value v into a new node; its number. */
+static int compile_node(SchemaCompiler *c, int v) {
+    int at = new_node(c);
+    compile_into(c, v, at);
     return at;
 }
 
@@ -7921,6 +7930,7 @@ typedef struct {
     float *next_scores;     /* (B) */
     Candidate *cand;        /* (3B) */
     HypothesisPool pool;
+    JsonState *json, *next_json; /* (B) under a schema: each beam's answer read so far, and the same after a reorder */
 } BeamState;
 
 typedef enum { REQUEST_WAITING, REQUEST_RUNNING, REQUEST_DONE } RequestState;
@@ -7950,7 +7960,7 @@ struct Request {
     StopMatcher stops;      /* sampling: the text so far, against the stop strings */
     float *raw;             /* (vocab) sampling with a score: the logits before sampling */
     BeamState *beam;        /* NULL when sampling */
-    JsonMatch *json;        /* sampling under d.schema: the answer read so far; NULL: unconstrained */
+    JsonMatch *json;        /* under d.schema: the answer read so far (beam search: the scratch of each beam's mask); NULL: unconstrained */
     Hypothesis *hyps;       /* (max(1, B)) the result, best first */
     int n_hyps;
     int logit_at;           /* this step: the first of its rows in the logits, -1 if none */
@@ -8080,6 +8090,7 @@ static void beam_state_free(BeamState *b) {
     if (!b) return;
     free(b->beam_scores); free(b->logprob_rows); free(b->logprobs); free(b->generated); free(b->next_generated);
     free(b->parent); free(b->next_token); free(b->next_scores); free(b->cand);
+    free(b->json); free(b->next_json);
     free(b);
 }
 
@@ -8248,9 +8259,20 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     KVCache *c = &e->t->state.cache;
     const int B = r->d.beam.beams, vocab = e->t->config.vocab_size, max_new = r->max_new;
     BeamState *bs = r->beam;
+    if (r->json && bs) /* each beam's tokens that keep its answer valid (serially: one scratch) */
+        for (int j = 0; j < B; j++) {
+            r->json->state = bs->json[j];
+            json_mask(r->json, e->trie, e->tok, logits + (size_t)j * vocab);
+        }
     if (!bs) {
         bs = r->beam = beam_state_new(B, vocab, max_new);
         bs->pool = (HypothesisPool){r->hyps, 0, 1e9};
+        if (r->json) {
+            json_mask(r->json, e->trie, e->tok, logits);
+            bs->json = xcalloc((size_t)B, sizeof(JsonState));
+            bs->next_json = xcalloc((size_t)B, sizeof(JsonState));
+            for (int j = 0; j < B; j++) bs->json[j] = r->json->state;
+        }
         beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[0], 0, logits, bs->logprob_rows, vocab);
         for (int j = 0; j < B; j++) {
             bs->logprobs[j] = bs->logprob_rows;
@@ -8271,10 +8293,11 @@ static void beam_step(Engine *e, Request *r, float *logits) {
         /* stop strings can take more than the 2B places that end tokens
            can: then the walk goes on down the ranking */
         if (rank == n_cand) {
-            if (n_cand == B * vocab) break;
+            if (n_cand == B * vocab || !(bs->cand[n_cand - 1].score > -INFINITY)) break; /* the rest are masked */
             n_cand = more_candidates(bs->beam_scores, bs->logprobs, B, vocab, &bs->cand, n_cand);
         }
         Candidate cd = bs->cand[rank];
+        if (!(cd.score > -INFINITY)) break; /* a masked token (a schema), and all after it */
         const int *beam_tokens = bs->generated + (size_t)cd.beam * max_new;
         const char *stop_string = is_end_token(e->tok, cd.token) ? NULL
                                   : continuation_stop(&r->d.controls, e->tok, r->prompt[r->n_prompt - 1], beam_tokens, step, cd.token);
@@ -8290,11 +8313,29 @@ static void beam_step(Engine *e, Request *r, float *logits) {
             h.tokens[h.n_tokens++] = cd.token;
             h.stop_string = stop_string;
             pool_add(&bs->pool, &r->d.beam, h, cd.score, step + 1);
+        } else if (r->json && (r->json->state = bs->json[cd.beam], json_take(r->json, e->trie, cd.token))) {
+            /* the answer is complete: a hypothesis, its last token kept */
+            if (rank >= B) continue;
+            Hypothesis h = make_hypothesis(beam_tokens, step, "json");
+            h.tokens[h.n_tokens++] = cd.token;
+            pool_add(&bs->pool, &r->d.beam, h, cd.score, step + 1);
         } else {
+            if (r->json) bs->next_json[n_next] = r->json->state;
             bs->parent[n_next] = cd.beam;
             bs->next_token[n_next] = cd.token;
             bs->next_scores[n_next++] = cd.score;
         }
+    }
+    if (n_next == 0) { /* under a schema every continuation may have ended */
+        e->stats.generated_tokens++;
+        request_finish(e, r);
+        return;
+    }
+    for (int j = n_next; j < B; j++) { /* too few left (a schema): copies that never win */
+        bs->parent[j] = bs->parent[0];
+        bs->next_token[j] = bs->next_token[0];
+        bs->next_scores[j] = -INFINITY;
+        if (r->json) bs->next_json[j] = bs->next_json[0];
     }
     int generated = step + 1, done = pool_is_done(&bs->pool, &r->d.beam, bs->cand[0].score, generated, max_new);
     /* reorder: beam j continues beam parent[j] with next_token[j] */
@@ -8313,6 +8354,7 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     }
     free(next);
     int *swap = bs->generated; bs->generated = bs->next_generated; bs->next_generated = swap;
+    JsonState *swap_json = bs->json; bs->json = bs->next_json; bs->next_json = swap_json;
     bs->step++;
     e->stats.generated_tokens++;
     if (done) {
@@ -8321,8 +8363,9 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     }
     if (generated == max_new || interrupted()) { /* the length limit (or Ctrl-C): running beams join the pool */
         for (int j = 0; j < B; j++)
-            pool_add(&bs->pool, &r->d.beam, make_hypothesis(bs->generated + (size_t)j * max_new, generated, "length"),
-                     bs->beam_scores[j], generated);
+            if (bs->beam_scores[j] > -INFINITY)
+                pool_add(&bs->pool, &r->d.beam, make_hypothesis(bs->generated + (size_t)j * max_new, generated, "length"),
+                         bs->beam_scores[j], generated);
         request_finish(e, r);
         return;
     }
@@ -8660,7 +8703,7 @@ static int engine_start(Engine *e, Request *r) {
                                                           r->prompt + (size_t)i * KV_BLOCK, BLOCK_PENDING);
     }
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
-    if (r->d.schema && r->d.beam.beams == 0) {
+    if (r->d.schema) {
         if (!e->trie) e->trie = token_trie_new(e->tok);
         r->json = json_match_new(r->d.schema, e->trie, t->config.vocab_size);
     }
