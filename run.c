@@ -7616,6 +7616,7 @@ static void add_reading(JsonState *out, const JsonStack *st) {
         if (out->alt[i].depth == st->depth && memcmp(out->alt[i].f, st->f, (size_t)st->depth * sizeof(Frame)) == 0) return;
     if (out->n == JSON_MAX_ALTS) return; /* dropped: the answer has fewer ways to go, all valid */
     JsonStack *to = &out->alt[out->n++];
+    if (to == st) return; /* fed in its place */
     to->depth = st->depth;
     memcpy(to->f, st->f, (size_t)st->depth * sizeof(Frame));
 }
@@ -7629,10 +7630,13 @@ static void stack_feed(const JsonSchema *s, JsonStack *st, int ch, JsonState *ou
         if (f->kind == F_VALUE && s->nodes[f->node].n_any) {
             if (forks > 2 * SCHEMA_MAX_NESTING) return;
             const SchemaNode *nd = &s->nodes[f->node];
+            JsonStack base; /* st may be out's next place, which the branches fill */
+            base.depth = st->depth;
+            memcpy(base.f, st->f, (size_t)st->depth * sizeof(Frame));
             for (int b = 0; b < nd->n_any; b++) {
                 JsonStack copy;
-                copy.depth = st->depth;
-                memcpy(copy.f, st->f, (size_t)st->depth * sizeof(Frame));
+                copy.depth = base.depth;
+                memcpy(copy.f, base.f, (size_t)base.depth * sizeof(Frame));
                 copy.f[copy.depth - 1].node = nd->any[b];
                 stack_feed(s, &copy, ch, out, forks + 1);
             }
@@ -7663,14 +7667,15 @@ static void stack_feed(const JsonSchema *s, JsonStack *st, int ch, JsonState *ou
     add_reading(out, st);
 }
 
-/* out = the readings of `in` after byte ch (out->n == 0: ch cannot come). */
+/* out = the readings of `in` after byte ch (out->n == 0: ch cannot come).
+   Each reading is fed in out's next place, where it stays if it takes ch. */
 static void json_feed(const JsonSchema *s, const JsonState *in, int ch, JsonState *out) {
     out->n = 0;
-    for (int i = 0; i < in->n; i++) {
-        JsonStack work;
-        work.depth = in->alt[i].depth;
-        memcpy(work.f, in->alt[i].f, (size_t)work.depth * sizeof(Frame));
-        stack_feed(s, &work, ch, out, 0);
+    for (int i = 0; i < in->n && out->n < JSON_MAX_ALTS; i++) {
+        JsonStack *work = &out->alt[out->n];
+        work->depth = in->alt[i].depth;
+        memcpy(work->f, in->alt[i].f, (size_t)work->depth * sizeof(Frame));
+        stack_feed(s, work, ch, out, 0);
     }
 }
 
@@ -7711,9 +7716,15 @@ static void escape_json_into(ByteBuf *out, const char *s, size_t n) {
    in depth-first order, so a node's subtree is the nodes up to `skip`. */
 typedef struct {
     unsigned char byte, depth; /* depth: bytes from the root (1 for the first) */
+    unsigned char plain;       /* TRIE_PLAIN: the path to it is plain string bytes; TRIE_PLAIN_PARENT: the path to its parent */
     int skip;                  /* the first node after its subtree */
     int first, n;              /* its tokens: order[first..first+n-1] */
 } TrieNode;
+
+/* Plain string bytes: printable ASCII but '"' and '\', one code point each
+   inside a JSON string, the bulk of a vocabulary. */
+enum { TRIE_PLAIN = 1, TRIE_PLAIN_PARENT = 2 };
+static int is_plain_byte(int ch) { return ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\'; }
 
 typedef struct {
     TrieNode *nodes;
@@ -7764,8 +7775,11 @@ static TokenTrie *token_trie_new(const Tokenizer *tok) {
             while (common < t->len[prev] && common < t->len[tk] && t->bytes[prev][common] == t->bytes[tk][common]) common++;
         for (int d = prev >= 0 ? t->len[prev] : 0; d > common; d--) t->nodes[open[d - 1]].skip = t->n_nodes;
         for (int d = common; d < t->len[tk]; d++) {
+            int parent_plain = d == 0 || (t->nodes[open[d - 1]].plain & TRIE_PLAIN);
+            int plain = parent_plain && is_plain_byte((unsigned char)t->bytes[tk][d]);
             open[d] = t->n_nodes;
-            t->nodes[t->n_nodes++] = (TrieNode){(unsigned char)t->bytes[tk][d], (unsigned char)(d + 1), 0, k, 0};
+            t->nodes[t->n_nodes++] = (TrieNode){(unsigned char)t->bytes[tk][d], (unsigned char)(d + 1),
+                                                (unsigned char)(plain * TRIE_PLAIN + parent_plain * TRIE_PLAIN_PARENT), 0, k, 0};
         }
         TrieNode *at = &t->nodes[open[t->len[tk] - 1]];
         if (at->n == 0) at->first = k;
@@ -7807,11 +7821,23 @@ static void json_match_free(JsonMatch *m) {
     free(m);
 }
 
+/* The code points a string may still take when the text so far has one
+   reading and it is inside a string, between characters; else -1. */
+static int plain_room(const JsonSchema *s, const JsonState *st) {
+    if (st->n != 1) return -1;
+    const Frame *top = &st->alt[0].f[st->alt[0].depth - 1];
+    if (top->kind != F_STRING || top->phase != S_CHAR || top->x != 0) return -1;
+    return s->nodes[top->node].max_len - top->a;
+}
+
 /* Sets to -inf the logits of the tokens that cannot come next: those whose
    bytes do not keep the text a valid prefix, and the end tokens unless the
-   value is complete. Returns how many tokens stay allowed. */
+   value is complete. Returns how many tokens stay allowed. Inside a string,
+   a token of plain bytes that fits is allowed without being read (its
+   state would be the string's, some code points longer), and a state is
+   made only for the nodes below a plain path. */
 static int json_mask(const JsonMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
-    const int vocab = tok->vocab_size;
+    const int vocab = tok->vocab_size, room = plain_room(m->schema, &m->state);
     memset(m->allowed, 0, (size_t)vocab);
     int n_allowed = 0;
     JsonState *walk = m->walk;
@@ -7819,6 +7845,19 @@ static int json_mask(const JsonMatch *m, const TokenTrie *t, const Tokenizer *to
     for (int i = 0; i < t->n_nodes;) {
         const TrieNode *node = &t->nodes[i];
         JsonState *next = &walk[node->depth];
+        if ((node->plain & TRIE_PLAIN) && node->depth <= room) { /* a plain path that fits */
+            for (int k = 0; k < node->n; k++) m->allowed[t->order[node->first + k]] = 1;
+            n_allowed += node->n;
+            i++;
+            continue;
+        }
+        if ((node->plain & TRIE_PLAIN_PARENT) && node->depth > 1 && node->depth - 1 <= room) { /* its parent's state, made */
+            JsonState *parent = &walk[node->depth - 1];
+            parent->n = 1;
+            parent->alt[0].depth = m->state.alt[0].depth;
+            memcpy(parent->alt[0].f, m->state.alt[0].f, (size_t)parent->alt[0].depth * sizeof(Frame));
+            parent->alt[0].f[parent->alt[0].depth - 1].a += node->depth - 1;
+        }
         json_feed(m->schema, &walk[node->depth - 1], node->byte, next);
         if (next->n == 0) { i = node->skip; continue; } /* no token below goes on */
         for (int k = 0; k < node->n; k++) m->allowed[t->order[node->first + k]] = 1;
