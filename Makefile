@@ -115,7 +115,7 @@ tests/.bin/run_g: run.c
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 5
 export FUZZ_SECONDS
-FUZZ_TARGETS = checkpoint tokenizer encode options generate batch http gguf
+FUZZ_TARGETS = checkpoint tokenizer encode options generate batch http gguf schema
 FUZZ_BINS = $(FUZZ_TARGETS:%=tests/.bin/fuzz_%)
 FUZZ_FLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
 

@@ -6765,6 +6765,8 @@ static void schema_fail(SchemaCompiler *c, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(c->err, c->err_len, fmt, ap);
     va_end(ap);
+    for (char *p = c->err; *p; p++) /* names quoted from the schema stay on the line */
+        if ((unsigned char)*p < 0x20) *p = '?';
     longjmp(c->fail, 1);
 }
 
@@ -7086,7 +7088,7 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
             }
         }
     }
-    qsort(nd->props, (size_t)nd->n_props, sizeof(SchemaProp), compare_props);
+    if (nd->n_props > 1) qsort(nd->props, (size_t)nd->n_props, sizeof(SchemaProp), compare_props);
     for (int k = 1; k < nd->n_props; k++)
         if (strcmp(nd->props[k - 1].name, nd->props[k].name) == 0) schema_fail(c, "properties: \"%.60s\" appears twice", nd->props[k].name);
     if (required >= 0)
@@ -7107,7 +7109,7 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
         }
         nd->n_lits = kept;
         if (kept == 0) schema_fail(c, "enum/const: no value fits the other keywords");
-        qsort(nd->lits, (size_t)nd->n_lits, sizeof(char *), compare_strings);
+        if (nd->n_lits > 1) qsort(nd->lits, (size_t)nd->n_lits, sizeof(char *), compare_strings);
         kept = 1;
         for (int i = 1; i < nd->n_lits; i++) { /* equal values: one is enough */
             if (strcmp(nd->lits[kept - 1], nd->lits[i]) == 0) free(nd->lits[i]);
@@ -7124,10 +7126,19 @@ static void compile_into(SchemaCompiler *c, int v, int at) {
     if (x->kind == JV_FALSE) schema_fail(c, "the schema false admits no value");
     if (x->kind != JV_TRUE && x->kind != JV_OBJECT) schema_fail(c, "a schema must be an object or true");
     int required = -1;
+    static const char *const keywords[] = {"type", "properties", "required", "additionalProperties", "enum", "const", "items",
+                                           "minItems", "maxItems", "minLength", "maxLength", "minimum", "maximum", "anyOf",
+                                           "$ref", "$defs", "definitions"};
+    unsigned seen = 0;
     for (int m = x->kind == JV_OBJECT ? x->first : -1; m >= 0; m = c->v[m].next) {
         const char *key = jv_key(c, m);
         const Jv *val = &c->v[m];
         if (is_annotation(key)) continue;
+        for (unsigned k = 0; k < sizeof(keywords) / sizeof(keywords[0]); k++)
+            if (strcmp(key, keywords[k]) == 0) {
+                if (seen >> k & 1) schema_fail(c, "%s: appears twice", key);
+                seen |= 1u << k;
+            }
         if (strcmp(key, "type") == 0) {
             c->s->nodes[at].types = type_bits(c, m);
         } else if (strcmp(key, "properties") == 0) {
@@ -7305,7 +7316,7 @@ static JsonSchema *compile_schema(const char *text, size_t n, char *err, size_t 
     int plain;
     JsonSchema *s = compile_json_value(text, text + n, 0, &used, &plain, err, err_len);
     const char *rest = text + used;
-    while (s && rest < text + n && strchr(" \t\r\n", *rest)) rest++;
+    while (s && rest < text + n && (*rest == ' ' || *rest == '\t' || *rest == '\r' || *rest == '\n')) rest++;
     if (s && rest < text + n) {
         free_schema(s);
         snprintf(err, err_len, "text after the schema");
@@ -7407,7 +7418,15 @@ static StepResult object_step(const JsonSchema *s, Frame *f, int ch) {
         return STEP_TAKEN;
     case O_KEY: {
         int lo = f->b, hi = f->a, unseen = 0; /* the properties that go on with ch */
-        if (ch == '"') {
+        for (int k = f->a; k < f->b; k++)
+            if (nd->props[k].len > f->c && (unsigned char)nd->props[k].name[f->c] == ch) {
+                if (k < lo) lo = k;
+                hi = k + 1;
+                unseen |= !(f->seen >> k & 1);
+            }
+        /* a '"' that a name goes on with is escaped (a name is a well-formed
+           JSON string, which no name could end before); else it ends the key */
+        if (ch == '"' && lo >= hi) {
             if (f->a < f->b && nd->props[f->a].len == f->c) { /* a property's name */
                 if (f->seen >> f->a & 1) return STEP_FAIL;
                 f->c = f->a;
@@ -7419,12 +7438,6 @@ static StepResult object_step(const JsonSchema *s, Frame *f, int ch) {
             f->phase = O_COLON;
             return STEP_TAKEN;
         }
-        for (int k = f->a; k < f->b; k++)
-            if (nd->props[k].len > f->c && (unsigned char)nd->props[k].name[f->c] == ch) {
-                if (k < lo) lo = k;
-                hi = k + 1;
-                unseen |= !(f->seen >> k & 1);
-            }
         f->x = f->x && ch >= 0x20 && ch < 0x7f && ch != '\\';
         if (!unseen && !f->x) return STEP_FAIL;
         if (unseen) f->a = lo, f->b = hi;
@@ -7474,6 +7487,7 @@ static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
         if (d < 0) return STEP_FAIL;
         f->b = f->b * 16 + d;
         if (++f->x == 2 && f->b >= 0xD8 && f->b <= 0xDF) return STEP_FAIL; /* a surrogate half alone */
+        if (f->x == 4 && f->b == 0) return STEP_FAIL; /* \u0000: no NUL, which C strings cannot hold */
         if (f->x == 4) f->phase = S_CHAR;
         return STEP_TAKEN;
     }
