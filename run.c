@@ -7488,7 +7488,7 @@ static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
         f->b = f->b * 16 + d;
         if (++f->x == 2 && f->b >= 0xD8 && f->b <= 0xDF) return STEP_FAIL; /* a surrogate half alone */
         if (f->x == 4 && f->b == 0) return STEP_FAIL; /* \u0000: no NUL, which C strings cannot hold */
-        if (f->x == 4) f->phase = S_CHAR;
+        if (f->x == 4) f->phase = S_CHAR, f->x = 0;
         return STEP_TAKEN;
     }
     if (f->x > 0) { /* inside a UTF-8 sequence */
