@@ -6391,9 +6391,10 @@ typedef struct {
 } BeamSettings;
 
 /* A returned sequence: the generated ids (no prompt, no end token), its score
-   and why it ended ("bos", "eos", "length", "interrupted" (Ctrl-C), or
+   and why it ended ("bos", "eos", "length", "interrupted" (Ctrl-C),
    "string": stop_string appeared in its text, the token that completed it
-   included). */
+   included; under a JSON schema (6.1) "json": the value is complete, or
+   "constraint": no token could go on with it). */
 typedef struct {
     int *tokens;
     int n_tokens;
@@ -7474,6 +7475,26 @@ static StepResult array_step(const JsonSchema *s, Frame *f, int ch) {
     return STEP_OPEN;
 }
 
+/* Byte ch of a string's text (not its quote, nor an escape) on f's UTF-8
+   state (x bytes still due in a sequence, lo..hi the next one's range):
+   1 when ch starts a character, 0 when it goes on with one, -1 when it
+   cannot come (a control byte, or not well-formed UTF-8, RFC 3629). */
+static int utf8_step(Frame *f, int ch) {
+    if (f->x > 0) {
+        if (ch < f->lo || ch > f->hi) return -1;
+        f->x--, f->lo = 0x80, f->hi = 0xBF;
+        return 0;
+    }
+    if (ch < 0x20 || ch == '"' || ch == '\\') return -1;
+    if (ch >= 0x80) { /* the lead byte of a sequence */
+        if (ch < 0xC2 || ch > 0xF4) return -1;
+        f->x = ch < 0xE0 ? 1 : ch < 0xF0 ? 2 : 3;
+        f->lo = ch == 0xE0 ? 0xA0 : ch == 0xF0 ? 0x90 : 0x80;
+        f->hi = ch == 0xED ? 0x9F : ch == 0xF4 ? 0x8F : 0xBF;
+    }
+    return 1;
+}
+
 static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
     const SchemaNode *nd = &s->nodes[f->node];
     if (f->phase == S_ESCAPE) {
@@ -7491,21 +7512,18 @@ static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
         if (f->x == 4) f->phase = S_CHAR, f->x = 0;
         return STEP_TAKEN;
     }
-    if (f->x > 0) { /* inside a UTF-8 sequence */
-        if (ch < f->lo || ch > f->hi) return STEP_FAIL;
-        f->x--, f->lo = 0x80, f->hi = 0xBF;
-        return STEP_TAKEN;
+    if (f->x == 0) {
+        if (ch == '"') return f->a >= nd->min_len ? STEP_DONE : STEP_FAIL;
+        if (f->a >= nd->max_len) return STEP_FAIL;
+        if (ch == '\\') {
+            f->phase = S_ESCAPE;
+            f->a++;
+            return STEP_TAKEN;
+        }
     }
-    if (ch == '"') return f->a >= nd->min_len ? STEP_DONE : STEP_FAIL;
-    if (ch < 0x20 || f->a >= nd->max_len) return STEP_FAIL;
-    if (ch == '\\') f->phase = S_ESCAPE;
-    else if (ch >= 0x80) { /* the lead byte of a well-formed sequence (RFC 3629) */
-        if (ch < 0xC2 || ch > 0xF4) return STEP_FAIL;
-        f->x = ch < 0xE0 ? 1 : ch < 0xF0 ? 2 : 3;
-        f->lo = ch == 0xE0 ? 0xA0 : ch == 0xF0 ? 0x90 : 0x80;
-        f->hi = ch == 0xED ? 0x9F : ch == 0xF4 ? 0x8F : 0xBF;
-    }
-    f->a++;
+    int started = utf8_step(f, ch);
+    if (started < 0) return STEP_FAIL;
+    f->a += started;
     return STEP_TAKEN;
 }
 
@@ -7730,15 +7748,21 @@ static void escape_json_into(ByteBuf *out, const char *s, size_t n) {
    in depth-first order, so a node's subtree is the nodes up to `skip`. */
 typedef struct {
     unsigned char byte, depth; /* depth: bytes from the root (1 for the first) */
-    unsigned char plain;       /* TRIE_PLAIN: the path to it is plain string bytes; TRIE_PLAIN_PARENT: the path to its parent */
+    unsigned char flags;       /* TRIE_* of the path to it */
+    unsigned char chars;       /* TRIE_TEXT: the characters the path starts */
+    unsigned char due, lo, hi; /* TRIE_TEXT: the UTF-8 state after the path (a Frame's x, lo, hi) */
     int skip;                  /* the first node after its subtree */
     int first, n;              /* its tokens: order[first..first+n-1] */
 } TrieNode;
 
-/* Plain string bytes: printable ASCII but '"' and '\', one code point each
-   inside a JSON string, the bulk of a vocabulary. */
-enum { TRIE_PLAIN = 1, TRIE_PLAIN_PARENT = 2 };
-static int is_plain_byte(int ch) { return ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\'; }
+/* What a path is, read inside a string (the bulk of a vocabulary is words):
+   TRIE_TEXT: string text (well-formed UTF-8 so far, no quote, backslash or
+   control byte); TRIE_ASCII: text of printable ASCII only (a free object
+   key's bytes); the _PARENT flags say the same of the path to the parent. */
+enum { TRIE_TEXT = 1, TRIE_ASCII = 2, TRIE_TEXT_PARENT = 4, TRIE_ASCII_PARENT = 8 };
+
+/* The two kinds of text a path can be (TRIE_TEXT, TRIE_ASCII), by index. */
+enum { TEXT_KINDS = 2 };
 
 typedef struct {
     TrieNode *nodes;
@@ -7746,6 +7770,13 @@ typedef struct {
     int *order;                /* tokens sorted by their bytes */
     const char **bytes;        /* (vocab) each token's bytes as printed; NULL: never allowed */
     int *len;                  /* (vocab) */
+    /* by kind of text k: the tokens that are text of that kind (1 each), how
+       many, their most characters, and the nodes where text of that kind
+       ends (the first node off a text path: the rest of the subtree must be read) */
+    unsigned char *text_tokens[TEXT_KINDS];  /* (vocab) */
+    int n_text_tokens[TEXT_KINDS], max_chars[TEXT_KINDS];
+    int *edges[TEXT_KINDS];                  /* (n_edges[k]) */
+    int n_edges[TEXT_KINDS];
 } TokenTrie;
 
 static const char *const *trie_sort_bytes;
@@ -7789,11 +7820,21 @@ static TokenTrie *token_trie_new(const Tokenizer *tok) {
             while (common < t->len[prev] && common < t->len[tk] && t->bytes[prev][common] == t->bytes[tk][common]) common++;
         for (int d = prev >= 0 ? t->len[prev] : 0; d > common; d--) t->nodes[open[d - 1]].skip = t->n_nodes;
         for (int d = common; d < t->len[tk]; d++) {
-            int parent_plain = d == 0 || (t->nodes[open[d - 1]].plain & TRIE_PLAIN);
-            int plain = parent_plain && is_plain_byte((unsigned char)t->bytes[tk][d]);
+            int ch = (unsigned char)t->bytes[tk][d];
+            TrieNode node = {(unsigned char)ch, (unsigned char)(d + 1), TRIE_TEXT_PARENT | TRIE_ASCII_PARENT, 0, 0, 0, 0, 0, k, 0};
+            if (d > 0) { /* the parent's path, read on by ch */
+                const TrieNode *parent = &t->nodes[open[d - 1]];
+                node.flags = (unsigned char)((parent->flags & TRIE_TEXT ? TRIE_TEXT_PARENT : 0) | (parent->flags & TRIE_ASCII ? TRIE_ASCII_PARENT : 0));
+                node.chars = parent->chars, node.due = parent->due, node.lo = parent->lo, node.hi = parent->hi;
+            }
+            Frame utf8 = {.x = node.due, .lo = node.lo, .hi = node.hi};
+            int started = node.flags & TRIE_TEXT_PARENT ? utf8_step(&utf8, ch) : -1;
+            if (started >= 0) {
+                node.flags |= TRIE_TEXT | (ch < 0x7f && (node.flags & TRIE_ASCII_PARENT) ? TRIE_ASCII : 0);
+                node.chars = (unsigned char)(node.chars + started), node.due = utf8.x, node.lo = utf8.lo, node.hi = utf8.hi;
+            }
             open[d] = t->n_nodes;
-            t->nodes[t->n_nodes++] = (TrieNode){(unsigned char)t->bytes[tk][d], (unsigned char)(d + 1),
-                                                (unsigned char)(plain * TRIE_PLAIN + parent_plain * TRIE_PLAIN_PARENT), 0, k, 0};
+            t->nodes[t->n_nodes++] = node;
         }
         TrieNode *at = &t->nodes[open[t->len[tk] - 1]];
         if (at->n == 0) at->first = k;
@@ -7802,12 +7843,28 @@ static TokenTrie *token_trie_new(const Tokenizer *tok) {
         prev = tk;
     }
     for (int d = prev >= 0 ? t->len[prev] : 0; d > 0; d--) t->nodes[open[d - 1]].skip = t->n_nodes;
+    for (int k = 0; k < TEXT_KINDS; k++) {
+        const int flag = k == 0 ? TRIE_TEXT : TRIE_ASCII;
+        t->text_tokens[k] = xcalloc((size_t)vocab, 1);
+        t->edges[k] = xcalloc((size_t)t->n_nodes + 1, sizeof(int));
+        for (int i = 0; i < t->n_nodes; i++) {
+            const TrieNode *node = &t->nodes[i];
+            if (node->flags & flag) {
+                for (int j = 0; j < node->n; j++) t->text_tokens[k][t->order[node->first + j]] = 1;
+                t->n_text_tokens[k] += node->n;
+                if (node->chars > t->max_chars[k]) t->max_chars[k] = node->chars;
+            } else if (node->flags & (flag * TRIE_TEXT_PARENT)) {
+                t->edges[k][t->n_edges[k]++] = i;
+            }
+        }
+    }
     return t;
 }
 
 static void token_trie_free(TokenTrie *t) {
     if (!t) return;
     free(t->nodes); free(t->order); free(t->bytes); free(t->len);
+    for (int k = 0; k < TEXT_KINDS; k++) { free(t->text_tokens[k]); free(t->edges[k]); }
     free(t);
 }
 
@@ -7835,51 +7892,96 @@ static void json_match_free(JsonMatch *m) {
     free(m);
 }
 
-/* The code points a string may still take when the text so far has one
-   reading and it is inside a string, between characters; else -1. */
-static int plain_room(const JsonSchema *s, const JsonState *st) {
-    if (st->n != 1) return -1;
+/* Where the text so far has one reading and it is between characters of
+   a string (TRIE_TEXT paths go on with it) or of a free object key
+   (TRIE_ASCII ones), that flag, and the characters it may still take in
+   *room; else 0. */
+static int text_room(const JsonSchema *s, const JsonState *st, int *room) {
+    if (st->n != 1) return 0;
     const Frame *top = &st->alt[0].f[st->alt[0].depth - 1];
-    if (top->kind != F_STRING || top->phase != S_CHAR || top->x != 0) return -1;
-    return s->nodes[top->node].max_len - top->a;
+    if (top->kind == F_STRING && top->phase == S_CHAR && top->x == 0) {
+        *room = s->nodes[top->node].max_len - top->a;
+        return TRIE_TEXT;
+    }
+    if (top->kind == F_OBJECT && top->phase == O_KEY && top->x && top->a >= top->b) { /* no property's name left */
+        *room = INT_MAX;
+        return TRIE_ASCII;
+    }
+    return 0;
 }
 
-/* Sets to -inf the logits of the tokens that cannot come next: those whose
-   bytes do not keep the text a valid prefix, and the end tokens unless the
-   value is complete. Returns how many tokens stay allowed. Inside a string,
-   a token of plain bytes that fits is allowed without being read (its
-   state would be the string's, some code points longer), and a state is
-   made only for the nodes below a plain path. */
-static int json_mask(const JsonMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
-    const int vocab = tok->vocab_size, room = plain_room(m->schema, &m->state);
-    memset(m->allowed, 0, (size_t)vocab);
-    int n_allowed = 0;
+/* The state after a path of `bytes` that text_room's flag covers, whose
+   characters and UTF-8 state `text` holds (its node, or a child's off the
+   text, which keeps them), from a state text_room accepted: the same
+   frames, the top one further on. */
+static void text_state_after(const JsonState *from, const TrieNode *text, int bytes, JsonState *out) {
+    out->n = 1;
+    out->alt[0].depth = from->alt[0].depth;
+    memcpy(out->alt[0].f, from->alt[0].f, (size_t)from->alt[0].depth * sizeof(Frame));
+    Frame *top = &out->alt[0].f[out->alt[0].depth - 1];
+    if (top->kind == F_OBJECT) {
+        top->c += bytes;
+        return;
+    }
+    top->a += text->chars;
+    top->x = text->due, top->lo = text->lo, top->hi = text->hi;
+}
+
+/* Marks the allowed tokens of nodes from..to-1 (whole subtrees) of the
+   trie, reading each node's byte on the state of its parent (walk[depth -
+   1]) into walk[depth], and skipping the subtree of a byte that cannot
+   come. With `text` (text_room's flag) a node on a text path that fits in
+   `room` is allowed without being read, and the state below it is made
+   when a node off the text needs it. Returns the count marked. */
+static int walk_trie(const JsonMatch *m, const TokenTrie *t, int from, int to, int text, int room) {
     JsonState *walk = m->walk;
-    memcpy(&walk[0], &m->state, offsetof(JsonState, alt) + (size_t)m->state.n * sizeof(JsonStack));
-    for (int i = 0; i < t->n_nodes;) {
+    const TrieNode *path[256]; /* path[d]: the node at depth d on the way to the current one */
+    int n_allowed = 0;
+    for (int i = from; i < to;) {
         const TrieNode *node = &t->nodes[i];
-        JsonState *next = &walk[node->depth];
-        if ((node->plain & TRIE_PLAIN) && node->depth <= room) { /* a plain path that fits */
+        path[node->depth] = node;
+        if ((node->flags & text) && node->chars <= room) { /* text that fits */
             for (int k = 0; k < node->n; k++) m->allowed[t->order[node->first + k]] = 1;
             n_allowed += node->n;
             i++;
             continue;
         }
-        if ((node->plain & TRIE_PLAIN_PARENT) && node->depth > 1 && node->depth - 1 <= room) { /* its parent's state, made */
-            JsonState *parent = &walk[node->depth - 1];
-            parent->n = 1;
-            parent->alt[0].depth = m->state.alt[0].depth;
-            memcpy(parent->alt[0].f, m->state.alt[0].f, (size_t)parent->alt[0].depth * sizeof(Frame));
-            parent->alt[0].f[parent->alt[0].depth - 1].a += node->depth - 1;
-        }
+        if ((node->flags & text * TRIE_TEXT_PARENT) && node->depth > 1 && path[node->depth - 1]->chars <= room)
+            text_state_after(&m->state, node, node->depth - 1, &walk[node->depth - 1]); /* below text that fits */
+        JsonState *next = &walk[node->depth];
         json_feed(m->schema, &walk[node->depth - 1], node->byte, next);
         if (next->n == 0) { i = node->skip; continue; } /* no token below goes on */
         for (int k = 0; k < node->n; k++) m->allowed[t->order[node->first + k]] = 1;
         n_allowed += node->n;
         i++;
     }
+    return n_allowed;
+}
+
+/* Sets to -inf the logits of the tokens that cannot come next: those whose
+   bytes do not keep the text a valid prefix, and the end tokens unless the
+   value is complete. Returns how many tokens stay allowed. Inside a string
+   (or a free key) with room for any token, the tokens that are text are
+   allowed as a whole (a copy of the trie's set) and only the subtrees that
+   leave the text are read. */
+static int json_mask(const JsonMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
+    int room = 0, n_allowed = 0;
+    const int vocab = tok->vocab_size, text = text_room(m->schema, &m->state, &room), k = text == TRIE_ASCII;
+    memcpy(&m->walk[0], &m->state, offsetof(JsonState, alt) + (size_t)m->state.n * sizeof(JsonStack));
+    if (text && room >= t->max_chars[k]) {
+        memcpy(m->allowed, t->text_tokens[k], (size_t)vocab);
+        n_allowed = t->n_text_tokens[k];
+        for (int e = 0; e < t->n_edges[k]; e++) {
+            const TrieNode *node = &t->nodes[t->edges[k][e]];
+            if (node->depth > 1) text_state_after(&m->state, node, node->depth - 1, &m->walk[node->depth - 1]);
+            n_allowed += walk_trie(m, t, t->edges[k][e], node->skip, 0, 0);
+        }
+    } else {
+        memset(m->allowed, 0, (size_t)vocab);
+        n_allowed = walk_trie(m, t, 0, t->n_nodes, text, room);
+    }
     if (json_complete(m->schema, &m->state))
-        for (int k = 0; k < tok->n_end; k++, n_allowed++) m->allowed[tok->end[k]] = 1;
+        for (int i = 0; i < tok->n_end; i++, n_allowed++) m->allowed[tok->end[i]] = 1;
     for (int i = 0; i < vocab; i++)
         if (!m->allowed[i]) logits[i] = -INFINITY;
     return n_allowed;
