@@ -22,7 +22,9 @@
         5.2 byte-level BPE "tk42" files (Llama 3), 5.3 the vocabularies of
         GGUF files (SentencePiece or byte-level, with their pre-tokenizers)
      6. samplers: greedy, temperature, top-p; the generation controls
-        (logits processors, top-k, min-p, stop strings); beam search
+        (logits processors, top-k, min-p, stop strings); beam search;
+        6.1 JSON constraints (a JSON-schema subset compiled to an automaton
+        that masks the tokens an answer cannot take)
      7. the engine: requests served together (continuous batching);
         speculative decoding (drafts verified in one pass)
      8. drivers: generate, tokenize, chat; perplexity of a text
