@@ -6683,6 +6683,7 @@ static char *hypothesis_text(const Tokenizer *tok, const Hypothesis *h, int last
 #define SCHEMA_MAX_PROPS 64   /* properties of one object (a bit each) */
 #define JSON_MAX_DEPTH 24     /* values nested in an answer, at most */
 #define JSON_MAX_ALTS 8       /* readings (anyOf branches) held at once; more are dropped */
+#define JSON_MAX_BRANCHES 64  /* alternatives one value may open (nested anyOf), at most */
 #define JSON_MAX_DIGITS 18    /* digits before (and after) a number's point; |integers| < 10^18 */
 
 enum { JT_OBJECT = 1, JT_ARRAY = 2, JT_STRING = 4, JT_INTEGER = 8, JT_NUMBER = 16, JT_BOOLEAN = 32, JT_NULL = 64, JT_ALL = 127 };
@@ -7206,8 +7207,22 @@ static int compile_node(SchemaCompiler *c, int v) {
     return at;
 }
 
+/* The schemas that are not anyOf reached from node i through anyOf and $ref
+   alone (paths counted; count memoizes, 0: not yet), beyond
+   JSON_MAX_BRANCHES: JSON_MAX_BRANCHES + 1. No loop runs through them. */
+static int branch_leaves(const JsonSchema *s, int i, int *count, int depth) {
+    const SchemaNode *nd = &s->nodes[i];
+    if (nd->n_any == 0) return 1;
+    if (count[i] > 0) return count[i];
+    int n = 0;
+    for (int b = 0; b < nd->n_any && n <= JSON_MAX_BRANCHES; b++)
+        n += depth > 2 * SCHEMA_MAX_NESTING ? JSON_MAX_BRANCHES + 1 : branch_leaves(s, nd->any[b], count, depth + 1);
+    return count[i] = n > JSON_MAX_BRANCHES ? JSON_MAX_BRANCHES + 1 : n;
+}
+
 /* Fails when some anyOf (or $ref) leads back to itself through anyOf and
-   $ref alone: reading it would never start a value. */
+   $ref alone (reading it would never start a value), or opens more than
+   JSON_MAX_BRANCHES alternatives at once (each byte would read them all). */
 static void check_ref_loops(SchemaCompiler *c) {
     const JsonSchema *s = c->s;
     unsigned char *mark = xcalloc((size_t)s->n_nodes, 1); /* 0 new, 1 on the path, 2 done */
@@ -7227,6 +7242,14 @@ static void check_ref_loops(SchemaCompiler *c) {
     }
     free(mark); free(path); free(branch);
     if (loop) schema_fail(c, "$ref/anyOf: a schema refers to itself before any value is written");
+    int *count = xcalloc((size_t)s->n_nodes, sizeof(int));
+    int worst = 0;
+    for (int i = 0; i < s->n_nodes; i++) {
+        int n = branch_leaves(s, i, count, 0);
+        worst = n > worst ? n : worst;
+    }
+    free(count);
+    if (worst > JSON_MAX_BRANCHES) schema_fail(c, "anyOf: more than %d alternatives at one place (nested anyOf and $ref)", JSON_MAX_BRANCHES);
 }
 
 /* The schema of response_format `format` (a value of the tree): node 1 an

@@ -259,6 +259,9 @@ REFUSED = [
     ({'enum': []}, 'enum'),
     ({'type': 'string', 'enum': [1, 2]}, 'enum'),
     (False, 'false'),
+    # nested anyOf opening 2^30 alternatives at once
+    (dict([('$defs', dict([('a%d' % i, {'anyOf': [{'$ref': '#/$defs/a%d' % (i + 1)}] * 2}) for i in range(30)] +
+                          [('a30', {'type': 'string'})])), ('$ref', '#/$defs/a0')]), 'alternatives'),
 ]
 
 
