@@ -326,14 +326,23 @@ class PrefixChecker:
         self.schema = schema
 
     def is_prefix(self, text):
+        return self.read(text) in ('prefix', 'complete')
+
+    def is_complete(self, text):
+        return self.read(text) == 'complete'
+
+    def read(self, text):
         self.t, self.i = text, 0
         try:
             self.value(self.schema)
         except self.Out:
-            return True
+            return 'prefix'
         except ValueError:
-            return False
-        return self.i == len(self.t)
+            return 'invalid'
+        if self.i < len(self.t):
+            return 'invalid'
+        # a complete integer may still take digits: both
+        return 'complete'
 
     def peek(self):
         if self.i >= len(self.t):
@@ -409,10 +418,27 @@ class PrefixChecker:
                         raise ValueError
                     self.i += 1
                     return
-                if ch == '\\' or ord(ch) < 0x20 or n >= s.get('maxLength', 10 ** 9):
-                    raise ValueError  # the schemas checked here give no reason to escape
+                if ord(ch) < 0x20 or n >= s.get('maxLength', 10 ** 9):
+                    raise ValueError
                 self.i += 1
                 n += 1
+                if ch == '\\':  # an escape: one character
+                    e = self.peek()
+                    self.i += 1
+                    if e == 'u':  # as docs/options.md says: no \u0000, no surrogates
+                        digits = ''
+                        for _ in range(4):
+                            d = self.peek()
+                            if d not in '0123456789abcdefABCDEF':
+                                raise ValueError
+                            digits += d
+                            self.i += 1
+                            if len(digits) == 2 and 0xD8 <= int(digits, 16) <= 0xDF:
+                                raise ValueError
+                        if int(digits, 16) == 0:
+                            raise ValueError
+                    elif e not in '"\\/bfnrt':
+                        raise ValueError
         if ty == 'integer':
             j = self.i
             if self.peek() == '-':
@@ -465,11 +491,12 @@ class PrefixChecker:
 
 
 def vocabulary():
-    """The tokens' texts of tok512.bin as run prints them (byte tokens as
-    their byte; tokens that print nothing are None)."""
+    """The tokens' texts of tok512.bin as run prints them: byte tokens as
+    their byte when printable or white space, else nothing (None); BOS and
+    EOS, which never come inside an answer, None."""
+    import struct
     with open(TOK, 'rb') as f:
         data = f.read()
-    import struct
     pos, pieces = 4, []
     while pos < len(data):
         _, n = struct.unpack_from('<fi', data, pos)
@@ -477,45 +504,66 @@ def vocabulary():
         pos += 8 + n
         if piece.startswith(b'<0x') and piece.endswith(b'>') and len(piece) == 6:
             b = int(piece[3:5], 16)
-            piece = bytes([b]) if (0x20 <= b < 0x7f or b in (9, 10, 11, 12, 13)) else b''
+            piece = bytes([b]) if (0x20 <= b < 0x7f or 9 <= b <= 13) else None
         pieces.append(piece)
+    pieces[1] = pieces[2] = None
     return pieces
 
 
+MASK_SCHEMA = {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 8},
+                                                'n': {'type': 'integer', 'minimum': -30, 'maximum': 250},
+                                                'ok': {'type': 'boolean'},
+                                                'l': {'type': 'array', 'items': {'enum': ['a', 12, None]}, 'maxItems': 3}},
+               'required': ['name', 'n', 'ok', 'l'], 'additionalProperties': False}
+MASK_PREFIXES = ['', '{', '{"', '{"n', '{"n":', '{"n":-', '{"n":-3', '{"n":2', '{"n":25', '{"n":250', '{"n":0',
+                 '{"name":"', '{"name":"a\\', '{"name":"a\\u', '{"name":"a\\u00', '{"name":"a\\ud', '{"name":"a\\u0041',
+                 '{"name":"12345678', '{"name":"1234567', '{"ok":t', '{"ok":false', '{"l":[', '{"l":[1', '{"l":[12',
+                 '{"l":["a",null,12', '{"l":[],"ok":true,"n":7', '{"l":[],"ok":true,"n":7,"name":""',
+                 '{"l":[],"ok":true,"n":7,"name":""}']
+
+
 def test_mask_brute_force():
-    """Every greedy step's choice under the mask is the token with the
-    largest logit among the allowed ones: the scores of `-f json` under
-    --json-schema are log-probabilities of the masked distribution, so each
-    step's chosen token must be allowed by the reference and the model's
-    own choice among them. Checked through the token ids of greedy answers
-    against PrefixChecker over the whole vocabulary at every step."""
+    """The mask equals a brute-force reference: after each text, the tokens t
+    for which text + bytes(t) is still a valid start of an answer per
+    PrefixChecker (EOS once the text is a whole answer), over the whole of
+    tok512's vocabulary. The texts: hand-made ones (escapes, number bounds,
+    enum values, a full answer) and every character boundary of greedy and
+    sampled answers. The mask comes from tests/.bin/json_mask_dump (run.c's own
+    compiler, trie and mask)."""
     need_model()
+    dump = os.path.join(HERE, '.bin', 'json_mask_dump')
+    assert os.path.exists(dump), '%s is missing (make tests/.bin/json_mask_dump)' % dump
     pieces = vocabulary()
-    schema = {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 8},
-                                               'n': {'type': 'integer', 'minimum': -30, 'maximum': 250},
-                                               'ok': {'type': 'boolean'},
-                                               'l': {'type': 'array', 'items': {'enum': ['a', 12, None]}, 'maxItems': 3}},
-              'required': ['name', 'n', 'ok', 'l'], 'additionalProperties': False}
-    path = write_schema('mask', schema)
-    checker = PrefixChecker(schema)
-    checked = 0
-    for prompt in ('Once upon a time', 'Lily', 'The dog'):
-        code, out, err = run(['-i', prompt, '--json-schema', path, '-f', 'json', '-t', '0', '-n', '200'])
+    try:  # the checker reads characters: every piece must be whole ones
+        texts_of = [p.decode('utf-8') if p is not None else None for p in pieces]
+    except UnicodeDecodeError:
+        raise AssertionError('a tok512 piece is not whole UTF-8 characters')
+    path = write_schema('mask', MASK_SCHEMA)
+    checker = PrefixChecker(MASK_SCHEMA)
+    texts = list(MASK_PREFIXES)
+    for sampling in (['-t', '0'], ['-s', '1'], ['-s', '2']):
+        code, out, err = run(['-i', 'Once upon a time', '--json-schema', path, '-f', 'json', '-n', '200'] + sampling)
         assert code == 0, err
-        r = json.loads(out.splitlines()[0])
-        # the unconstrained logits: the model's ranking of every token after
-        # each prefix, from the CLI's own plain greedy run is not exposed, so
-        # instead the allowed set is checked to contain the choice, and the
-        # reference's allowed set is checked to be non-empty at each step
-        text = b''
-        for t in r['tokens']:
-            allowed = [i for i, p in enumerate(pieces) if p and checker.is_prefix((text + p).decode('latin-1'))]
-            assert allowed, 'no token allowed after %r' % text
-            assert t in allowed, 'token %d (%r) chosen after %r is not a valid continuation' % (t, pieces[t], text)
-            text += pieces[t]
-            checked += 1
-        assert checker.is_prefix(text.decode('latin-1')) and r['stop'] == 'json', (text, r['stop'])
-    assert checked > 20, checked
+        answer = json.loads(out.splitlines()[0])['text']
+        texts += [answer[:k] for k in range(len(answer) + 1)]
+    texts = list(dict.fromkeys(texts))
+    p = subprocess.run([dump, path, TOK, '512'], input=''.join(t.encode().hex() + '\n' for t in texts).encode(),
+                       capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-300:]
+    lines = p.stdout.decode().splitlines()
+    assert len(lines) == len(texts), (len(lines), len(texts))
+    for text, line in zip(texts, lines):
+        if not checker.is_prefix(text):
+            assert line == 'dead', 'after %r the reference refuses the text, run.c allows %s' % (text, line[:80])
+            continue
+        got = set(map(int, line.split())) if line != 'dead' else None
+        assert got is not None, 'run.c refuses %r, a valid start' % text
+        want = {i for i, piece in enumerate(texts_of) if piece is not None and checker.is_prefix(text + piece)}
+        if checker.is_complete(text):
+            want.add(2)
+        assert got == want, 'after %r: run.c allows %d tokens, the reference %d; only run.c: %s; only the reference: %s' % (
+            text, len(got), len(want), sorted(got - want)[:8], sorted(want - got)[:8])
+    assert len(texts) > 60, len(texts)
 
 
 # ---- The server ----------------------------------------------------------------
