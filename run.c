@@ -11154,8 +11154,8 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
         parse_messages(j, f);
     } else if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
         parse_stop_list(j, &f->line, &f->text);
-    } else if (strcmp(name, "response_format") == 0) {
-        apply_response_format(j, &f->line);
+    } else if (strcmp(name, "response_format") == 0 && !(j->end - j->p >= 4 && memcmp(j->p, "null", 4) == 0)) {
+        apply_response_format(j, &f->line); /* (null stands for an absent field, below) */
     } else {
         int refused = 0, known = 0;
         for (size_t i = 0; i < sizeof(refused_fields) / sizeof(refused_fields[0]); i++)

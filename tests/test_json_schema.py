@@ -594,6 +594,11 @@ def test_server():
         assert status == 200, out
         check_answer({'type': 'object'}, out['choices'][0]['message']['content'], out['choices'][0]['finish_reason'],
                      False, 'serve json_object')
+        # null and {"type": "text"} are no constraint: the plain completion
+        plain = srv.post('/v1/completions', {'prompt': 'Lily', 'max_tokens': 12, 'temperature': 0})
+        for rf in (None, {'type': 'text'}):
+            got = srv.post('/v1/completions', {'prompt': 'Lily', 'max_tokens': 12, 'temperature': 0, 'response_format': rf})
+            assert got[0] == 200 and got[1]['choices'][0]['text'] == plain[1]['choices'][0]['text'], (rf, got, plain)
         # a max_tokens cut: "length"
         rf = {'type': 'json_schema', 'json_schema': {'name': 's', 'schema': {'type': 'string', 'minLength': 50}}}
         status, out = srv.post('/v1/completions', {'prompt': 'x', 'max_tokens': 4, 'response_format': rf})
