@@ -6919,7 +6919,15 @@ static int new_node(SchemaCompiler *c) {
 
 /* Appends `s` (n bytes) to out as JSON string content: quotes, backslashes
    and control characters escaped, everything else as it is. */
-static void escape_json_into(ByteBuf *out, const char *s, size_t n);
+static void escape_json_into(ByteBuf *out, const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        const char *named = ch == '"' ? "\\\"" : ch == '\\' ? "\\\\" : ch == '\n' ? "\\n" : ch == '\t' ? "\\t" : ch == '\r' ? "\\r" : NULL;
+        if (named) buf_str(out, named);
+        else if (ch < 0x20) buf_printf(out, "\\u%04x", ch);
+        else buf_add(out, (const char *)&ch, 1);
+    }
+}
 
 /* Value v as compact JSON text (numbers as spelled) into out. */
 static void jv_write(const SchemaCompiler *c, int v, ByteBuf *out) {
@@ -7749,22 +7757,12 @@ static int json_complete(const JsonSchema *s, const JsonState *st) {
     return 0;
 }
 
-/* The state before the first byte of an answer under schema s. */
+/* The state before the first byte of an answer: the root value (node 1) to come. */
 static void json_start(JsonState *st) {
     st->n = 1;
     st->alt[0].depth = 2;
     st->alt[0].f[0] = (Frame){.kind = F_ROOT};
     st->alt[0].f[1] = (Frame){.node = 1, .kind = F_VALUE};
-}
-
-static void escape_json_into(ByteBuf *out, const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        unsigned char ch = (unsigned char)s[i];
-        const char *named = ch == '"' ? "\\\"" : ch == '\\' ? "\\\\" : ch == '\n' ? "\\n" : ch == '\t' ? "\\t" : ch == '\r' ? "\\r" : NULL;
-        if (named) buf_str(out, named);
-        else if (ch < 0x20) buf_printf(out, "\\u%04x", ch);
-        else buf_add(out, (const char *)&ch, 1);
-    }
 }
 
 /* -- The vocabulary as a trie, and the mask -- */
