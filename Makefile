@@ -75,6 +75,11 @@ tests/.bin/llama3_dump: tests/llama3_dump.c tests/hex_lines.h run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/llama3_dump.c -lm
 
+# the JSON mask test driver: the tokens a schema allows after a text (tests/test_json_schema.py)
+tests/.bin/json_mask_dump: tests/json_mask_dump.c tests/hex_lines.h run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/json_mask_dump.c -lm
+
 # the GGUF vocabulary test driver: tokenizer, special ids and chat turns (tests/test_gguf_vocab.py)
 tests/.bin/gguf_vocab_dump: tests/gguf_vocab_dump.c tests/hex_lines.h run.c
 	@mkdir -p tests/.bin
@@ -115,7 +120,7 @@ tests/.bin/run_g: run.c
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 5
 export FUZZ_SECONDS
-FUZZ_TARGETS = checkpoint tokenizer encode options generate batch http gguf
+FUZZ_TARGETS = checkpoint tokenizer encode options generate batch http gguf schema
 FUZZ_BINS = $(FUZZ_TARGETS:%=tests/.bin/fuzz_%)
 FUZZ_FLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
 
@@ -139,7 +144,7 @@ clean: clean-fuzz
 clean-fuzz:
 	rm -rf tests/fuzz/.out
 
-test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/gguf_vocab_dump $(SANITIZE_BINS) fuzz-build
+test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
 	MODELS_DIR=$(MODELS_DIR) PYTHON=$(TEST_PYTHON) RUN=$(RUN) bash tests/run_tests.sh
 
 # the streaming-read probe, then bench/bench.py with the fastest build; the

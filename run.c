@@ -22,7 +22,9 @@
         5.2 byte-level BPE "tk42" files (Llama 3), 5.3 the vocabularies of
         GGUF files (SentencePiece or byte-level, with their pre-tokenizers)
      6. samplers: greedy, temperature, top-p; the generation controls
-        (logits processors, top-k, min-p, stop strings); beam search
+        (logits processors, top-k, min-p, stop strings); beam search;
+        6.1 JSON constraints (a JSON-schema subset compiled to an automaton
+        that masks the tokens an answer cannot take)
      7. the engine: requests served together (continuous batching);
         speculative decoding (drafts verified in one pass)
      8. drivers: generate, tokenize, chat; perplexity of a text
@@ -139,6 +141,48 @@ static void *xcalloc(size_t count, size_t size) {
     void *p = calloc(count ? count : 1, size ? size : 1);
     if (!p) die(EXIT_BAD_FILE, "out of memory (%zu x %zu bytes)", count, size);
     return p;
+}
+
+/* A growing byte buffer, NUL-terminated. */
+typedef struct {
+    char *data;
+    size_t n, cap;
+} ByteBuf;
+
+static void buf_add(ByteBuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->data, cap);
+        if (!p) die(EXIT_BAD_FILE, "out of memory (a buffer of %zu bytes)", cap);
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->n, s, n);
+    b->n += n;
+    b->data[b->n] = '\0';
+}
+
+static void buf_str(ByteBuf *b, const char *s) { buf_add(b, s, strlen(s)); }
+
+static void buf_printf(ByteBuf *b, const char *fmt, ...) {
+    char small[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof(small), fmt, ap);
+    va_end(ap);
+    if (n < (int)sizeof(small)) { buf_add(b, small, (size_t)n); return; }
+    char *big = xcalloc((size_t)n + 1, 1);
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    buf_add(b, big, (size_t)n);
+    free(big);
+}
+
+static void buf_free(ByteBuf *b) {
+    free(b->data);
+    memset(b, 0, sizeof(*b));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -6593,9 +6637,10 @@ typedef struct {
 } BeamSettings;
 
 /* A returned sequence: the generated ids (no prompt, no end token), its score
-   and why it ended ("bos", "eos", "length", "interrupted" (Ctrl-C), or
+   and why it ended ("bos", "eos", "length", "interrupted" (Ctrl-C),
    "string": stop_string appeared in its text, the token that completed it
-   included). */
+   included; under a JSON schema (6.1) "json": the value is complete, or
+   "constraint": no token could go on with it). */
 typedef struct {
     int *tokens;
     int n_tokens;
@@ -6846,6 +6891,1385 @@ static char *hypothesis_text(const Tokenizer *tok, const Hypothesis *h, int last
     return text;
 }
 
+/* ---- 6.1 JSON constraints: answers that are JSON, or valid under a schema --
+   A request may ask for an answer that is one JSON value: any JSON object
+   (--json, response_format "json_object") or a value valid under a JSON
+   schema (--json-schema, "json_schema"). The schema, untrusted input, is
+   parsed (bounded nesting; every error one line naming the keyword or the
+   problem) and compiled to nodes, one per sub-schema, for this subset:
+   "type" (a name or a list), "properties", "required",
+   "additionalProperties" (true or false), "enum", "const", "items",
+   "minItems"/"maxItems", "minLength"/"maxLength", "minimum"/"maximum" (of
+   integers), "anyOf", "$ref" to "#", "#/$defs/NAME" or
+   "#/definitions/NAME"; annotations (title, description, default, ...) are
+   read past; any other keyword is refused by name.
+   The answer is read byte by byte by a pushdown automaton: a stack of
+   frames, one per value being written (an object, an array, a string, a
+   number, a literal from a fixed list), each knowing what may come next. An
+   "anyOf" is read as several stacks at once, one per branch still possible.
+   The answer has no white space between its tokens (JSON allows none), so a
+   schema whose strings, arrays and numbers are bounded bounds the answer;
+   numbers have at most JSON_MAX_DIGITS digits before and after the point
+   and 3 in the exponent; object keys outside "properties" are printable
+   ASCII without escapes; strings are well-formed UTF-8. Each of these only
+   narrows what may be written: whatever is written is valid.
+   The mask: before the processors and the sampler see a step's logits,
+   every token whose bytes would not keep the text a prefix of a valid
+   answer gets -inf, and the end tokens get -inf unless the value is
+   complete; so greedy search, sampling and every control choose among the
+   allowed tokens. The vocabulary is walked as a trie of the tokens' bytes
+   (built once per tokenizer), carrying the automaton's state down it, so a
+   byte that fails prunes every token that starts with the bytes so far.
+   Once the value is complete and nothing can extend it, the answer ends
+   (stop "json"). */
+
+#define SCHEMA_MAX_NESTING 64 /* nesting of the schema's JSON text */
+#define SCHEMA_MAX_PROPS 64   /* properties of one object (a bit each) */
+#define JSON_MAX_DEPTH 24     /* values nested in an answer, at most */
+#define JSON_MAX_ALTS 8       /* readings (anyOf branches) held at once; more are dropped */
+#define JSON_MAX_BRANCHES 64  /* alternatives one value may open (nested anyOf), at most */
+#define JSON_MAX_DIGITS 18    /* digits before (and after) a number's point; |integers| < 10^18 */
+
+enum { JT_OBJECT = 1, JT_ARRAY = 2, JT_STRING = 4, JT_INTEGER = 8, JT_NUMBER = 16, JT_BOOLEAN = 32, JT_NULL = 64, JT_ALL = 127 };
+
+/* A property of an object node: its name as the answer writes it (the JSON
+   string's bytes between the quotes) and the node of its value. */
+typedef struct {
+    char *name;
+    int len, node;
+} SchemaProp;
+
+/* One sub-schema. Node 0 is any JSON value. */
+typedef struct {
+    int types;                /* JT_* bits allowed */
+    SchemaProp *props;        /* (n_props) sorted by name (strcmp) */
+    int n_props;
+    int closed;               /* additionalProperties: false */
+    uint64_t required;        /* bit i: props[i] is required */
+    int items;                /* the node of an array's items */
+    int min_items, max_items, min_len, max_len;
+    long long minimum, maximum; /* of integers */
+    char **lits;              /* (n_lits) enum/const: the values as compact JSON texts, sorted (strcmp) */
+    int n_lits;
+    int *any;                 /* (n_any) anyOf: the branches' nodes; 0 branches: not an anyOf */
+    int n_any;
+} SchemaNode;
+
+typedef struct JsonSchema {
+    SchemaNode *nodes;        /* (n_nodes) */
+    int n_nodes, cap_nodes;
+} JsonSchema;
+
+static void free_schema(JsonSchema *s) {
+    if (!s) return;
+    for (int i = 0; i < s->n_nodes; i++) {
+        SchemaNode *n = &s->nodes[i];
+        for (int k = 0; k < n->n_props; k++) free(n->props[k].name);
+        for (int k = 0; k < n->n_lits; k++) free(n->lits[k]);
+        free(n->props); free(n->lits); free(n->any);
+    }
+    free(s->nodes);
+    free(s);
+}
+
+/* -- The schema's JSON text, parsed into a tree -- */
+
+/* From section 10, which reads JSON for --batch and the server. */
+static int hex_value(char c);
+static long json_hex4(const char *p, const char *end);
+
+
+typedef enum { JV_NULL, JV_FALSE, JV_TRUE, JV_NUMBER, JV_STRING, JV_ARRAY, JV_OBJECT } JvKind;
+
+/* A value of the tree; values are numbered in the order they start. */
+typedef struct {
+    JvKind kind;
+    int key;         /* a member of an object: its name's offset in chars; else -1 */
+    int text;        /* a string: its bytes' offset in chars (NUL-terminated); a number: its spelling's */
+    int first, next; /* first child and next sibling; -1: none */
+    int n;           /* children */
+} Jv;
+
+/* The parse and the compilation of one schema: errors longjmp to `fail`
+   with the message in err. */
+typedef struct {
+    const char *p, *end;
+    Jv *v;
+    int n_v, cap_v;
+    char *chars;     /* the strings decoded and the numbers' spellings, each NUL-terminated */
+    int n_chars;
+    jmp_buf fail;
+    char *err;
+    size_t err_len;
+    JsonSchema *s;
+    int root;        /* the schema's value */
+    int defs;        /* the root's "$defs" or "definitions" object; -1: none */
+    int *def_node;   /* (n_v) the node compiled for a definition's value; -1: not yet */
+    int depth;       /* sub-schemas being compiled, $refs followed included */
+} SchemaCompiler;
+
+static void schema_fail(SchemaCompiler *c, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, c->err_len, fmt, ap);
+    va_end(ap);
+    for (char *p = c->err; *p; p++) /* names quoted from the schema stay on the line */
+        if ((unsigned char)*p < 0x20) *p = '?';
+    longjmp(c->fail, 1);
+}
+
+static void jv_space(SchemaCompiler *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\r' || *c->p == '\n')) c->p++;
+}
+
+/* A JSON string at the cursor (after its quote), decoded into chars;
+   returns its offset. \u0000 is refused (names are C strings). */
+static int jv_string(SchemaCompiler *c) {
+    int at = c->n_chars;
+    char *o = c->chars + at;
+    for (;;) {
+        if (c->p >= c->end) schema_fail(c, "a string has no closing quote");
+        unsigned char ch = (unsigned char)*c->p++;
+        if (ch == '"') break;
+        if (ch < 0x20) schema_fail(c, "a control character inside a string must be escaped");
+        if (ch != '\\') { *o++ = (char)ch; continue; }
+        char e = c->p < c->end ? *c->p++ : '\0';
+        const char *plain = e ? strchr("\"\\/bfnrt", e) : NULL;
+        if (plain) { *o++ = "\"\\/\b\f\n\r\t"[plain - "\"\\/bfnrt"]; continue; }
+        long cp = e == 'u' ? json_hex4(c->p, c->end) : -1;
+        if (cp < 0) schema_fail(c, "bad escape in a string");
+        c->p += 4;
+        if (cp >= 0xD800 && cp <= 0xDBFF && c->end - c->p >= 6 && c->p[0] == '\\' && c->p[1] == 'u') {
+            long lo = json_hex4(c->p + 2, c->end);
+            if (lo >= 0xDC00 && lo <= 0xDFFF) {
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                c->p += 6;
+            }
+        }
+        if (cp == 0 || (cp >= 0xD800 && cp <= 0xDFFF)) schema_fail(c, "a \\u escape is NUL or a lone surrogate");
+        o += encode_utf8((int)cp, o);
+    }
+    *o++ = '\0';
+    c->n_chars = (int)(o - c->chars);
+    return at;
+}
+
+/* The length of the JSON number at p (RFC 8259 grammar; e: the text's end), or 0. */
+static size_t json_number_span(const char *start, const char *e) {
+    const char *p = start;
+    if (p < e && *p == '-') p++;
+    if (p < e && *p == '0') p++;
+    else if (p < e && *p >= '1' && *p <= '9') while (p < e && isdigit((unsigned char)*p)) p++;
+    else return 0;
+    if (p < e && *p == '.') {
+        if (++p >= e || !isdigit((unsigned char)*p)) return 0;
+        while (p < e && isdigit((unsigned char)*p)) p++;
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) p++;
+        if (p >= e || !isdigit((unsigned char)*p)) return 0;
+        while (p < e && isdigit((unsigned char)*p)) p++;
+    }
+    return (size_t)(p - start);
+}
+
+/* The value at the cursor, `nesting` levels deep; returns its number. */
+static int jv_value(SchemaCompiler *c, int nesting) {
+    if (nesting > SCHEMA_MAX_NESTING) schema_fail(c, "the schema is nested more than %d levels deep", SCHEMA_MAX_NESTING);
+    jv_space(c);
+    if (c->p >= c->end) schema_fail(c, "the schema ends where a value was expected");
+    int at = c->n_v++; /* cap_v: one per byte of text, and a value takes one at least */
+    Jv *v = &c->v[at];
+    *v = (Jv){JV_NULL, -1, -1, -1, -1, 0};
+    char ch = *c->p;
+    if (ch == '{' || ch == '[') {
+        int object = ch == '{', last = -1;
+        v->kind = object ? JV_OBJECT : JV_ARRAY;
+        c->p++;
+        jv_space(c);
+        if (c->p < c->end && *c->p == (object ? '}' : ']')) { c->p++; return at; }
+        for (;;) {
+            int key = -1;
+            if (object) {
+                if (c->p >= c->end || *c->p != '"') schema_fail(c, "expected a member name in quotes");
+                c->p++;
+                key = jv_string(c);
+                jv_space(c);
+                if (c->p >= c->end || *c->p != ':') schema_fail(c, "expected ':' after a member name");
+                c->p++;
+            }
+            int child = jv_value(c, nesting + 1);
+            c->v[child].key = key;
+            if (last < 0) c->v[at].first = child;
+            else c->v[last].next = child;
+            last = child;
+            c->v[at].n++;
+            jv_space(c);
+            if (c->p < c->end && *c->p == ',') { c->p++; jv_space(c); continue; }
+            if (c->p < c->end && *c->p == (object ? '}' : ']')) { c->p++; return at; }
+            schema_fail(c, object ? "expected ',' or '}' in an object" : "expected ',' or ']' in a list");
+        }
+    }
+    if (ch == '"') {
+        c->p++;
+        v->kind = JV_STRING;
+        v->text = jv_string(c);
+        return at;
+    }
+    static const struct { const char *word; JvKind kind; } words[] = {{"true", JV_TRUE}, {"false", JV_FALSE}, {"null", JV_NULL}};
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++) {
+        size_t n = strlen(words[i].word);
+        if ((size_t)(c->end - c->p) >= n && memcmp(c->p, words[i].word, n) == 0) {
+            c->p += n;
+            v->kind = words[i].kind;
+            return at;
+        }
+    }
+    size_t n = json_number_span(c->p, c->end);
+    if (n == 0) schema_fail(c, "not a JSON value");
+    v->kind = JV_NUMBER;
+    v->text = c->n_chars;
+    memcpy(c->chars + c->n_chars, c->p, n);
+    c->n_chars += (int)n + 1; /* chars is zeroed: the NUL is there */
+    c->p += n;
+    return at;
+}
+
+/* -- Compiling -- */
+
+static const char *jv_str(const SchemaCompiler *c, int v) { return c->chars + c->v[v].text; }
+static const char *jv_key(const SchemaCompiler *c, int v) { return c->chars + c->v[v].key; }
+
+/* The member `name` of object v, or -1. */
+static int jv_member(const SchemaCompiler *c, int v, const char *name) {
+    for (int m = c->v[v].first; m >= 0; m = c->v[m].next)
+        if (strcmp(jv_key(c, m), name) == 0) return m;
+    return -1;
+}
+
+static int new_node(SchemaCompiler *c) {
+    JsonSchema *s = c->s;
+    if (s->n_nodes == s->cap_nodes) {
+        s->cap_nodes = s->cap_nodes ? 2 * s->cap_nodes : 16;
+        SchemaNode *grown = realloc(s->nodes, (size_t)s->cap_nodes * sizeof(SchemaNode));
+        if (!grown) die(EXIT_BAD_FILE, "out of memory (schema of %d nodes)", s->cap_nodes);
+        s->nodes = grown;
+    }
+    s->nodes[s->n_nodes] = (SchemaNode){.types = JT_ALL, .max_items = INT_MAX, .max_len = INT_MAX,
+                                        .minimum = -999999999999999999LL, .maximum = 999999999999999999LL};
+    return s->n_nodes++;
+}
+
+/* Appends `s` (n bytes) to out as JSON string content: quotes, backslashes
+   and control characters escaped, everything else as it is. */
+static void escape_json_into(ByteBuf *out, const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        const char *named = ch == '"' ? "\\\"" : ch == '\\' ? "\\\\" : ch == '\n' ? "\\n" : ch == '\t' ? "\\t" : ch == '\r' ? "\\r" : NULL;
+        if (named) buf_str(out, named);
+        else if (ch < 0x20) buf_printf(out, "\\u%04x", ch);
+        else buf_add(out, (const char *)&ch, 1);
+    }
+}
+
+/* Value v as compact JSON text (numbers as spelled) into out. */
+static void jv_write(const SchemaCompiler *c, int v, ByteBuf *out) {
+    const Jv *x = &c->v[v];
+    switch (x->kind) {
+    case JV_NULL: buf_str(out, "null"); break;
+    case JV_FALSE: buf_str(out, "false"); break;
+    case JV_TRUE: buf_str(out, "true"); break;
+    case JV_NUMBER: buf_str(out, jv_str(c, v)); break;
+    case JV_STRING:
+        buf_str(out, "\"");
+        escape_json_into(out, jv_str(c, v), strlen(jv_str(c, v)));
+        buf_str(out, "\"");
+        break;
+    default: {
+        int object = x->kind == JV_OBJECT;
+        buf_str(out, object ? "{" : "[");
+        for (int m = x->first; m >= 0; m = c->v[m].next) {
+            if (m != x->first) buf_str(out, ",");
+            if (object) {
+                buf_str(out, "\"");
+                escape_json_into(out, jv_key(c, m), strlen(jv_key(c, m)));
+                buf_str(out, "\":");
+            }
+            jv_write(c, m, out);
+        }
+        buf_str(out, object ? "}" : "]");
+    }
+    }
+}
+
+/* The code points of a UTF-8 string. */
+static int utf8_length(const char *s) {
+    int n = 0;
+    for (; *s; s++) n += ((unsigned char)*s & 0xC0) != 0x80;
+    return n;
+}
+
+/* Whether value v is allowed by node nd's type and bounds (enum and const
+   values are kept only if so). */
+static int literal_fits(const SchemaCompiler *c, const SchemaNode *nd, int v) {
+    const Jv *x = &c->v[v];
+    switch (x->kind) {
+    case JV_NULL: return (nd->types & JT_NULL) != 0;
+    case JV_TRUE: case JV_FALSE: return (nd->types & JT_BOOLEAN) != 0;
+    case JV_STRING: {
+        int n = utf8_length(jv_str(c, v));
+        return (nd->types & JT_STRING) && n >= nd->min_len && n <= nd->max_len;
+    }
+    case JV_ARRAY: return (nd->types & JT_ARRAY) && x->n >= nd->min_items && x->n <= nd->max_items;
+    case JV_OBJECT: return (nd->types & JT_OBJECT) != 0;
+    case JV_NUMBER: {
+        if (nd->types & JT_NUMBER) return 1;
+        double d = strtod(jv_str(c, v), NULL);
+        return (nd->types & JT_INTEGER) && d == floor(d) && d >= (double)nd->minimum && d <= (double)nd->maximum;
+    }
+    }
+    return 0;
+}
+
+static void compile_into(SchemaCompiler *c, int v, int at);
+static int compile_node(SchemaCompiler *c, int v);
+
+/* The node a "$ref" names. */
+static int resolve_ref(SchemaCompiler *c, const char *ref) {
+    if (strcmp(ref, "#") == 0) return 1; /* the root's node */
+    const char *name = NULL;
+    if (strncmp(ref, "#/$defs/", 8) == 0) name = ref + 8;
+    else if (strncmp(ref, "#/definitions/", 14) == 0) name = ref + 14;
+    if (!name) schema_fail(c, "$ref: only \"#\", \"#/$defs/NAME\" and \"#/definitions/NAME\" are supported, got \"%.60s\"", ref);
+    int m = c->defs >= 0 ? jv_member(c, c->defs, name) : -1;
+    if (m < 0) schema_fail(c, "$ref: \"%.60s\" names no definition", ref);
+    if (c->def_node[m] < 0) { /* numbered first: a definition may refer to itself */
+        c->def_node[m] = new_node(c);
+        compile_into(c, m, c->def_node[m]);
+    }
+    return c->def_node[m];
+}
+
+/* A non-negative integer keyword's value. */
+static int count_value(SchemaCompiler *c, int v, const char *keyword) {
+    double d = c->v[v].kind == JV_NUMBER ? strtod(jv_str(c, v), NULL) : -1;
+    if (!(d >= 0 && d == floor(d) && d <= INT_MAX)) schema_fail(c, "%s: must be a non-negative integer", keyword);
+    return (int)d;
+}
+
+/* Whether `key` is an annotation (read past: it asserts nothing). */
+static int is_annotation(const char *key) {
+    static const char *const names[] = {"title", "description", "$schema", "$id", "$comment", "default", "examples",
+                                        "deprecated", "readOnly", "writeOnly"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(key, names[i]) == 0) return 1;
+    return 0;
+}
+
+static int compare_props(const void *a, const void *b) {
+    return strcmp(((const SchemaProp *)a)->name, ((const SchemaProp *)b)->name);
+}
+
+static int compare_strings(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* "type": a name or a list of names, as JT_* bits. */
+static int type_bits(SchemaCompiler *c, int v) {
+    static const char *const names[] = {"object", "array", "string", "integer", "number", "boolean", "null"};
+    int bits = 0, single = c->v[v].kind == JV_STRING;
+    if (!single && c->v[v].kind != JV_ARRAY) schema_fail(c, "type: must be a type name or a list of them");
+    for (int t = single ? v : c->v[v].first; t >= 0; t = single ? -1 : c->v[t].next) {
+        int bit = 0;
+        for (int i = 0; i < 7 && c->v[t].kind == JV_STRING; i++)
+            if (strcmp(jv_str(c, t), names[i]) == 0) bit = 1 << i;
+        if (!bit) schema_fail(c, "type: unknown type %s", c->v[t].kind == JV_STRING ? jv_str(c, t) : "(not a string)");
+        bits |= bit;
+    }
+    if (!bits) schema_fail(c, "type: an empty list admits no value");
+    return bits;
+}
+
+/* The literals of "enum" (a list) or "const" (one value) into node at. */
+static void add_literals(SchemaCompiler *c, int at, int v, int is_enum) {
+    if (is_enum && c->v[v].kind != JV_ARRAY) schema_fail(c, "enum: must be a list");
+    int n = is_enum ? c->v[v].n : 1;
+    if (n == 0) schema_fail(c, "enum: an empty list admits no value");
+    SchemaNode *nd = &c->s->nodes[at];
+    if (nd->lits) schema_fail(c, "enum and const together are not supported");
+    nd->lits = xcalloc((size_t)n, sizeof(char *));
+    for (int m = is_enum ? c->v[v].first : v; m >= 0 && nd->n_lits < n; m = is_enum ? c->v[m].next : -1) {
+        ByteBuf b = {0};
+        jv_write(c, m, &b);
+        nd->lits[nd->n_lits++] = b.data;
+    }
+}
+
+/* Checks what the keywords of node `at` (from value v) say together. */
+static void check_node(SchemaCompiler *c, int at, int v, int required) {
+    SchemaNode *nd = &c->s->nodes[at];
+    if (nd->n_any && c->v[v].n > 1) {
+        for (int m = c->v[v].first; m >= 0; m = c->v[m].next)
+            if (!is_annotation(jv_key(c, m)) && strcmp(jv_key(c, m), "anyOf") != 0 && strcmp(jv_key(c, m), "$ref") != 0 &&
+                strcmp(jv_key(c, m), "$defs") != 0 && strcmp(jv_key(c, m), "definitions") != 0)
+                schema_fail(c, "%s: not supported beside anyOf or $ref (put it in each branch)", jv_key(c, m));
+        if (jv_member(c, v, "anyOf") >= 0 && jv_member(c, v, "$ref") >= 0) schema_fail(c, "anyOf and $ref together are not supported");
+    }
+    if (nd->types & JT_NUMBER) nd->types &= ~JT_INTEGER; /* numbers include the integers */
+    if ((jv_member(c, v, "minimum") >= 0 || jv_member(c, v, "maximum") >= 0) && (!(nd->types & JT_INTEGER) || (nd->types & JT_NUMBER)))
+        schema_fail(c, "minimum/maximum: supported for \"type\": \"integer\" only");
+    if (nd->minimum > nd->maximum) schema_fail(c, "minimum is greater than maximum");
+    if (nd->min_items > nd->max_items) schema_fail(c, "minItems is greater than maxItems");
+    if (nd->min_len > nd->max_len) schema_fail(c, "minLength is greater than maxLength");
+    if (required >= 0) {
+        if (c->v[required].kind != JV_ARRAY) schema_fail(c, "required: must be a list of names");
+        for (int m = c->v[required].first; m >= 0; m = c->v[m].next) {
+            if (c->v[m].kind != JV_STRING) schema_fail(c, "required: must be a list of names");
+            ByteBuf name = {0};
+            escape_json_into(&name, jv_str(c, m), strlen(jv_str(c, m)));
+            int found = -1;
+            for (int k = 0; k < nd->n_props; k++)
+                if (strcmp(nd->props[k].name, name.data ? name.data : "") == 0) found = k;
+            if (found < 0 && nd->closed) {
+                free(name.data);
+                schema_fail(c, "required: \"%.60s\" is not among the properties, and additionalProperties is false", jv_str(c, m));
+            }
+            if (found < 0) { /* required but free: a property of any value */
+                if (nd->n_props == SCHEMA_MAX_PROPS) { free(name.data); schema_fail(c, "properties: more than %d", SCHEMA_MAX_PROPS); }
+                nd->props = realloc(nd->props, (size_t)(nd->n_props + 1) * sizeof(SchemaProp));
+                if (!nd->props) die(EXIT_BAD_FILE, "out of memory");
+                nd->props[nd->n_props] = (SchemaProp){name.data ? name.data : strdup(""), (int)name.n, 0};
+                found = nd->n_props++;
+            } else {
+                free(name.data);
+            }
+        }
+    }
+    if (nd->n_props > 1) qsort(nd->props, (size_t)nd->n_props, sizeof(SchemaProp), compare_props);
+    for (int k = 1; k < nd->n_props; k++)
+        if (strcmp(nd->props[k - 1].name, nd->props[k].name) == 0) schema_fail(c, "properties: \"%.60s\" appears twice", nd->props[k].name);
+    if (required >= 0)
+        for (int m = c->v[required].first; m >= 0; m = c->v[m].next) {
+            ByteBuf name = {0};
+            escape_json_into(&name, jv_str(c, m), strlen(jv_str(c, m)));
+            for (int k = 0; k < nd->n_props; k++)
+                if (strcmp(nd->props[k].name, name.data ? name.data : "") == 0) nd->required |= 1ull << k;
+            free(name.data);
+        }
+    if (nd->lits) {
+        int kept = 0;
+        if (nd->n_props || jv_member(c, v, "items") >= 0) schema_fail(c, "enum/const beside properties or items is not supported");
+        int m = jv_member(c, v, "enum") >= 0 ? c->v[jv_member(c, v, "enum")].first : jv_member(c, v, "const");
+        for (int i = 0; i < nd->n_lits; i++, m = c->v[m].next) {
+            if (literal_fits(c, nd, m)) nd->lits[kept++] = nd->lits[i];
+            else free(nd->lits[i]);
+        }
+        nd->n_lits = kept;
+        if (kept == 0) schema_fail(c, "enum/const: no value fits the other keywords");
+        if (nd->n_lits > 1) qsort(nd->lits, (size_t)nd->n_lits, sizeof(char *), compare_strings);
+        kept = 1;
+        for (int i = 1; i < nd->n_lits; i++) { /* equal values: one is enough */
+            if (strcmp(nd->lits[kept - 1], nd->lits[i]) == 0) free(nd->lits[i]);
+            else nd->lits[kept++] = nd->lits[i];
+        }
+        nd->n_lits = kept;
+    }
+}
+
+/* Compiles schema value v (an object or a boolean) into node `at`. */
+static void compile_into(SchemaCompiler *c, int v, int at) {
+    if (++c->depth > 4 * SCHEMA_MAX_NESTING) schema_fail(c, "the schema is nested too deeply ($ref included)");
+    const Jv *x = &c->v[v];
+    if (x->kind == JV_FALSE) schema_fail(c, "the schema false admits no value");
+    if (x->kind != JV_TRUE && x->kind != JV_OBJECT) schema_fail(c, "a schema must be an object or true");
+    int required = -1;
+    static const char *const keywords[] = {"type", "properties", "required", "additionalProperties", "enum", "const", "items",
+                                           "minItems", "maxItems", "minLength", "maxLength", "minimum", "maximum", "anyOf",
+                                           "$ref", "$defs", "definitions"};
+    unsigned seen = 0;
+    for (int m = x->kind == JV_OBJECT ? x->first : -1; m >= 0; m = c->v[m].next) {
+        const char *key = jv_key(c, m);
+        const Jv *val = &c->v[m];
+        if (is_annotation(key)) continue;
+        for (unsigned k = 0; k < sizeof(keywords) / sizeof(keywords[0]); k++)
+            if (strcmp(key, keywords[k]) == 0) {
+                if (seen >> k & 1) schema_fail(c, "%s: appears twice", key);
+                seen |= 1u << k;
+            }
+        if (strcmp(key, "type") == 0) {
+            c->s->nodes[at].types = type_bits(c, m);
+        } else if (strcmp(key, "properties") == 0) {
+            if (val->kind != JV_OBJECT) schema_fail(c, "properties: must be an object");
+            if (val->n > SCHEMA_MAX_PROPS) schema_fail(c, "properties: more than %d", SCHEMA_MAX_PROPS);
+            SchemaProp *props = xcalloc((size_t)val->n + 1, sizeof(SchemaProp));
+            c->s->nodes[at].props = props;
+            for (int p = val->first; p >= 0; p = c->v[p].next) {
+                ByteBuf name = {0};
+                escape_json_into(&name, jv_key(c, p), strlen(jv_key(c, p)));
+                SchemaNode *nd = &c->s->nodes[at];
+                nd->props[nd->n_props++] = (SchemaProp){name.data ? name.data : strdup(""), (int)name.n, 0};
+                int child = compile_node(c, p);
+                nd = &c->s->nodes[at];
+                nd->props[nd->n_props - 1].node = child;
+            }
+        } else if (strcmp(key, "required") == 0) {
+            required = m;
+        } else if (strcmp(key, "additionalProperties") == 0) {
+            if (val->kind != JV_TRUE && val->kind != JV_FALSE) schema_fail(c, "additionalProperties: only true or false is supported");
+            c->s->nodes[at].closed = val->kind == JV_FALSE;
+        } else if (strcmp(key, "enum") == 0 || strcmp(key, "const") == 0) {
+            add_literals(c, at, m, key[0] == 'e');
+        } else if (strcmp(key, "items") == 0) {
+            if (val->kind == JV_ARRAY) schema_fail(c, "items: a list of schemas (tuples) is not supported");
+            int child = compile_node(c, m);
+            c->s->nodes[at].items = child;
+        } else if (strcmp(key, "minItems") == 0) c->s->nodes[at].min_items = count_value(c, m, key);
+        else if (strcmp(key, "maxItems") == 0) c->s->nodes[at].max_items = count_value(c, m, key);
+        else if (strcmp(key, "minLength") == 0) c->s->nodes[at].min_len = count_value(c, m, key);
+        else if (strcmp(key, "maxLength") == 0) c->s->nodes[at].max_len = count_value(c, m, key);
+        else if (strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0) {
+            double d = val->kind == JV_NUMBER ? strtod(jv_str(c, m), NULL) : NAN;
+            if (!(fabs(d) < 1e18)) schema_fail(c, "%s: must be a number below 10^18 in magnitude", key);
+            if (key[1] == 'i') c->s->nodes[at].minimum = (long long)ceil(d);
+            else c->s->nodes[at].maximum = (long long)floor(d);
+        } else if (strcmp(key, "anyOf") == 0 || strcmp(key, "$ref") == 0) {
+            int is_any = key[0] == 'a', n = is_any ? val->n : 1;
+            if (is_any && (val->kind != JV_ARRAY || n == 0)) schema_fail(c, "anyOf: must be a non-empty list of schemas");
+            if (!is_any && val->kind != JV_STRING) schema_fail(c, "$ref: must be a string");
+            int *any = xcalloc((size_t)n, sizeof(int));
+            c->s->nodes[at].any = any;
+            for (int b = is_any ? val->first : m; b >= 0 && c->s->nodes[at].n_any < n; b = is_any ? c->v[b].next : -1) {
+                int child = is_any ? compile_node(c, b) : resolve_ref(c, jv_str(c, b));
+                SchemaNode *nd = &c->s->nodes[at];
+                nd->any[nd->n_any++] = child;
+            }
+        } else if (strcmp(key, "$defs") == 0 || strcmp(key, "definitions") == 0) {
+            if (v != c->root) schema_fail(c, "%s: supported at the top of the schema only", key);
+        } else {
+            schema_fail(c, "unsupported schema keyword '%.60s'", key);
+        }
+    }
+    check_node(c, at, v, required);
+    c->depth--;
+}
+
+/* Compiles schema value v into a new node; its number. */
+static int compile_node(SchemaCompiler *c, int v) {
+    int at = new_node(c);
+    compile_into(c, v, at);
+    return at;
+}
+
+/* The schemas that are not anyOf reached from node i through anyOf and $ref
+   alone (paths counted; count memoizes, 0: not yet), beyond
+   JSON_MAX_BRANCHES: JSON_MAX_BRANCHES + 1. No loop runs through them. */
+static int branch_leaves(const JsonSchema *s, int i, int *count, int depth) {
+    const SchemaNode *nd = &s->nodes[i];
+    if (nd->n_any == 0) return 1;
+    if (count[i] > 0) return count[i];
+    int n = 0;
+    for (int b = 0; b < nd->n_any && n <= JSON_MAX_BRANCHES; b++)
+        n += depth > 2 * SCHEMA_MAX_NESTING ? JSON_MAX_BRANCHES + 1 : branch_leaves(s, nd->any[b], count, depth + 1);
+    return count[i] = n > JSON_MAX_BRANCHES ? JSON_MAX_BRANCHES + 1 : n;
+}
+
+/* Fails when some anyOf (or $ref) leads back to itself through anyOf and
+   $ref alone (reading it would never start a value), or opens more than
+   JSON_MAX_BRANCHES alternatives at once (each byte would read them all). */
+static void check_ref_loops(SchemaCompiler *c) {
+    const JsonSchema *s = c->s;
+    unsigned char *mark = xcalloc((size_t)s->n_nodes, 1); /* 0 new, 1 on the path, 2 done */
+    int *path = xcalloc((size_t)s->n_nodes + 1, sizeof(int)), *branch = xcalloc((size_t)s->n_nodes + 1, sizeof(int));
+    int loop = 0;
+    for (int start = 0; start < s->n_nodes && !loop; start++) {
+        if (mark[start]) continue;
+        int n = 0;
+        path[n] = start; branch[n++] = 0; mark[start] = 1;
+        while (n > 0 && !loop) {
+            int at = path[n - 1];
+            if (branch[n - 1] == s->nodes[at].n_any) { mark[at] = 2; n--; continue; }
+            int next = s->nodes[at].any[branch[n - 1]++];
+            if (mark[next] == 1) loop = 1;
+            else if (mark[next] == 0) { mark[next] = 1; path[n] = next; branch[n++] = 0; }
+        }
+    }
+    free(mark); free(path); free(branch);
+    if (loop) schema_fail(c, "$ref/anyOf: a schema refers to itself before any value is written");
+    int *count = xcalloc((size_t)s->n_nodes, sizeof(int));
+    int worst = 0;
+    for (int i = 0; i < s->n_nodes; i++) {
+        int n = branch_leaves(s, i, count, 0);
+        worst = n > worst ? n : worst;
+    }
+    free(count);
+    if (worst > JSON_MAX_BRANCHES) schema_fail(c, "anyOf: more than %d alternatives at one place (nested anyOf and $ref)", JSON_MAX_BRANCHES);
+}
+
+/* The schema of response_format `format` (a value of the tree): node 1 an
+   object for "json_object", the schema of "json_schema"; *plain for "text". */
+static void compile_response_format(SchemaCompiler *c, int format, int *plain) {
+    if (c->v[format].kind != JV_OBJECT) schema_fail(c, "must be an object with a \"type\"");
+    int type = jv_member(c, format, "type"), inner = jv_member(c, format, "json_schema");
+    for (int m = c->v[format].first; m >= 0; m = c->v[m].next)
+        if (m != type && m != inner) schema_fail(c, "unknown field '%.60s'", jv_key(c, m));
+    const char *name = type >= 0 && c->v[type].kind == JV_STRING ? jv_str(c, type) : "";
+    *plain = strcmp(name, "text") == 0;
+    if (*plain) return;
+    if (strcmp(name, "json_object") == 0) {
+        c->s->nodes[new_node(c)].types = JT_OBJECT;
+        return;
+    }
+    if (strcmp(name, "json_schema") != 0) schema_fail(c, "type: must be \"text\", \"json_object\" or \"json_schema\"");
+    if (inner < 0 || c->v[inner].kind != JV_OBJECT) schema_fail(c, "json_schema: must be an object with a \"schema\"");
+    int schema = -1;
+    for (int m = c->v[inner].first; m >= 0; m = c->v[m].next) {
+        const char *key = jv_key(c, m);
+        if (strcmp(key, "schema") == 0) schema = m;
+        else if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0 && strcmp(key, "strict") != 0)
+            schema_fail(c, "json_schema: unknown field '%.60s'", key);
+    }
+    if (schema < 0) schema_fail(c, "json_schema: missing field 'schema'");
+    c->root = schema;
+}
+
+/* The compilation proper (see compile_json_value); 0 after an error. */
+static int compile_value_at(SchemaCompiler *c, int response_format, const char *text, size_t *used, int *plain) {
+    if (setjmp(c->fail)) return 0;
+    c->root = jv_value(c, 0);
+    *used = (size_t)(c->p - text);
+    new_node(c); /* node 0: any value */
+    c->s->nodes[0].items = 0;
+    if (response_format) compile_response_format(c, c->root, plain);
+    if (c->s->n_nodes > 1 || *plain) return 1; /* "json_object", or "text" */
+    c->defs = -1;
+    if (c->v[c->root].kind == JV_OBJECT) {
+        c->defs = jv_member(c, c->root, "$defs");
+        if (c->defs < 0) c->defs = jv_member(c, c->root, "definitions");
+        if (c->defs >= 0 && c->v[c->defs].kind != JV_OBJECT) schema_fail(c, "%s: must be an object", jv_key(c, c->defs));
+    }
+    c->def_node = xcalloc((size_t)c->n_v, sizeof(int));
+    for (int i = 0; i < c->n_v; i++) c->def_node[i] = -1;
+    compile_node(c, c->root); /* node 1: the root */
+    check_ref_loops(c);
+    return 1;
+}
+
+/* Compiles the JSON value at text (up to end): a schema, or with
+   `response_format` a response_format object holding one; *used gets the
+   value's length. Returns the schema, or NULL: for response_format "text"
+   (*plain set), or with a one-line message in err when the value is not
+   JSON, not a schema, or outside the subset. */
+static JsonSchema *compile_json_value(const char *text, const char *end, int response_format, size_t *used, int *plain,
+                                      char *err, size_t err_len) {
+    size_t n = (size_t)(end - text);
+    *plain = 0;
+    *used = 0;
+    if (n > (size_t)INT_MAX / 4) {
+        snprintf(err, err_len, "the schema is too long");
+        return NULL;
+    }
+    SchemaCompiler *c = xcalloc(1, sizeof(SchemaCompiler));
+    c->p = text;
+    c->end = end;
+    c->cap_v = (int)n + 1;
+    c->v = xcalloc((size_t)c->cap_v, sizeof(Jv));
+    c->chars = xcalloc(2 * n + 2, 1);
+    c->err = err;
+    c->err_len = err_len;
+    c->s = xcalloc(1, sizeof(JsonSchema));
+    JsonSchema *s = c->s;
+    if (!compile_value_at(c, response_format, text, used, plain) || *plain) {
+        free_schema(s);
+        s = NULL;
+    }
+    free(c->v);
+    free(c->chars);
+    free(c->def_node);
+    free(c);
+    return s;
+}
+
+/* The schema text of a file (n bytes), compiled; NULL with err as above. */
+static JsonSchema *compile_schema(const char *text, size_t n, char *err, size_t err_len) {
+    size_t used;
+    int plain;
+    JsonSchema *s = compile_json_value(text, text + n, 0, &used, &plain, err, err_len);
+    const char *rest = text + used;
+    while (s && rest < text + n && (*rest == ' ' || *rest == '\t' || *rest == '\r' || *rest == '\n')) rest++;
+    if (s && rest < text + n) {
+        free_schema(s);
+        snprintf(err, err_len, "text after the schema");
+        return NULL;
+    }
+    return s;
+}
+
+/* The schema of --json and response_format "json_object": any object. */
+static JsonSchema *any_object_schema(void) {
+    size_t used;
+    int plain;
+    char err[8];
+    static const char format[] = "{\"type\":\"json_object\"}";
+    return compile_json_value(format, format + strlen(format), 1, &used, &plain, err, sizeof(err));
+}
+
+/* -- The automaton: reading an answer byte by byte -- */
+
+typedef enum { F_ROOT, F_VALUE, F_OBJECT, F_ARRAY, F_STRING, F_NUMBER, F_LITERAL } FrameKind;
+
+/* phases of an object: after '{', in a key, after the key, in a value, after
+   a value, after ','; of an array: after '[', in a value, after a value; of
+   a string: a character, after '\', in a \u escape; of a number: as the
+   JSON grammar reads one */
+enum { O_FIRST, O_KEY, O_COLON, O_VALUE, O_AFTER, O_NEXT };
+enum { A_FIRST, A_VALUE, A_AFTER };
+enum { S_CHAR, S_ESCAPE, S_HEX };
+enum { N_START, N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_EXP, N_EXP_SIGN, N_EXP_DIGITS };
+
+/* One value being written. The fields' use by kind:
+   F_ROOT: phase 1 once the answer's value is complete;
+   F_VALUE: a value of `node` is to start with the next byte;
+   F_OBJECT: a, b: the properties whose names the key so far begins; c: the
+     key's bytes so far, then the property's index (-1: not a property);
+     x: the key may be a name outside the properties; seen: properties written;
+   F_ARRAY: a: items written;
+   F_STRING: a: code points; x: bytes still due in a UTF-8 sequence, lo..hi
+     the next one's range; b: hex digits of a \u escape so far (x: count);
+   F_NUMBER: x: negative; a, b, c: digits before the point, after it, in the
+     exponent; seen: the magnitude of an integer;
+   F_LITERAL: x: the list (0: the node's enum, 1: false/true, 2: null);
+     a, b: the values that the bytes so far begin; c: bytes so far. */
+typedef struct {
+    int node;
+    uint8_t kind, phase, x, lo, hi, pad[3];
+    int a, b, c;
+    uint64_t seen;
+} Frame;
+
+typedef struct {
+    int depth;
+    Frame f[JSON_MAX_DEPTH];
+} JsonStack;
+
+/* The readings of the text so far (no reading left: not a valid prefix). */
+typedef struct {
+    int n;
+    JsonStack alt[JSON_MAX_ALTS];
+} JsonState;
+
+static const char *const bool_literals[] = {"false", "true"};
+static const char *const null_literals[] = {"null"};
+
+static const char *const *frame_literals(const JsonSchema *s, const Frame *f) {
+    return f->x == 1 ? bool_literals : f->x == 2 ? null_literals : (const char *const *)s->nodes[f->node].lits;
+}
+
+/* The integers a number whose magnitude so far is v (`digits` of them) can
+   still become meet [min, max]. */
+static int integer_reachable(const SchemaNode *nd, int negative, long long v, int digits) {
+    if (digits == 0) return negative ? nd->minimum <= -1 && nd->maximum >= -999999999999999999LL : 1;
+    if (v == 0) return nd->minimum <= 0 && nd->maximum >= 0; /* "0" and "-0" take no more digits */
+    long long scale = 1;
+    for (int k = 0; digits + k <= JSON_MAX_DIGITS; k++, scale *= 10) {
+        long long lo = v * scale, hi = lo + scale - 1;
+        if (negative) { long long t = -hi; hi = -lo; lo = t; }
+        if (hi >= nd->minimum && lo <= nd->maximum) return 1;
+        if (digits + k == JSON_MAX_DIGITS) break;
+    }
+    return 0;
+}
+
+/* What a frame did with a byte. */
+typedef enum { STEP_FAIL, STEP_TAKEN, STEP_DONE, STEP_DONE_BEFORE, STEP_OPEN, STEP_OPEN_BEFORE } StepResult;
+/* STEP_DONE: the byte completed the value; STEP_DONE_BEFORE: the value was
+   complete and the byte is the parent's; STEP_OPEN: the byte opened a child
+   value (pushed); STEP_OPEN_BEFORE: a child value starts with the byte */
+
+static StepResult object_step(const JsonSchema *s, Frame *f, int ch) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    switch (f->phase) {
+    case O_FIRST:
+    case O_NEXT:
+        if (ch == '}' && f->phase == O_FIRST) return (f->seen & nd->required) == nd->required ? STEP_DONE : STEP_FAIL;
+        if (ch != '"') return STEP_FAIL;
+        f->phase = O_KEY;
+        f->a = 0, f->b = nd->n_props, f->c = 0, f->x = !nd->closed;
+        return STEP_TAKEN;
+    case O_KEY: {
+        int lo = f->b, hi = f->a, unseen = 0; /* the properties that go on with ch */
+        for (int k = f->a; k < f->b; k++)
+            if (nd->props[k].len > f->c && (unsigned char)nd->props[k].name[f->c] == ch) {
+                if (k < lo) lo = k;
+                hi = k + 1;
+                unseen |= !(f->seen >> k & 1);
+            }
+        /* a '"' that a name goes on with is escaped (a name is a well-formed
+           JSON string, which no name could end before); else it ends the key */
+        if (ch == '"' && lo >= hi) {
+            if (f->a < f->b && nd->props[f->a].len == f->c) { /* a property's name */
+                if (f->seen >> f->a & 1) return STEP_FAIL;
+                f->c = f->a;
+            } else if (f->x) {
+                f->c = -1;
+            } else {
+                return STEP_FAIL;
+            }
+            f->phase = O_COLON;
+            return STEP_TAKEN;
+        }
+        f->x = f->x && ch >= 0x20 && ch < 0x7f && ch != '\\';
+        if (!unseen && !f->x) return STEP_FAIL;
+        if (unseen) f->a = lo, f->b = hi;
+        else f->a = f->b = 0;
+        f->c++;
+        return STEP_TAKEN;
+    }
+    case O_COLON:
+        if (ch != ':') return STEP_FAIL;
+        f->phase = O_VALUE;
+        return STEP_OPEN;
+    case O_AFTER:
+        if (ch == '}') return (f->seen & nd->required) == nd->required ? STEP_DONE : STEP_FAIL;
+        if (ch != ',') return STEP_FAIL;
+        if (nd->closed && f->seen == (nd->n_props == 64 ? ~0ull : (1ull << nd->n_props) - 1)) return STEP_FAIL;
+        f->phase = O_NEXT;
+        return STEP_TAKEN;
+    }
+    return STEP_FAIL;
+}
+
+static StepResult array_step(const JsonSchema *s, Frame *f, int ch) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    if (f->phase == A_FIRST && ch == ']') return nd->min_items == 0 ? STEP_DONE : STEP_FAIL;
+    if (f->phase == A_FIRST) {
+        if (nd->max_items == 0) return STEP_FAIL;
+        f->phase = A_VALUE;
+        return STEP_OPEN_BEFORE;
+    }
+    if (f->phase != A_AFTER) return STEP_FAIL;
+    if (ch == ']') return f->a >= nd->min_items ? STEP_DONE : STEP_FAIL;
+    if (ch != ',' || f->a >= nd->max_items) return STEP_FAIL;
+    f->phase = A_VALUE;
+    return STEP_OPEN;
+}
+
+/* Byte ch of a string's text (not its quote, nor an escape) on f's UTF-8
+   state (x bytes still due in a sequence, lo..hi the next one's range):
+   1 when ch starts a character, 0 when it goes on with one, -1 when it
+   cannot come (a control byte, or not well-formed UTF-8, RFC 3629). */
+static int utf8_step(Frame *f, int ch) {
+    if (f->x > 0) {
+        if (ch < f->lo || ch > f->hi) return -1;
+        f->x--, f->lo = 0x80, f->hi = 0xBF;
+        return 0;
+    }
+    if (ch < 0x20 || ch == '"' || ch == '\\') return -1;
+    if (ch >= 0x80) { /* the lead byte of a sequence */
+        if (ch < 0xC2 || ch > 0xF4) return -1;
+        f->x = ch < 0xE0 ? 1 : ch < 0xF0 ? 2 : 3;
+        f->lo = ch == 0xE0 ? 0xA0 : ch == 0xF0 ? 0x90 : 0x80;
+        f->hi = ch == 0xED ? 0x9F : ch == 0xF4 ? 0x8F : 0xBF;
+    }
+    return 1;
+}
+
+static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    if (f->phase == S_ESCAPE) {
+        if (ch == 'u') { f->phase = S_HEX; f->x = 0; f->b = 0; return STEP_TAKEN; }
+        if (!strchr("\"\\/bfnrt", ch) || ch == 0) return STEP_FAIL;
+        f->phase = S_CHAR;
+        return STEP_TAKEN;
+    }
+    if (f->phase == S_HEX) {
+        int d = hex_value((char)ch);
+        if (d < 0) return STEP_FAIL;
+        f->b = f->b * 16 + d;
+        if (++f->x == 2 && f->b >= 0xD8 && f->b <= 0xDF) return STEP_FAIL; /* a surrogate half alone */
+        if (f->x == 4 && f->b == 0) return STEP_FAIL; /* \u0000: no NUL, which C strings cannot hold */
+        if (f->x == 4) f->phase = S_CHAR, f->x = 0;
+        return STEP_TAKEN;
+    }
+    if (f->x == 0) {
+        if (ch == '"') return f->a >= nd->min_len ? STEP_DONE : STEP_FAIL;
+        if (f->a >= nd->max_len) return STEP_FAIL;
+        if (ch == '\\') {
+            f->phase = S_ESCAPE;
+            f->a++;
+            return STEP_TAKEN;
+        }
+    }
+    int started = utf8_step(f, ch);
+    if (started < 0) return STEP_FAIL;
+    f->a += started;
+    return STEP_TAKEN;
+}
+
+/* Whether a number frame holds a complete number (an integer in range). */
+static int number_complete(const JsonSchema *s, const Frame *f) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    if (f->phase != N_ZERO && f->phase != N_INT && f->phase != N_FRAC && f->phase != N_EXP_DIGITS) return 0;
+    if (nd->types & JT_NUMBER) return 1;
+    long long v = f->x ? -(long long)f->seen : (long long)f->seen;
+    return v >= nd->minimum && v <= nd->maximum;
+}
+
+static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    int real = (nd->types & JT_NUMBER) != 0, digit = ch >= '0' && ch <= '9';
+    switch (f->phase) {
+    case N_START:
+        if (ch == '-') {
+            f->x = 1;
+            f->phase = N_MINUS;
+            return real || integer_reachable(nd, 1, 0, 0) ? STEP_TAKEN : STEP_FAIL;
+        }
+        /* fall through */
+    case N_MINUS:
+        if (!digit) return STEP_FAIL;
+        f->phase = ch == '0' ? N_ZERO : N_INT;
+        f->a = 1;
+        f->seen = (uint64_t)(ch - '0');
+        return real || integer_reachable(nd, f->x, (long long)f->seen, 1) ? STEP_TAKEN : STEP_FAIL;
+    case N_INT:
+        if (digit) {
+            if (f->a == JSON_MAX_DIGITS) return STEP_FAIL;
+            f->a++;
+            f->seen = f->seen * 10 + (uint64_t)(ch - '0');
+            return real || integer_reachable(nd, f->x, (long long)f->seen, f->a) ? STEP_TAKEN : STEP_FAIL;
+        }
+        /* fall through */
+    case N_ZERO:
+        if (ch == '.' && real) { f->phase = N_DOT; return STEP_TAKEN; }
+        /* fall through */
+    case N_FRAC:
+        if (f->phase == N_FRAC && digit) return ++f->b > JSON_MAX_DIGITS ? STEP_FAIL : STEP_TAKEN;
+        if ((ch == 'e' || ch == 'E') && real) { f->phase = N_EXP; return STEP_TAKEN; }
+        return number_complete(s, f) ? STEP_DONE_BEFORE : STEP_FAIL;
+    case N_DOT:
+        if (!digit) return STEP_FAIL;
+        f->phase = N_FRAC;
+        f->b = 1;
+        return STEP_TAKEN;
+    case N_EXP:
+        if (ch == '+' || ch == '-') { f->phase = N_EXP_SIGN; return STEP_TAKEN; }
+        /* fall through */
+    case N_EXP_SIGN:
+        if (!digit) return STEP_FAIL;
+        f->phase = N_EXP_DIGITS;
+        f->c = 1;
+        return STEP_TAKEN;
+    case N_EXP_DIGITS:
+        if (digit) return ++f->c > 3 ? STEP_FAIL : STEP_TAKEN;
+        return STEP_DONE_BEFORE;
+    }
+    return STEP_FAIL;
+}
+
+static StepResult literal_step(const JsonSchema *s, Frame *f, int ch) {
+    const char *const *lits = frame_literals(s, f);
+    int lo = f->b, hi = f->a;
+    for (int k = f->a; k < f->b; k++)
+        if ((unsigned char)lits[k][f->c] == ch && ch != 0) {
+            if (k < lo) lo = k;
+            hi = k + 1;
+        }
+    if (lo < hi) {
+        f->a = lo, f->b = hi, f->c++;
+        return STEP_TAKEN;
+    }
+    return lits[f->a][f->c] == '\0' ? STEP_DONE_BEFORE : STEP_FAIL; /* sorted: a complete one comes first */
+}
+
+/* Turns a F_VALUE frame (not an anyOf) into the value that byte ch starts. */
+static StepResult value_start(const JsonSchema *s, Frame *f, int ch) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    if (nd->n_lits) {
+        *f = (Frame){.node = f->node, .kind = F_LITERAL, .x = 0, .a = 0, .b = nd->n_lits};
+        return literal_step(s, f, ch);
+    }
+    int t = nd->types;
+    if (ch == '{' && (t & JT_OBJECT)) { *f = (Frame){.node = f->node, .kind = F_OBJECT, .phase = O_FIRST}; return STEP_TAKEN; }
+    if (ch == '[' && (t & JT_ARRAY)) { *f = (Frame){.node = f->node, .kind = F_ARRAY, .phase = A_FIRST}; return STEP_TAKEN; }
+    if (ch == '"' && (t & JT_STRING)) { *f = (Frame){.node = f->node, .kind = F_STRING, .phase = S_CHAR}; return STEP_TAKEN; }
+    if ((ch == '-' || (ch >= '0' && ch <= '9')) && (t & (JT_INTEGER | JT_NUMBER))) {
+        *f = (Frame){.node = f->node, .kind = F_NUMBER, .phase = N_START};
+        return number_step(s, f, ch);
+    }
+    if ((ch == 't' || ch == 'f') && (t & JT_BOOLEAN)) { *f = (Frame){.node = f->node, .kind = F_LITERAL, .x = 1, .a = 0, .b = 2}; return literal_step(s, f, ch); }
+    if (ch == 'n' && (t & JT_NULL)) { *f = (Frame){.node = f->node, .kind = F_LITERAL, .x = 2, .a = 0, .b = 1}; return literal_step(s, f, ch); }
+    return STEP_FAIL;
+}
+
+/* The parent of a completed value takes note: the root is done, an object
+   has one more property written, an array one more item. */
+static void value_done(Frame *parent) {
+    if (parent->kind == F_ROOT) parent->phase = 1;
+    else if (parent->kind == F_OBJECT) {
+        if (parent->c >= 0) parent->seen |= 1ull << parent->c;
+        parent->phase = O_AFTER;
+    } else {
+        parent->a++;
+        parent->phase = A_AFTER;
+    }
+}
+
+/* The node of the value an object or array frame opens next. */
+static int child_node(const JsonSchema *s, const Frame *f) {
+    const SchemaNode *nd = &s->nodes[f->node];
+    if (f->kind == F_ARRAY) return nd->items;
+    return f->c >= 0 ? nd->props[f->c].node : 0;
+}
+
+static void add_reading(JsonState *out, const JsonStack *st) {
+    for (int i = 0; i < out->n; i++)
+        if (out->alt[i].depth == st->depth && memcmp(out->alt[i].f, st->f, (size_t)st->depth * sizeof(Frame)) == 0) return;
+    if (out->n == JSON_MAX_ALTS) return; /* dropped: the answer has fewer ways to go, all valid */
+    JsonStack *to = &out->alt[out->n++];
+    if (to == st) return; /* fed in its place */
+    to->depth = st->depth;
+    memcpy(to->f, st->f, (size_t)st->depth * sizeof(Frame));
+}
+
+/* Feeds byte ch to stack st (changed), adding the readings that take it to
+   out; an anyOf starting here forks one reading per branch. */
+static void stack_feed(const JsonSchema *s, JsonStack *st, int ch, JsonState *out, int forks) {
+    for (;;) {
+        Frame *f = &st->f[st->depth - 1];
+        StepResult r;
+        if (f->kind == F_VALUE && s->nodes[f->node].n_any) {
+            if (forks > 2 * SCHEMA_MAX_NESTING) return;
+            const SchemaNode *nd = &s->nodes[f->node];
+            JsonStack base; /* st may be out's next place, which the branches fill */
+            base.depth = st->depth;
+            memcpy(base.f, st->f, (size_t)st->depth * sizeof(Frame));
+            for (int b = 0; b < nd->n_any; b++) {
+                JsonStack copy;
+                copy.depth = base.depth;
+                memcpy(copy.f, base.f, (size_t)base.depth * sizeof(Frame));
+                copy.f[copy.depth - 1].node = nd->any[b];
+                stack_feed(s, &copy, ch, out, forks + 1);
+            }
+            return;
+        }
+        switch (f->kind) {
+        case F_ROOT: r = STEP_FAIL; break;
+        case F_VALUE: r = value_start(s, f, ch); break;
+        case F_OBJECT: r = object_step(s, f, ch); break;
+        case F_ARRAY: r = array_step(s, f, ch); break;
+        case F_STRING: r = string_step(s, f, ch); break;
+        case F_NUMBER: r = number_step(s, f, ch); break;
+        default: r = literal_step(s, f, ch); break;
+        }
+        if (r == STEP_FAIL) return;
+        if (r == STEP_TAKEN) break;
+        if (r == STEP_DONE || r == STEP_DONE_BEFORE) {
+            st->depth--;
+            value_done(&st->f[st->depth - 1]);
+            if (r == STEP_DONE) break;
+            continue;
+        }
+        if (st->depth == JSON_MAX_DEPTH) return; /* nested too deeply: not this way */
+        Frame *child = &st->f[st->depth++];
+        *child = (Frame){.node = child_node(s, f), .kind = F_VALUE};
+        if (r == STEP_OPEN) break;
+    }
+    add_reading(out, st);
+}
+
+/* out = the readings of `in` after byte ch (out->n == 0: ch cannot come).
+   Each reading is fed in out's next place, where it stays if it takes ch. */
+static void json_feed(const JsonSchema *s, const JsonState *in, int ch, JsonState *out) {
+    out->n = 0;
+    for (int i = 0; i < in->n && out->n < JSON_MAX_ALTS; i++) {
+        JsonStack *work = &out->alt[out->n];
+        work->depth = in->alt[i].depth;
+        memcpy(work->f, in->alt[i].f, (size_t)work->depth * sizeof(Frame));
+        stack_feed(s, work, ch, out, 0);
+    }
+}
+
+/* Whether the text read so far is a whole answer. */
+static int json_complete(const JsonSchema *s, const JsonState *st) {
+    for (int i = 0; i < st->n; i++) {
+        const JsonStack *k = &st->alt[i];
+        const Frame *top = &k->f[k->depth - 1];
+        if (k->depth == 1 && top->phase == 1) return 1;
+        if (k->depth != 2) continue;
+        if (top->kind == F_NUMBER && number_complete(s, top)) return 1;
+        if (top->kind == F_LITERAL && frame_literals(s, top)[top->a][top->c] == '\0') return 1;
+    }
+    return 0;
+}
+
+/* The state before the first byte of an answer: the root value (node 1) to come. */
+static void json_start(JsonState *st) {
+    st->n = 1;
+    st->alt[0].depth = 2;
+    st->alt[0].f[0] = (Frame){.kind = F_ROOT};
+    st->alt[0].f[1] = (Frame){.node = 1, .kind = F_VALUE};
+}
+
+/* -- The vocabulary as a trie, and the mask -- */
+
+/* A node of the trie: the tokens whose bytes are the path to it. Nodes are
+   in depth-first order, so a node's subtree is the nodes up to `skip`. */
+typedef struct {
+    unsigned char byte, depth; /* depth: bytes from the root (1 for the first) */
+    unsigned char flags;       /* TRIE_* of the path to it */
+    unsigned char chars;       /* TRIE_TEXT: the characters the path starts */
+    unsigned char due, lo, hi; /* TRIE_TEXT: the UTF-8 state after the path (a Frame's x, lo, hi) */
+    int skip;                  /* the first node after its subtree */
+    int first, n;              /* its tokens: order[first..first+n-1] */
+} TrieNode;
+
+/* What a path is, read inside a string (the bulk of a vocabulary is words):
+   TRIE_TEXT: string text (well-formed UTF-8 so far, no quote, backslash or
+   control byte); TRIE_ASCII: text of printable ASCII only (a free object
+   key's bytes); the _PARENT flags say the same of the path to the parent. */
+enum { TRIE_TEXT = 1, TRIE_ASCII = 2, TRIE_TEXT_PARENT = 4, TRIE_ASCII_PARENT = 8 };
+
+/* The two kinds of text a path can be (TRIE_TEXT, TRIE_ASCII), by index. */
+enum { TEXT_KINDS = 2 };
+
+typedef struct {
+    TrieNode *nodes;
+    int n_nodes, max_depth;
+    int *order;                /* tokens sorted by their bytes */
+    const char **bytes;        /* (vocab) each token's bytes as printed; NULL: never allowed */
+    int *len;                  /* (vocab) */
+    /* by kind of text k: the tokens that are text of that kind (1 each), how
+       many, their most characters, and the nodes where text of that kind
+       ends (the first node off a text path: the rest of the subtree must be read) */
+    unsigned char *text_tokens[TEXT_KINDS];  /* (vocab) */
+    int n_text_tokens[TEXT_KINDS], max_chars[TEXT_KINDS];
+    int *edges[TEXT_KINDS];                  /* (n_edges[k]) */
+    int n_edges[TEXT_KINDS];
+} TokenTrie;
+
+static const char *const *trie_sort_bytes;
+static const int *trie_sort_len;
+
+static int compare_token_bytes(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b, lx = trie_sort_len[x], ly = trie_sort_len[y];
+    int c = memcmp(trie_sort_bytes[x], trie_sort_bytes[y], (size_t)(lx < ly ? lx : ly));
+    return c ? c : lx != ly ? lx - ly : x - y;
+}
+
+/* The trie of tok's printable tokens (not BOS, the end tokens or special
+   ones; not pieces longer than 255 bytes or holding NUL). A token's bytes
+   are its piece as printed after a token other than BOS. */
+static TokenTrie *token_trie_new(const Tokenizer *tok) {
+    const int vocab = tok->vocab_size;
+    TokenTrie *t = xcalloc(1, sizeof(TokenTrie));
+    t->bytes = xcalloc((size_t)vocab, sizeof(char *));
+    t->len = xcalloc((size_t)vocab, sizeof(int));
+    t->order = xcalloc((size_t)vocab, sizeof(int));
+    int n = 0;
+    size_t total = 0;
+    for (int i = 0; i < vocab; i++) {
+        if (is_end_token(tok, i) || (tok->special && tok->special[i])) continue;
+        const char *piece = decode(tok, -1, i);
+        int len = tok->byte_level ? tok->piece_len[i] : (int)strlen(piece);
+        if (len == 0 || len > 255 || !piece_is_printable(tok, piece) || memchr(piece, '\0', (size_t)len)) continue;
+        t->bytes[i] = piece;
+        t->len[i] = len;
+        t->order[n++] = i;
+        total += (size_t)len;
+    }
+    trie_sort_bytes = t->bytes; /* qsort has no context argument; built once per tokenizer */
+    trie_sort_len = t->len;
+    qsort(t->order, (size_t)n, sizeof(int), compare_token_bytes);
+    t->nodes = xcalloc(total + 1, sizeof(TrieNode));
+    int open[256], prev = -1; /* open[d]: the node at depth d+1 on the path of the last token */
+    for (int k = 0; k < n; k++) {
+        int tk = t->order[k], common = 0;
+        if (prev >= 0)
+            while (common < t->len[prev] && common < t->len[tk] && t->bytes[prev][common] == t->bytes[tk][common]) common++;
+        for (int d = prev >= 0 ? t->len[prev] : 0; d > common; d--) t->nodes[open[d - 1]].skip = t->n_nodes;
+        for (int d = common; d < t->len[tk]; d++) {
+            int ch = (unsigned char)t->bytes[tk][d];
+            TrieNode node = {(unsigned char)ch, (unsigned char)(d + 1), TRIE_TEXT_PARENT | TRIE_ASCII_PARENT, 0, 0, 0, 0, 0, k, 0};
+            if (d > 0) { /* the parent's path, read on by ch */
+                const TrieNode *parent = &t->nodes[open[d - 1]];
+                node.flags = (unsigned char)((parent->flags & TRIE_TEXT ? TRIE_TEXT_PARENT : 0) | (parent->flags & TRIE_ASCII ? TRIE_ASCII_PARENT : 0));
+                node.chars = parent->chars, node.due = parent->due, node.lo = parent->lo, node.hi = parent->hi;
+            }
+            Frame utf8 = {.x = node.due, .lo = node.lo, .hi = node.hi};
+            int started = node.flags & TRIE_TEXT_PARENT ? utf8_step(&utf8, ch) : -1;
+            if (started >= 0) {
+                node.flags |= TRIE_TEXT | (ch < 0x7f && (node.flags & TRIE_ASCII_PARENT) ? TRIE_ASCII : 0);
+                node.chars = (unsigned char)(node.chars + started), node.due = utf8.x, node.lo = utf8.lo, node.hi = utf8.hi;
+            }
+            open[d] = t->n_nodes;
+            t->nodes[t->n_nodes++] = node;
+        }
+        TrieNode *at = &t->nodes[open[t->len[tk] - 1]];
+        if (at->n == 0) at->first = k;
+        at->n++;
+        if (t->len[tk] > t->max_depth) t->max_depth = t->len[tk];
+        prev = tk;
+    }
+    for (int d = prev >= 0 ? t->len[prev] : 0; d > 0; d--) t->nodes[open[d - 1]].skip = t->n_nodes;
+    for (int k = 0; k < TEXT_KINDS; k++) {
+        const int flag = k == 0 ? TRIE_TEXT : TRIE_ASCII;
+        t->text_tokens[k] = xcalloc((size_t)vocab, 1);
+        t->edges[k] = xcalloc((size_t)t->n_nodes + 1, sizeof(int));
+        for (int i = 0; i < t->n_nodes; i++) {
+            const TrieNode *node = &t->nodes[i];
+            if (node->flags & flag) {
+                for (int j = 0; j < node->n; j++) t->text_tokens[k][t->order[node->first + j]] = 1;
+                t->n_text_tokens[k] += node->n;
+                if (node->chars > t->max_chars[k]) t->max_chars[k] = node->chars;
+            } else if (node->flags & (flag * TRIE_TEXT_PARENT)) {
+                t->edges[k][t->n_edges[k]++] = i;
+            }
+        }
+    }
+    return t;
+}
+
+static void token_trie_free(TokenTrie *t) {
+    if (!t) return;
+    free(t->nodes); free(t->order); free(t->bytes); free(t->len);
+    for (int k = 0; k < TEXT_KINDS; k++) { free(t->text_tokens[k]); free(t->edges[k]); }
+    free(t);
+}
+
+/* A request's reading of its answer: the state, and scratch for the mask. */
+typedef struct {
+    const JsonSchema *schema;
+    JsonState state;
+    JsonState *walk;          /* (trie max_depth + 1) the states down the trie's path */
+    unsigned char *allowed;   /* (vocab) */
+} JsonMatch;
+
+static JsonMatch *json_match_new(const JsonSchema *s, const TokenTrie *t, int vocab) {
+    JsonMatch *m = xcalloc(1, sizeof(JsonMatch));
+    m->schema = s;
+    json_start(&m->state);
+    m->walk = xcalloc((size_t)t->max_depth + 1, sizeof(JsonState));
+    m->allowed = xcalloc((size_t)vocab, 1);
+    return m;
+}
+
+static void json_match_free(JsonMatch *m) {
+    if (!m) return;
+    free(m->walk);
+    free(m->allowed);
+    free(m);
+}
+
+/* Where the text so far has one reading and it is between characters of
+   a string (TRIE_TEXT paths go on with it) or of a free object key
+   (TRIE_ASCII ones), that flag, and the characters it may still take in
+   *room; else 0. */
+static int text_room(const JsonSchema *s, const JsonState *st, int *room) {
+    if (st->n != 1) return 0;
+    const Frame *top = &st->alt[0].f[st->alt[0].depth - 1];
+    if (top->kind == F_STRING && top->phase == S_CHAR && top->x == 0) {
+        *room = s->nodes[top->node].max_len - top->a;
+        return TRIE_TEXT;
+    }
+    if (top->kind == F_OBJECT && top->phase == O_KEY && top->x && top->a >= top->b) { /* no property's name left */
+        *room = INT_MAX;
+        return TRIE_ASCII;
+    }
+    return 0;
+}
+
+/* The state after a path of `bytes` that text_room's flag covers, whose
+   characters and UTF-8 state `text` holds (its node, or a child's off the
+   text, which keeps them), from a state text_room accepted: the same
+   frames, the top one further on. */
+static void text_state_after(const JsonState *from, const TrieNode *text, int bytes, JsonState *out) {
+    out->n = 1;
+    out->alt[0].depth = from->alt[0].depth;
+    memcpy(out->alt[0].f, from->alt[0].f, (size_t)from->alt[0].depth * sizeof(Frame));
+    Frame *top = &out->alt[0].f[out->alt[0].depth - 1];
+    if (top->kind == F_OBJECT) {
+        top->c += bytes;
+        return;
+    }
+    top->a += text->chars;
+    top->x = text->due, top->lo = text->lo, top->hi = text->hi;
+}
+
+/* Marks the allowed tokens of nodes from..to-1 (whole subtrees) of the
+   trie, reading each node's byte on the state of its parent (walk[depth -
+   1]) into walk[depth], and skipping the subtree of a byte that cannot
+   come. With `text` (text_room's flag) a node on a text path that fits in
+   `room` is allowed without being read, and the state below it is made
+   when a node off the text needs it. Returns the count marked. */
+static int walk_trie(const JsonMatch *m, const TokenTrie *t, int from, int to, int text, int room) {
+    JsonState *walk = m->walk;
+    const TrieNode *path[256]; /* path[d]: the node at depth d on the way to the current one */
+    int n_allowed = 0;
+    for (int i = from; i < to;) {
+        const TrieNode *node = &t->nodes[i];
+        path[node->depth] = node;
+        if ((node->flags & text) && node->chars <= room) { /* text that fits */
+            for (int k = 0; k < node->n; k++) m->allowed[t->order[node->first + k]] = 1;
+            n_allowed += node->n;
+            i++;
+            continue;
+        }
+        if ((node->flags & text * TRIE_TEXT_PARENT) && node->depth > 1 && path[node->depth - 1]->chars <= room)
+            text_state_after(&m->state, node, node->depth - 1, &walk[node->depth - 1]); /* below text that fits */
+        JsonState *next = &walk[node->depth];
+        json_feed(m->schema, &walk[node->depth - 1], node->byte, next);
+        if (next->n == 0) { i = node->skip; continue; } /* no token below goes on */
+        for (int k = 0; k < node->n; k++) m->allowed[t->order[node->first + k]] = 1;
+        n_allowed += node->n;
+        i++;
+    }
+    return n_allowed;
+}
+
+/* Sets to -inf the logits of the tokens that cannot come next: those whose
+   bytes do not keep the text a valid prefix, and the end tokens unless the
+   value is complete. Returns how many tokens stay allowed. Inside a string
+   (or a free key) with room for any token, the tokens that are text are
+   allowed as a whole (a copy of the trie's set) and only the subtrees that
+   leave the text are read. */
+static int json_mask(const JsonMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
+    int room = 0, n_allowed = 0;
+    const int vocab = tok->vocab_size, text = text_room(m->schema, &m->state, &room), k = text == TRIE_ASCII;
+    memcpy(&m->walk[0], &m->state, offsetof(JsonState, alt) + (size_t)m->state.n * sizeof(JsonStack));
+    if (text && room >= t->max_chars[k]) {
+        memcpy(m->allowed, t->text_tokens[k], (size_t)vocab);
+        n_allowed = t->n_text_tokens[k];
+        for (int e = 0; e < t->n_edges[k]; e++) {
+            const TrieNode *node = &t->nodes[t->edges[k][e]];
+            if (node->depth > 1) text_state_after(&m->state, node, node->depth - 1, &m->walk[node->depth - 1]);
+            n_allowed += walk_trie(m, t, t->edges[k][e], node->skip, 0, 0);
+        }
+    } else {
+        memset(m->allowed, 0, (size_t)vocab);
+        n_allowed = walk_trie(m, t, 0, t->n_nodes, text, room);
+    }
+    if (json_complete(m->schema, &m->state))
+        for (int i = 0; i < tok->n_end; i++, n_allowed++) m->allowed[tok->end[i]] = 1;
+    for (int i = 0; i < vocab; i++)
+        if (!m->allowed[i]) logits[i] = -INFINITY;
+    return n_allowed;
+}
+
+/* Reads token `token`'s bytes; returns whether the answer is then finished
+   (complete, and no byte could extend it). */
+static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
+    JsonState next;
+    for (int i = 0; i < t->len[token]; i++) {
+        json_feed(m->schema, &m->state, (unsigned char)t->bytes[token][i], &next);
+        m->state = next;
+    }
+    if (!json_complete(m->schema, &m->state)) return 0;
+    for (int ch = 1; ch < 256; ch++) {
+        json_feed(m->schema, &m->state, ch, &next);
+        if (next.n > 0) return 0;
+    }
+    return 1;
+}
+
 /* ------------------------------------------------------------------------ */
 /* 7. The engine: requests served together (continuous batching)           */
 /* ------------------------------------------------------------------------ */
@@ -6893,6 +8317,7 @@ typedef struct {
     int max_new_tokens;   /* --max-new-tokens: new tokens per reply at most; 0: no limit */
     int rolling;          /* --keep given: past the context, drop old positions (see kv_slot) */
     int keep;             /* --keep: the leading positions never dropped */
+    const JsonSchema *schema; /* the answer is one JSON value valid under it (6.1); NULL: any text */
 } Decoding;
 
 /* The new tokens a continuation may have: `room` (what the positions
@@ -6927,6 +8352,7 @@ typedef struct {
     float *next_scores;     /* (B) */
     Candidate *cand;        /* (3B) */
     HypothesisPool pool;
+    JsonState *json, *next_json; /* (B) under a schema: each beam's answer read so far, and the same after a reorder */
 } BeamState;
 
 /* ---- Log-probabilities reported --------------------------------------------
@@ -7011,6 +8437,7 @@ struct Request {
     Logprobs *lp;           /* the log-probabilities to keep; NULL: none (owned by the request) */
     char *id;               /* --batch: the request's "id" as JSON text */
     const char *error;      /* set when the request cannot run */
+    JsonSchema *own_schema; /* d.schema when the request owns it (--batch, the server) */
     /* called with the text of each sampled token once it is safe to print
        (see StopMatcher), for streamed output; may be NULL */
     void (*on_text)(Request *r, const char *text, size_t n);
@@ -7024,6 +8451,7 @@ struct Request {
     StopMatcher stops;      /* sampling: the text so far, against the stop strings */
     float *raw;             /* (vocab) sampling with a score: the logits before sampling */
     BeamState *beam;        /* NULL when sampling */
+    JsonMatch *json;        /* under d.schema: the answer read so far (beam search: the scratch of each beam's mask); NULL: unconstrained */
     Hypothesis *hyps;       /* (max(1, B)) the result, best first */
     int n_hyps;
     int logit_at;           /* this step: the first of its rows in the logits, -1 if none */
@@ -7062,6 +8490,7 @@ typedef struct {
     void (*on_done)(Request *r, void *user);
     void *user;
     Speculator *spec;       /* greedy requests draft and verify several tokens per step; NULL: off */
+    TokenTrie *trie;        /* the vocabulary's trie, built for the first request under a schema */
     Stats stats;
 } Engine;
 
@@ -7130,6 +8559,7 @@ static void request_free(Request *r) {
     free(r->prompt);
     free(r->id);
     logprobs_free(r->lp);
+    free_schema(r->own_schema);
     free(r);
 }
 
@@ -7152,6 +8582,7 @@ static void beam_state_free(BeamState *b) {
     if (!b) return;
     free(b->beam_scores); free(b->logprob_rows); free(b->logprobs); free(b->generated); free(b->next_generated);
     free(b->parent); free(b->next_token); free(b->next_scores); free(b->cand);
+    free(b->json); free(b->next_json);
     free(b);
 }
 
@@ -7171,6 +8602,8 @@ static void request_finish(Engine *e, Request *r) {
     r->beam = NULL;
     free(r->raw);
     r->raw = NULL;
+    json_match_free(r->json);
+    r->json = NULL;
     free_sampler(&r->sampler);
     free_stop_matcher(&r->stops);
     r->stops.held = NULL;
@@ -7220,7 +8653,9 @@ static int choose_token(const Engine *e, Request *r, float *logits) {
     const int vocab = e->t->config.vocab_size;
     const Controls *ctl = &r->d.controls;
     const Sequence *s = &r->seqs[0];
+    if (r->json && json_mask(r->json, e->trie, e->tok, logits) == 0) return -1;
     process_logits(ctl, e->tok, s->tokens, s->n_tokens, r->hyps[0].n_tokens, logits);
+    if (r->json && !(logits[sample_argmax(logits, vocab)] > -INFINITY)) return -1; /* the controls banned every allowed token */
     if (r->raw) memcpy(r->raw, logits, (size_t)vocab * sizeof(float));
     int next = sample_with_controls(&r->sampler, ctl, logits);
     if (r->raw) r->hyps[0].score += log_prob(r->raw, vocab, next);
@@ -7250,8 +8685,8 @@ static void finish_interrupted(Engine *e, Request *r) {
 static void take_token(Engine *e, Request *r, int next) {
     Hypothesis *h = &r->hyps[0];
     Sequence *s = &r->seqs[0];
-    int ended = next == e->tok->bos || (r->stop_at_eos && is_eos_token(e->tok, next));
-    if (ended) h->stop = end_reason(e->tok, next);
+    int ended = next < 0 || next == e->tok->bos || ((r->stop_at_eos || r->json) && is_eos_token(e->tok, next));
+    if (ended) h->stop = next < 0 ? "constraint" : end_reason(e->tok, next);
     else {
         const char *piece = decode(e->tok, s->tokens[s->n_tokens - 1], next);
         h->tokens[h->n_tokens++] = next;
@@ -7264,6 +8699,9 @@ static void take_token(Engine *e, Request *r, int next) {
         if (r->stops.matched) {
             h->stop = "string";
             h->stop_string = r->stops.matched;
+            ended = 1;
+        } else if (r->json && json_take(r->json, e->trie, next)) {
+            h->stop = "json";
             ended = 1;
         } else if (h->n_tokens == r->max_new) {
             ended = 1;
@@ -7326,9 +8764,20 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     KVCache *c = &e->t->state.cache;
     const int B = r->d.beam.beams, vocab = e->t->config.vocab_size, max_new = r->max_new;
     BeamState *bs = r->beam;
+    if (r->json && bs) /* each beam's tokens that keep its answer valid (serially: one scratch) */
+        for (int j = 0; j < B; j++) {
+            r->json->state = bs->json[j];
+            json_mask(r->json, e->trie, e->tok, logits + (size_t)j * vocab);
+        }
     if (!bs) {
         bs = r->beam = beam_state_new(B, vocab, max_new);
         bs->pool = (HypothesisPool){r->hyps, 0, 1e9};
+        if (r->json) {
+            json_mask(r->json, e->trie, e->tok, logits);
+            bs->json = xcalloc((size_t)B, sizeof(JsonState));
+            bs->next_json = xcalloc((size_t)B, sizeof(JsonState));
+            for (int j = 0; j < B; j++) bs->json[j] = r->json->state;
+        }
         beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[0], 0, logits, bs->logprob_rows, vocab);
         for (int j = 0; j < B; j++) {
             bs->logprobs[j] = bs->logprob_rows;
@@ -7349,10 +8798,11 @@ static void beam_step(Engine *e, Request *r, float *logits) {
         /* stop strings can take more than the 2B places that end tokens
            can: then the walk goes on down the ranking */
         if (rank == n_cand) {
-            if (n_cand == B * vocab) break;
+            if (n_cand == B * vocab || !(bs->cand[n_cand - 1].score > -INFINITY)) break; /* the rest are masked */
             n_cand = more_candidates(bs->beam_scores, bs->logprobs, B, vocab, &bs->cand, n_cand);
         }
         Candidate cd = bs->cand[rank];
+        if (!(cd.score > -INFINITY)) break; /* a masked token (a schema), and all after it */
         const int *beam_tokens = bs->generated + (size_t)cd.beam * max_new;
         const char *stop_string = is_end_token(e->tok, cd.token) ? NULL
                                   : continuation_stop(&r->d.controls, e->tok, r->prompt[r->n_prompt - 1], beam_tokens, step, cd.token);
@@ -7368,11 +8818,29 @@ static void beam_step(Engine *e, Request *r, float *logits) {
             h.tokens[h.n_tokens++] = cd.token;
             h.stop_string = stop_string;
             pool_add(&bs->pool, &r->d.beam, h, cd.score, step + 1);
+        } else if (r->json && (r->json->state = bs->json[cd.beam], json_take(r->json, e->trie, cd.token))) {
+            /* the answer is complete: a hypothesis, its last token kept */
+            if (rank >= B) continue;
+            Hypothesis h = make_hypothesis(beam_tokens, step, "json");
+            h.tokens[h.n_tokens++] = cd.token;
+            pool_add(&bs->pool, &r->d.beam, h, cd.score, step + 1);
         } else {
+            if (r->json) bs->next_json[n_next] = r->json->state;
             bs->parent[n_next] = cd.beam;
             bs->next_token[n_next] = cd.token;
             bs->next_scores[n_next++] = cd.score;
         }
+    }
+    if (n_next == 0) { /* under a schema every continuation may have ended */
+        e->stats.generated_tokens++;
+        request_finish(e, r);
+        return;
+    }
+    for (int j = n_next; j < B; j++) { /* too few left (a schema): copies that never win */
+        bs->parent[j] = bs->parent[0];
+        bs->next_token[j] = bs->next_token[0];
+        bs->next_scores[j] = -INFINITY;
+        if (r->json) bs->next_json[j] = bs->next_json[0];
     }
     int generated = step + 1, done = pool_is_done(&bs->pool, &r->d.beam, bs->cand[0].score, generated, max_new);
     /* reorder: beam j continues beam parent[j] with next_token[j] */
@@ -7391,6 +8859,7 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     }
     free(next);
     int *swap = bs->generated; bs->generated = bs->next_generated; bs->next_generated = swap;
+    JsonState *swap_json = bs->json; bs->json = bs->next_json; bs->next_json = swap_json;
     bs->step++;
     e->stats.generated_tokens++;
     if (done) {
@@ -7399,8 +8868,9 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     }
     if (generated == max_new || interrupted()) { /* the length limit (or Ctrl-C): running beams join the pool */
         for (int j = 0; j < B; j++)
-            pool_add(&bs->pool, &r->d.beam, make_hypothesis(bs->generated + (size_t)j * max_new, generated, "length"),
-                     bs->beam_scores[j], generated);
+            if (bs->beam_scores[j] > -INFINITY)
+                pool_add(&bs->pool, &r->d.beam, make_hypothesis(bs->generated + (size_t)j * max_new, generated, "length"),
+                         bs->beam_scores[j], generated);
         request_finish(e, r);
         return;
     }
@@ -7557,6 +9027,12 @@ static void speculate(Engine *e) {
         Sequence *s = &r->seqs[0];
         r->n_draft = -1;
         if (!sp || r->d.beam.beams > 0 || s->n_tokens - s->n_cached != 1) continue;
+        if (r->json) { /* drafts are not checked against the schema: this request goes a token at a time */
+            static int noted;
+            if (!noted) fprintf(stderr, "run: note: speculative decoding is off for answers under a JSON schema\n");
+            noted = 1;
+            continue;
+        }
         int k_max = r->max_new - r->hyps[0].n_tokens - 1; /* the last new token is never fed */
         r->n_draft = k_max < sp->draft_max ? (k_max > 0 ? k_max : 0) : sp->draft_max;
         if (r->n_draft == 0) continue;
@@ -7648,6 +9124,7 @@ static void engine_init(Engine *e, Transformer *t, const Tokenizer *tok, int par
 }
 
 static void engine_free(Engine *e) {
+    token_trie_free(e->trie);
     free(e->queue); free(e->running); free(e->row_token); free(e->row_pos); free(e->logit_rows);
     free(e->row_table); free(e->row_seq);
     memset(e, 0, sizeof(*e));
@@ -7731,6 +9208,10 @@ static int engine_start(Engine *e, Request *r) {
                                                           r->prompt + (size_t)i * KV_BLOCK, BLOCK_PENDING);
     }
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
+    if (r->d.schema) {
+        if (!e->trie) e->trie = token_trie_new(e->tok);
+        r->json = json_match_new(r->d.schema, e->trie, t->config.vocab_size);
+    }
     r->stops = stop_matcher(&r->d.controls);
     if (r->d.beam.beams == 0 && (r->d.format == FORMAT_JSON || r->lp)) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
     if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
@@ -8600,6 +10081,9 @@ typedef struct {
     int ordered;               /* --ordered: batch results in input order */
     int format_given;          /* whether -f was given */
     Controls controls;         /* --min-new-tokens ... --stop */
+    int json_object;           /* --json: answers are JSON objects */
+    const char *schema_file;   /* --json-schema: answers are valid under this schema; NULL: none */
+    const JsonSchema *schema;  /* the one of --json or --json-schema (compiled in main); NULL: any text */
     int chat_template;         /* --chat-template: CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML or CHAT_PHI3; -1: the tokenizer's */
     const char *draft_file;    /* --draft: the draft model's checkpoint; NULL: none */
     int lookup;                /* --lookup: prompt lookup's N-gram size; 0: off */
@@ -8648,6 +10132,9 @@ static const char *usage_text =
     "  --no-repeat-ngram-size <int>  no n-gram of this size occurs twice; 0 is off (default 0)\n"
     "  --min-new-tokens <int>        no end before this many new tokens (default 0)\n"
     "  --stop <string>    end the text before this string (repeatable, up to 16; default none)\n"
+    "  --json             the answer is one JSON object, and ends with it (default: off)\n"
+    "  --json-schema <file>  the answer is one JSON value valid under this JSON schema (a subset,\n"
+    "                     see docs/options.md), and ends with it (default: off)\n"
     "\n"
     "Beam search:\n"
     "  -b <int>           beams; 1 is greedy (default: off, sample)\n"
@@ -8825,6 +10312,8 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--top-k") == 0) { c->top_k = (int)parse_integer(flag, option_value(argc, argv, i), 0, INT_MAX); return 2; }
     if (strcmp(flag, "--min-p") == 0) { c->min_p = (float)parse_number(flag, option_value(argc, argv, i), 0.0, 1.0); return 2; }
     if (strcmp(flag, "--stop") == 0) { add_stop(c, option_value(argc, argv, i)); return 2; }
+    if (strcmp(flag, "--json") == 0) { o->json_object = 1; return 1; }
+    if (strcmp(flag, "--json-schema") == 0) { o->schema_file = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
     if (strcmp(flag, "--chat-template") == 0) {
         const char *v = option_value(argc, argv, i);
@@ -8895,6 +10384,14 @@ static void check_keep(const Options *o) {
     if (o->beams > 0) usage_error("--keep does not work with beam search (-b)");
 }
 
+/* --json and --json-schema: one of them, for answers (not -m tokenize or
+   perplexity). */
+static void check_json(const Options *o) {
+    if (o->json_object && o->schema_file) usage_error("--json and --json-schema both constrain the answer: use one");
+    if (!o->batch_file && (strcmp(o->mode, "tokenize") == 0 || strcmp(o->mode, "perplexity") == 0))
+        usage_error("--json and --json-schema apply to -m generate, chat, serve and --batch");
+}
+
 static Options parse_options(int argc, char **argv) {
     Options o = {.mode = "generate", .temperature = 1.0f, .topp = 0.9f, .steps = 256,
                  .format = FORMAT_TEXT, .length_penalty = 1.0f, .early_stopping = STOP_HEURISTIC, .n_return = 1, .parallel = 8,
@@ -8925,6 +10422,7 @@ static Options parse_options(int argc, char **argv) {
         usage_error("--batch writes JSON lines only (-f json)");
     if (o.draft_file || o.lookup) check_speculation(&o);
     if (o.keep >= 0) check_keep(&o);
+    if (o.json_object || o.schema_file) check_json(&o);
     if (o.n_return > (o.beams > 0 ? o.beams : 1))
         usage_error("-r %d asks for more hypotheses than the %d beams (-b) keep", o.n_return, o.beams > 0 ? o.beams : 1);
     return o;
@@ -8963,6 +10461,19 @@ static char *read_text_file(const char *path) {
     char *text = read_whole_file(path, "prompt file", &len);
     if (strlen(text) != len) die(EXIT_BAD_FILE, "%s: the prompt file holds a NUL byte", path);
     return text;
+}
+
+/* The schema of --json or --json-schema FILE (a bad one ends the run with
+   its one-line error), or NULL. */
+static JsonSchema *schema_of_options(const Options *o) {
+    if (o->json_object) return any_object_schema();
+    if (!o->schema_file) return NULL;
+    size_t len;
+    char *text = read_whole_file(o->schema_file, "JSON schema", &len), err[256];
+    JsonSchema *s = compile_schema(text, len, err, sizeof(err));
+    free(text);
+    if (!s) die(EXIT_USAGE, "%s: %s", o->schema_file, err);
+    return s;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -9073,25 +10584,8 @@ static char *json_string(JsonCursor *j, const char *what) {
     return out;
 }
 
-/* The length of the JSON number at the cursor (RFC 8259 grammar), or 0. */
-static size_t json_number_length(const JsonCursor *j) {
-    const char *p = j->p, *e = j->end;
-    if (p < e && *p == '-') p++;
-    if (p < e && *p == '0') p++;
-    else if (p < e && *p >= '1' && *p <= '9') while (p < e && isdigit((unsigned char)*p)) p++;
-    else return 0;
-    if (p < e && *p == '.') {
-        if (++p >= e || !isdigit((unsigned char)*p)) return 0;
-        while (p < e && isdigit((unsigned char)*p)) p++;
-    }
-    if (p < e && (*p == 'e' || *p == 'E')) {
-        p++;
-        if (p < e && (*p == '+' || *p == '-')) p++;
-        if (p >= e || !isdigit((unsigned char)*p)) return 0;
-        while (p < e && isdigit((unsigned char)*p)) p++;
-    }
-    return (size_t)(p - j->p);
-}
+/* The length of the JSON number at the cursor, or 0 (json_number_span). */
+static size_t json_number_length(const JsonCursor *j) { return json_number_span(j->p, j->end); }
 
 /* Reads the value at the cursor: *text gets a string's contents or a
    number's or literal's spelling (the caller frees it). Objects and arrays
@@ -9128,6 +10622,7 @@ typedef struct {
     char *prompt;
     char *id;
     char *stops[MAX_STOPS]; /* the texts o.controls.stops points to */
+    JsonSchema *schema;     /* its "response_format"'s, which o.schema points to; NULL: none */
 } BatchLine;
 
 /* The strings a line's parse holds for a moment (field names, a value's
@@ -9234,6 +10729,21 @@ static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
     j->p++; /* ] */
 }
 
+/* Field "response_format", OpenAI's: {"type": "text"}, {"type":
+   "json_object"} or {"type": "json_schema", "json_schema": {"name",
+   "schema", "strict", "description"}}; the line's answers follow it. */
+static void apply_response_format(JsonCursor *j, BatchLine *line) {
+    char err[256];
+    size_t used = 0;
+    int plain;
+    JsonSchema *s = compile_json_value(j->p, j->end, 1, &used, &plain, err, sizeof(err));
+    if (!s && !plain) json_fail(j, "field 'response_format': %s", err);
+    j->p += used;
+    free_schema(line->schema);
+    line->schema = s;
+    line->o.schema = s;
+}
+
 /* Parses one line (a flat JSON object) over the defaults in line->o. */
 static int run_positions(const Options *o, int seq_len);
 
@@ -9256,6 +10766,8 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
             if (strcmp(tmp->names[i], name) == 0) json_fail(j, "field '%s' appears twice", name);
         if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
             parse_stop_list(j, line, &tmp->text);
+        } else if (strcmp(name, "response_format") == 0) {
+            apply_response_format(j, line);
         } else {
             JsonKind kind = json_value(j, name, &tmp->text);
             apply_field(j, line, name, kind, tmp->text, vocab);
@@ -9284,7 +10796,7 @@ static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
        end token whatever -e says */
     EarlyStopping early = o->beams == 1 ? STOP_EARLY : o->early_stopping;
     return (Decoding){o->temperature, o->topp, o->seed ? o->seed : clock_seed, {o->beams, o->length_penalty, early},
-                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0};
+                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0, o->schema};
 }
 
 /* The positions a run may use: -n (0 or above the context: the context), as
@@ -9428,6 +10940,8 @@ static int parse_line(const char *text, size_t n, const char *where, BatchLine *
         free(line->prompt);
         line->prompt = NULL;
         free_batch_stops(line);
+        free_schema(line->schema);
+        line->schema = NULL;
         return -1;
     }
     parse_batch_line(&j, line, tmp, lim->vocab, lim->seq_len);
@@ -9585,6 +11099,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     Request *r = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0, b->tok->eos_ends_generate, &d);
     r->index = i;
     r->id = line->id;
+    r->own_schema = line->schema;
     slot_at(&b->out, i)->request = r;
     b->out.requests++;
     if (!prompt) {
@@ -9716,53 +11231,11 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
 #define SERVE_MAX_BEAMS 4 /* num_beams at most, unless -b is more */
 #define SERVE_MAX_N 16     /* n: choices of one completion, at most */
 
-/* A growing byte buffer, NUL-terminated. */
-typedef struct {
-    char *data;
-    size_t n, cap;
-} ByteBuf;
-
-static void buf_add(ByteBuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->data, cap);
-        if (!p) die(EXIT_BAD_FILE, "out of memory (a buffer of %zu bytes)", cap);
-        b->data = p;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->n, s, n);
-    b->n += n;
-    b->data[b->n] = '\0';
-}
-
-static void buf_str(ByteBuf *b, const char *s) { buf_add(b, s, strlen(s)); }
-
-static void buf_printf(ByteBuf *b, const char *fmt, ...) {
-    char small[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(small, sizeof(small), fmt, ap);
-    va_end(ap);
-    if (n < (int)sizeof(small)) { buf_add(b, small, (size_t)n); return; }
-    char *big = xcalloc((size_t)n + 1, 1);
-    va_start(ap, fmt);
-    vsnprintf(big, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    buf_add(b, big, (size_t)n);
-    free(big);
-}
-
 /* s as a JSON string (see json_quote). */
 static void buf_json(ByteBuf *b, const char *s) {
     char *q = json_quote(s);
     buf_add(b, q, strlen(q));
     free(q);
-}
-
-static void buf_free(ByteBuf *b) {
-    free(b->data);
-    memset(b, 0, sizeof(*b));
 }
 
 /* ---- HTTP requests ------------------------------------------------------- */
@@ -9898,6 +11371,7 @@ typedef struct {
 
 static void free_serve_fields(ServeFields *f) {
     free(f->line.prompt);
+    free_schema(f->line.schema);
     for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
     for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
     free(f->roles);
@@ -9999,7 +11473,7 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
    refused unless they hold their harmless value (null, false, 0, 1, {}). */
 static const char *const refused_fields[] = {"best_of", "echo", "top_logprobs", "suffix", "presence_penalty",
                                              "frequency_penalty", "logit_bias", "tools", "tool_choice", "functions",
-                                             "function_call", "response_format"};
+                                             "function_call"};
 
 /* Whether the value at the cursor is harmless for a refused field. */
 static int harmless_value(JsonCursor *j, ServeFields *f) {
@@ -10048,6 +11522,8 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
     } else if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
         parse_stop_list(j, &f->line, &f->text);
     } else if (choice_field(j, f, name)) {
+    } else if (strcmp(name, "response_format") == 0 && !(j->end - j->p >= 4 && memcmp(j->p, "null", 4) == 0)) {
+        apply_response_format(j, &f->line); /* (null stands for an absent field, below) */
     } else {
         int refused = 0, known = 0;
         for (size_t i = 0; i < sizeof(refused_fields) / sizeof(refused_fields[0]); i++)
@@ -10750,6 +12226,10 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
     submit_choices(srv, c, f, &d, prompt, n_prompt);
+    /* the choices share the schema; the last one owns it, as it is freed
+       last (conn_drop_requests, serve_on_done) */
+    c->req[c->n_choices - 1]->own_schema = f->line.schema;
+    f->line.schema = NULL;
     /* the requests' stop strings are f's: the connection keeps them */
     for (int k = 0; k < d.controls.n_stops; k++) c->stops[k] = f->line.stops[k];
     f->line.o.controls.n_stops = 0;
@@ -11181,6 +12661,8 @@ int main(int argc, char **argv) {
 #endif
     char *prompt_text = o.prompt_file ? read_text_file(o.prompt_file) : NULL;
     if (prompt_text) o.prompt = prompt_text;
+    JsonSchema *schema = schema_of_options(&o);
+    o.schema = schema;
     if (tokenize_vocabulary_file(&o)) {
         free(prompt_text);
         return 0;
@@ -11224,6 +12706,7 @@ int main(int argc, char **argv) {
     free_tokenizer(&tok);
     free_transformer(&t);
     free(prompt_text);
+    free_schema(schema);
     return interrupted() ? EXIT_INTERRUPTED : status;
 }
 #endif

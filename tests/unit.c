@@ -2693,6 +2693,74 @@ static void test_http_parse(void) {
     end();
 }
 
+/* The JSON mask (6.1) walks the vocabulary as a trie and skips reading plain
+   tokens inside strings: its allowed set must equal the brute-force one, each
+   token's bytes fed one by one to the state from scratch, for states along
+   several answers under several schemas (tokenizer.bin's 32000 tokens and
+   tok512's). */
+static void check_mask_states(const char *label, const Tokenizer *tok, const char *schema_text, const char *answer) {
+    char err[256];
+    JsonSchema *s = compile_schema(schema_text, strlen(schema_text), err, sizeof(err));
+    if (!expect(s != NULL, "%s: the schema does not compile: %s", label, err)) return;
+    TokenTrie *t = token_trie_new(tok);
+    JsonMatch *m = json_match_new(s, t, tok->vocab_size);
+    float *logits = xcalloc((size_t)tok->vocab_size, sizeof(float));
+    static JsonState a, b;
+    for (size_t at = 0; at <= strlen(answer); at++) {
+        json_start(&m->state);
+        for (size_t i = 0; i < at; i++) {
+            json_feed(s, &m->state, (unsigned char)answer[i], &a);
+            m->state = a;
+        }
+        if (!expect(m->state.n > 0, "%s: the answer is refused at byte %zu", label, at)) break;
+        for (int i = 0; i < tok->vocab_size; i++) logits[i] = 0.0f;
+        json_mask(m, t, tok, logits);
+        int complete = json_complete(s, &m->state), bad = -1;
+        for (int i = 0; i < tok->vocab_size && bad < 0; i++) {
+            int want = 0;
+            if (is_eos_token(tok, i)) want = complete;
+            else if (t->bytes[i]) {
+                a = m->state;
+                for (int k = 0; k < t->len[i] && a.n > 0; k++) {
+                    json_feed(s, &a, (unsigned char)t->bytes[i][k], &b);
+                    a = b;
+                }
+                want = a.n > 0;
+            }
+            if (want != (logits[i] == 0.0f)) bad = i;
+        }
+        if (!expect(bad < 0, "%s: after '%.*s' token %d ('%s') is %s by the mask", label, (int)at, answer, bad,
+                    bad >= 0 ? tok->vocab[bad] : "", bad >= 0 && logits[bad] == 0.0f ? "allowed" : "refused"))
+            break;
+    }
+    free(logits);
+    json_match_free(m);
+    token_trie_free(t);
+    free_schema(s);
+}
+
+/* Not inlined: inlined into main, gcc 12 (-Ofast -march=native -fopenmp)
+   laid out main's realigned frame so that an aligned vector load in
+   test_kv_reads faulted. */
+static __attribute__((noinline)) void test_json_mask(void) {
+    static const char *const cases[][2] = {
+        {"{\"type\":\"object\"}", "{\"a b\":\"x\\\"y\\u00e9\",\"n\":[1,-2.5e3,true,null,{}]}"},
+        {"{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},\"age\":{\"type\":\"integer\","
+         "\"minimum\":-20,\"maximum\":150},\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"bc\",12]},\"maxItems\":2}},"
+         "\"required\":[\"name\",\"age\"],\"additionalProperties\":false}",
+         "{\"age\":-17,\"name\":\"ab c\",\"tags\":[\"bc\",12]}"},
+        {"{\"anyOf\":[{\"type\":\"string\",\"minLength\":2,\"maxLength\":3},{\"type\":\"array\",\"items\":{\"$ref\":\"#\"}}]}",
+         "[\"ab\",[\"xyz\"],[]]"},
+    };
+    for (int k = 0; k < 2; k++) {
+        const char *name = k == 0 ? "tokenizer.bin" : "tok512.bin";
+        if (!(k == 0 ? have_tok32k : have_tok512)) { skip("json mask = brute force", "a tokenizer is missing from MODELS_DIR"); continue; }
+        begin("json mask = brute force over %s", name);
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) check_mask_states(name, k == 0 ? &tok32k : &tok512, cases[c][0], cases[c][1]);
+        end();
+    }
+}
+
 int main(void) {
     models_dir = getenv("MODELS_DIR");
     if (!models_dir || !*models_dir) models_dir = "../shared/models";
@@ -2738,6 +2806,7 @@ int main(void) {
     test_context_positions();
     test_engine_cancel();
     test_http_parse();
+    test_json_mask();
 
     if (have_tok512) free_tokenizer(&tok512);
     if (have_tok32k) free_tokenizer(&tok32k);

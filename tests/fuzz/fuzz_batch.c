@@ -75,6 +75,7 @@ static void free_parsed(Parsed *p) {
     free(p->line.prompt);
     free(p->line.id);
     free_batch_stops(&p->line);
+    free_schema(p->line.schema);
 }
 
 static int same_text(const char *a, const char *b) { return (!a && !b) || (a && b && strcmp(a, b) == 0); }

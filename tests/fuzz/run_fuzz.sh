@@ -18,7 +18,7 @@ seconds="${1:-5}"
 out="${2:-tests/fuzz/.out}"
 shift 2 2>/dev/null || shift $#
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(checkpoint tokenizer encode options generate batch http gguf)
+[ ${#targets[@]} -gt 0 ] || targets=(checkpoint tokenizer encode options generate batch http gguf schema)
 bin_dir="${FUZZ_BIN:-tests/.bin}"
 export MODELS_DIR="${MODELS_DIR:-../shared/models}"
 # leaks after a caught error are expected (see fuzz_common.h); every
@@ -29,6 +29,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 max_len() {
     case "$1" in
         options | generate) echo 1024 ;;
+        schema) echo 4096 ;;
         checkpoint) echo 16384 ;;
         gguf) echo 32768 ;;
         *) echo 8192 ;;
