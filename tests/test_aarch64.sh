@@ -26,7 +26,11 @@ for tool in "$CROSS_CC" "$QEMU"; do
         exit 0
     fi
 done
-WORK="$(pwd)/${TEST_TMP:-tests/.tmp}/aarch64"
+# TEST_TMP absolute (/tmp/x) or relative to the repository
+case "${TEST_TMP:-tests/.tmp}" in
+    /*) WORK="$TEST_TMP/aarch64" ;;
+    *) WORK="$(pwd)/${TEST_TMP:-tests/.tmp}/aarch64" ;;
+esac
 rm -rf "$WORK" && mkdir -p "$WORK"
 
 pass() { echo "PASS $1"; }
