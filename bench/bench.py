@@ -201,6 +201,14 @@ def machine():
     return "%s, %s cores" % (name, cores)
 
 
+def write_report(lines, out):
+    """The table's lines to stdout and to the file out."""
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    with open(out, "w") as f:
+        f.write(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
@@ -317,10 +325,7 @@ def main():
         "| target | met | measured |",
         "| --- | --- | --- |",
     ] + ["| %s | %s | %s |" % (name, "yes" if ok else "NO", value) for name, ok, value in checks + batch_checks + serve_checks]
-    text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

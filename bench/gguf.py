@@ -36,7 +36,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from bench import make_prompt, machine, probe_bandwidth, stats_of  # noqa: E402
+from bench import make_prompt, machine, probe_bandwidth, stats_of, write_report  # noqa: E402
 
 SHAPE = "s110gqa=768,2048,12,12,4,32000,1024"
 EXPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0"]  # export.py --encoding, lower-cased
@@ -158,10 +158,7 @@ def main():
         "| pp ratio | probe fraction | RSS / file | load s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ] + rows
-    text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
