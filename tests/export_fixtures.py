@@ -8,6 +8,7 @@ conventions (adjacent-pair RoPE, RMSNorm eps 1e-5, SwiGLU, GQA).
 """
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -173,6 +174,14 @@ def tokenizer_bytes(vocab_size):
     for i, p in enumerate(pieces):
         out.append(struct.pack("<fi", float(-i), len(p)) + p)
     return b"".join(out)
+
+
+def tokenizer_file(path, vocab_size):
+    """tokenizer_bytes(vocab_size) written at path once; returns path."""
+    if not os.path.exists(path):
+        with open(path, "wb") as f:
+            f.write(tokenizer_bytes(vocab_size))
+    return path
 
 
 # --- run.c checkpoint reader ---------------------------------------------------

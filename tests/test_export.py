@@ -125,11 +125,8 @@ def model_file(name):
 
 
 def tiny_tokenizer(vocab):
-    path = p("tok%d.bin" % vocab)
-    if not os.path.exists(path):
-        with open(path, "wb") as f:
-            f.write(fx.tokenizer_bytes(vocab))
-    return path
+    """A llama2.c tokenizer.bin of `vocab` pieces (export_fixtures)."""
+    return fx.tokenizer_file(p("tok%d.bin" % vocab), vocab)
 
 
 def round_dtype(w, dtype):

@@ -123,11 +123,7 @@ def write_hf(name, arch, tied, dtype, seed, extra=None, cfg=None):
 
 def tiny_tokenizer(vocab):
     """A llama2.c tokenizer.bin of `vocab` pieces (export_fixtures)."""
-    path = p("tok%d.bin" % vocab)
-    if not os.path.exists(path):
-        with open(path, "wb") as f:
-            f.write(fx.tokenizer_bytes(vocab))
-    return path
+    return fx.tokenizer_file(p("tok%d.bin" % vocab), vocab)
 
 
 def rel_err(got, ref):

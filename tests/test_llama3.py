@@ -307,9 +307,7 @@ def make_v4_case(name, nkv, tied, dtype, extra, seed):
     def greedy():
         np, fx, hf_forward = np_fx()
         s = exported()
-        tok = os.path.join(TMP, "tok%d.bin" % s["cfg"]["vocab_size"])
-        with open(tok, "wb") as f:
-            f.write(fx.tokenizer_bytes(s["cfg"]["vocab_size"]))
+        tok = fx.tokenizer_file(os.path.join(TMP, "tok%d.bin" % s["cfg"]["vocab_size"]), s["cfg"]["vocab_size"])
         want, gaps = fx.greedy(lambda t: hf_forward(s["conf"], s["stored"], t), STEPS)
         r = sh([RUN, s["out"], "-z", tok, "-t", "0", "-n", str(STEPS + 1)])
         assert r.returncode == 0, "run failed: %s" % r.stderr.decode(errors="replace")
