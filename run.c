@@ -1254,11 +1254,17 @@ static float f16_at(const uint8_t *p) {
 }
 
 /* bfloat16: the top 16 bits of a float32 */
-static float bf16_at(const uint8_t *p) {
-    uint32_t x = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 24;
+static float bf16_to_float(uint16_t h) {
+    uint32_t x = (uint32_t)h << 16;
     float f;
     memcpy(&f, &x, 4);
     return f;
+}
+
+static float bf16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return bf16_to_float(h);
 }
 
 /* The 4-bit values n - 8 of Q4_0 and Q4_1: 16 bytes at qs, byte j holding
@@ -2063,11 +2069,7 @@ static int q4_value(const Matrix *W, size_t at) {
    16-bit float widened (exactly). */
 static float float_weight(const Matrix *W, size_t at) {
     if (W->w) return W->w[at];
-    if (!W->bf16) return half_to_float(W->half[at]);
-    uint32_t bits = (uint32_t)W->half[at] << 16; /* bfloat16: the top half of a float32 */
-    float f;
-    memcpy(&f, &bits, sizeof(f));
-    return f;
+    return W->bf16 ? bf16_to_float(W->half[at]) : half_to_float(W->half[at]);
 }
 
 /* out = row `row` of W in float32: quantised values times their group's
