@@ -1237,6 +1237,67 @@ static void test_kernels(void) {
    own is left a division. */
 static __attribute__((noinline)) float float_quotient(float a, float b) { return a / b; }
 
+/* Many input rows of int8 and 4-bit matrices, with and without the GGUF
+   offsets (value = q * scale + offset): each row of an n-row product is
+   bitwise that row alone, for n = 1..MAXN (past the 16 inputs that AMX
+   builds take on tiles, so that tiles, the vector kernels for the rest and
+   a lone row are all compared), and the outputs are the double sums of the
+   values times the quantised inputs plus the offsets times the inputs'
+   float group sums. */
+static void test_many_rows_quantised(void) {
+    const int shapes[][3] = {/* rows, cols, group size */ {37, 256, 32}, {20, 128, 16}, {16, 384, 64}, {9, 256, 128}};
+    enum { MAXN = 40 };
+    for (int bits = 8; bits >= 4; bits -= 4)
+        for (int with_offsets = 0; with_offsets < 2; with_offsets++)
+            for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+                const int R = shapes[si][0], C = shapes[si][1], gs = shapes[si][2], G = C / gs;
+                begin("%s matmul%s (%s kernels), %d x %d, group %d: rows of a batch = rows alone, n = 1..%d", bits == 4 ? "4-bit" : "int8",
+                      with_offsets ? " with offsets" : "", KERNEL_NAME, R, C, gs, MAXN);
+                int8_t *qv = xcalloc((size_t)R * C, 1);
+                uint8_t *packed = xcalloc((size_t)R * C / 2, 1);
+                float *scales = xcalloc((size_t)R * G, sizeof(float)), *offsets = xcalloc((size_t)R * G, sizeof(float));
+                float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
+                for (int i = 0; i < R * C; i++) qv[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : rand_below(255) - 127);
+                for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((qv[2 * i] + 8) | (qv[2 * i + 1] + 8) << 4);
+                for (int i = 0; i < R * G; i++) { scales[i] = rand_uniform(0.001f, 0.02f); offsets[i] = rand_uniform(-0.1f, 0.1f); }
+                for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 11 == 0 ? 8 : 1);
+                Matrix m = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs};
+                if (bits == 4) m.q4 = packed;
+                else m.q = qv;
+                if (with_offsets) m.offsets = offsets; /* (groups, rows): offsets[g * R + i] */
+                void *packing = pack_for_kernels(&m);
+                for (int n = 1; n <= MAXN && !case_failed; n++) {
+                    for (int i = 0; i < n * R; i++) out[i] = NAN;
+                    matmul(out, x, &m, n);
+                    for (int b = 0; b < n && !case_failed; b++) {
+                        matmul(one, x + (size_t)b * C, &m, 1);
+                        for (int i = 0; i < R; i++)
+                            if (!expect(memcmp(&one[i], &out[(size_t)b * R + i], sizeof(float)) == 0, "n %d, row %d, output %d: batched %.9g, alone %.9g",
+                                        n, b, i, out[(size_t)b * R + i], one[i])) break;
+                    }
+                }
+                int16_t *xq = xcalloc((size_t)MAXN * C, sizeof(int16_t));
+                float *xs = xcalloc((size_t)MAXN * G, sizeof(float));
+                quantize_groups(xq, xs, x, (size_t)MAXN * C, gs);
+                matmul(out, x, &m, MAXN);
+                for (int b = 0; b < MAXN && !case_failed; b++)
+                    for (int i = 0; i < R && !case_failed; i++) {
+                        double ref = 0, mag = 0;
+                        for (int g = 0; g < G; g++) {
+                            double xsum = 0;
+                            for (int j = g * gs; j < (g + 1) * gs; j++) {
+                                double v = (double)qv[(size_t)i * C + j] * scales[(size_t)i * G + g] * xq[(size_t)b * C + j] * xs[(size_t)b * G + g];
+                                ref += v, mag += fabs(v), xsum += x[(size_t)b * C + j];
+                            }
+                            if (with_offsets) ref += (double)offsets[(size_t)g * R + i] * xsum, mag += fabs(offsets[(size_t)g * R + i] * xsum);
+                        }
+                        expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
+                    }
+                free(xq); free(xs); free(qv); free(packed); free(scales); free(offsets); free(x); free(out); free(one); free(packing);
+                end();
+            }
+}
+
 /* Quantised matmul (int8 version 2, 4-bit version 3) against a plain double
    reference written here from the documented formulas: inputs quantised per
    group (xs = max|x| / 127, xq = round half away from zero of x / xs), exact
@@ -2789,6 +2850,7 @@ int main(void) {
     test_controls();
     test_kernels();
     test_quantised_matmul();
+    test_many_rows_quantised();
     test_matmul_vector_shapes();
     test_matmul_slices();
     test_matmul_half();
