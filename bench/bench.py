@@ -26,6 +26,7 @@ build/bench), --bandwidth BIN (the compiled probe), --peak BIN (the
 compiled bench/peak.c), --out FILE.
 """
 import argparse
+import json
 import datetime
 import os
 import re
@@ -125,9 +126,11 @@ def make_models(python, cache):
 
 
 def prompt_tokens(runbin, model, tok, text):
-    """Tokens (BOS included) of text, as run.c counts them in its stats line."""
-    (n, _, _, _), _ = stats_of([runbin, model, "-z", tok, "-t", "0", "-n", "1024", "-i", text, "-T", "1"])
-    return n
+    """Tokens (BOS included) of text, as run.c counts them in its stats line
+    (-m tokenize: the same encoding, without running the model)."""
+    out = subprocess.run([runbin, model, "-z", tok, "-m", "tokenize", "-f", "json", "-i", text], check=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout
+    return len(json.loads(out)["tokens"])
 
 
 def make_prompt(runbin, model, tok, n):

