@@ -2047,6 +2047,27 @@ static void prefetch(const void *p, size_t bytes) { (void)p; (void)bytes; }
 static void prefetch_far(const void *p, size_t bytes) { (void)p; (void)bytes; }
 #endif
 
+/* A thread's scratch buffer, grown as needed and kept for the next call:
+   `bytes` usable from base, 64-byte aligned (a cache line); malloc'ed with
+   room to round up, as aligned_alloc is not everywhere (MinGW). */
+typedef struct {
+    void *raw;    /* as malloc returned it */
+    void *base;   /* raw rounded up to 64 bytes */
+    size_t bytes; /* usable from base */
+} Scratch;
+
+static void *scratch_grow(Scratch *s, size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes > s->bytes) {
+        free(s->raw);
+        s->raw = malloc(bytes + 64);
+        if (!s->raw) die(EXIT_BAD_FILE, "out of memory (%zu bytes of scratch)", bytes);
+        s->base = (void *)(((uintptr_t)s->raw + 63) & ~(uintptr_t)63);
+        s->bytes = bytes;
+    }
+    return s->base;
+}
+
 /* A matmul of fewer multiply-adds than this runs on one thread: waking the
    others would cost more than it saves. */
 #define PARALLEL_MIN_WORK 100000.0
@@ -2686,23 +2707,12 @@ static void amx_configure(int k) {
 }
 
 /* Each thread's 4-bit block widened to bytes: (cols / 4, PACK_ROWS, 4). */
-static _Thread_local struct {
-    void *raw;
-    uint8_t *base;
-    size_t bytes;
-} amx_widened;
+static _Thread_local Scratch amx_widened;
 
 static const uint8_t *amx_widen(const uint8_t *p, int cols) {
-    size_t bytes = (size_t)cols * PACK_ROWS;
-    if (bytes > amx_widened.bytes) {
-        free(amx_widened.raw);
-        amx_widened.raw = malloc(bytes + 64);
-        if (!amx_widened.raw) die(EXIT_BAD_FILE, "out of memory (%zu bytes of scratch)", bytes);
-        amx_widened.base = (uint8_t *)(((uintptr_t)amx_widened.raw + 63) & ~(uintptr_t)63);
-        amx_widened.bytes = bytes;
-    }
-    for (int j = 0; j < cols; j += 4) _mm512_store_si512(amx_widened.base + (size_t)j * PACK_ROWS, packed_weights(p, j, 4));
-    return amx_widened.base;
+    uint8_t *base = scratch_grow(&amx_widened, (size_t)cols * PACK_ROWS);
+    for (int j = 0; j < cols; j += 4) _mm512_store_si512(base + (size_t)j * PACK_ROWS, packed_weights(p, j, 4));
+    return base;
 }
 
 /* The products of group g on tiles C, A, B (constants), left in C: x the
@@ -2852,25 +2862,9 @@ KERNEL void block_q4(float *out, size_t stride, const Matrix *W, int i, int n_ro
    region. The buffers are scratch memory of the calling thread, grown as
    needed and kept for the next call. */
 #define MATMUL_SHARED_MAX 4
-static _Thread_local struct {
-    void *raw;    /* as malloc returned it */
-    void *base;   /* raw rounded up to 64 bytes */
-    size_t bytes; /* usable from base */
-} matmul_scratch;
+static _Thread_local Scratch matmul_scratch;
 
-/* `bytes` of scratch memory, 64-byte aligned (a cache line): malloc'ed with
-   room to round up, as aligned_alloc is not everywhere (MinGW). */
-static void *scratch_get(size_t bytes) {
-    bytes = (bytes + 63) / 64 * 64;
-    if (bytes > matmul_scratch.bytes) {
-        free(matmul_scratch.raw);
-        matmul_scratch.raw = malloc(bytes + 64);
-        if (!matmul_scratch.raw) die(EXIT_BAD_FILE, "out of memory (%zu bytes of scratch)", bytes);
-        matmul_scratch.base = (void *)(((uintptr_t)matmul_scratch.raw + 63) & ~(uintptr_t)63);
-        matmul_scratch.bytes = bytes;
-    }
-    return matmul_scratch.base;
-}
+static void *scratch_get(size_t bytes) { return scratch_grow(&matmul_scratch, bytes); }
 
 /* How a matrix is multiplied, from its format and shape. */
 typedef enum {
