@@ -1126,58 +1126,80 @@ static void test_kernels(void) {
 
     /* batch independence: every output row of an n-row matmul is bitwise the
        row computed alone, for n = 1..70 and shapes whose rows are no multiple
-       of the kernels' blocks (tails of columns and groups included) */
+       of the kernels' blocks (tails of columns and groups included); the
+       quantised shapes as int8 and 4-bit, each with and without the GGUF
+       offsets (value = q * scale + offset), past the 16 input rows that AMX
+       builds take on tiles, so that tiles, the vector kernels for the rest
+       and a lone row are all compared */
     {
         const int shapes[][3] = {/* rows, cols, group size (0: float32) */
                                  {37, 64, 0},  {50, 48, 0},  {5, 288, 0},  {13, 100, 0},  {23, 64, 32},  {37, 96, 32},
                                  {9, 288, 32}, {30, 128, 64}, {11, 256, 128}, {7, 48, 16}, {19, 192, 96}, {6, 20, 4}};
         enum { MAXN = 70 };
-        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
-            const int R = shapes[si][0], C = shapes[si][1], gs = shapes[si][2];
-            begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d, n = 1..%d", KERNEL_NAME, R, C, gs, MAXN);
-            float *w = xcalloc((size_t)R * C, sizeof(float)), *scales = xcalloc((size_t)R * C, sizeof(float));
-            int8_t *q = xcalloc((size_t)R * C, 1);
-            float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
-            for (int i = 0; i < R * C; i++) { w[i] = rand_uniform(-1, 1); q[i] = (int8_t)(rand_uniform(0, 255) - 127); }
-            for (int i = 0; gs && i < R * C / gs; i++) scales[i] = rand_uniform(0.001f, 0.02f);
-            for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 7 == 0 ? 10 : 1);
-            Matrix m = gs ? (Matrix){.q = q, .scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs}
-                          : (Matrix){.w = w, .rows = R, .cols = C};
-            void *packing = pack_for_kernels(&m);
-            for (int n = 1; n <= MAXN && !case_failed; n++) {
-                int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
-                for (int i = 0; i < n * R; i++) out[i] = NAN;
-                matmul(out, x + (size_t)off * C, &m, n);
-                for (int b = 0; b < n && !case_failed; b++) {
-                    matmul(one, x + (size_t)(off + b) * C, &m, 1);
-                    if (memcmp(one, out + (size_t)b * R, (size_t)R * sizeof(float)) != 0) {
-                        int i = 0;
-                        while (one[i] == out[(size_t)b * R + i]) i++;
-                        expect(0, "n %d, row %d, output %d: batched %.9g, alone %.9g", n, b, i, out[(size_t)b * R + i], one[i]);
+        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+            for (int variant = 0; variant < (shapes[si][2] ? 4 : 1); variant++) {
+                const int R = shapes[si][0], C = shapes[si][1], gs = shapes[si][2], G = gs ? C / gs : 0;
+                const int bits = variant & 1 ? 4 : 8, with_offsets = variant >> 1;
+                begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d%s%s, n = 1..%d", KERNEL_NAME, R, C, gs,
+                      gs && bits == 4 ? ", 4-bit" : "", with_offsets ? ", offsets" : "", MAXN);
+                float *w = xcalloc((size_t)R * C, sizeof(float)), *scales = xcalloc((size_t)R * C, sizeof(float));
+                float *offsets = xcalloc((size_t)R * C, sizeof(float)); /* (groups, rows): offsets[g * R + i] */
+                int8_t *q = xcalloc((size_t)R * C, 1);
+                uint8_t *packed = xcalloc((size_t)R * C / 2 + 1, 1);
+                float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
+                for (int i = 0; i < R * C; i++) {
+                    w[i] = rand_uniform(-1, 1);
+                    q[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : rand_uniform(0, 255) - 127);
+                }
+                for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((q[2 * i] + 8) | (q[2 * i + 1] + 8) << 4);
+                for (int i = 0; i < R * G; i++) { scales[i] = rand_uniform(0.001f, 0.02f); offsets[i] = rand_uniform(-0.1f, 0.1f); }
+                for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 7 == 0 ? 10 : 1);
+                Matrix m = gs ? (Matrix){.scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs}
+                              : (Matrix){.w = w, .rows = R, .cols = C};
+                if (gs && bits == 4) m.q4 = packed;
+                else if (gs) m.q = q;
+                if (with_offsets) m.offsets = offsets;
+                void *packing = pack_for_kernels(&m);
+                for (int n = 1; n <= MAXN && !case_failed; n++) {
+                    int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
+                    for (int i = 0; i < n * R; i++) out[i] = NAN;
+                    matmul(out, x + (size_t)off * C, &m, n);
+                    for (int b = 0; b < n && !case_failed; b++) {
+                        matmul(one, x + (size_t)(off + b) * C, &m, 1);
+                        if (memcmp(one, out + (size_t)b * R, (size_t)R * sizeof(float)) != 0) {
+                            int i = 0;
+                            while (one[i] == out[(size_t)b * R + i]) i++;
+                            expect(0, "n %d, row %d, output %d: batched %.9g, alone %.9g", n, b, i, out[(size_t)b * R + i], one[i]);
+                        }
                     }
                 }
+                /* and the outputs are the products: against double sums of the
+                   weights' values times the inputs (quantised: the inputs as
+                   quantised, plus each offset times its group's float sum) */
+                int n = MAXN;
+                matmul(out, x, &m, n);
+                int16_t *xq = xcalloc((size_t)n * C, sizeof(int16_t));
+                float *xs = xcalloc((size_t)n * C, sizeof(float));
+                if (gs) quantize_groups(xq, xs, x, (size_t)n * C, gs);
+                for (int b = 0; b < n && !case_failed; b++)
+                    for (int i = 0; i < R && !case_failed; i++) {
+                        double ref = 0, mag = 0, xsum = 0;
+                        for (int j = 0; j < C; j++) {
+                            size_t wj = (size_t)i * C + j, xj = (size_t)b * C + j;
+                            double v = gs ? (double)q[wj] * scales[wj / gs] * xq[xj] * xs[xj / gs] : (double)w[wj] * x[xj];
+                            ref += v;
+                            mag += fabs(v);
+                            xsum += x[xj];
+                            if (with_offsets && (j + 1) % gs == 0) {
+                                double o = (double)offsets[(size_t)(j / gs) * R + i] * xsum;
+                                ref += o, mag += fabs(o), xsum = 0;
+                            }
+                        }
+                        expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
+                    }
+                free(xq); free(xs); free(w); free(scales); free(offsets); free(q); free(packed); free(x); free(out); free(one); free(packing);
+                end();
             }
-            /* and the outputs are the products: against double sums of the
-               weights' values times the inputs (int8: as quantised) */
-            int n = MAXN;
-            matmul(out, x, &m, n);
-            int16_t *xq = xcalloc((size_t)n * C, sizeof(int16_t));
-            float *xs = xcalloc((size_t)n * C, sizeof(float));
-            if (gs) quantize_groups(xq, xs, x, (size_t)n * C, gs);
-            for (int b = 0; b < n && !case_failed; b++)
-                for (int i = 0; i < R && !case_failed; i++) {
-                    double ref = 0, mag = 0;
-                    for (int j = 0; j < C; j++) {
-                        size_t wj = (size_t)i * C + j, xj = (size_t)b * C + j;
-                        double v = gs ? (double)q[wj] * scales[wj / gs] * xq[xj] * xs[xj / gs] : (double)w[wj] * x[xj];
-                        ref += v;
-                        mag += fabs(v);
-                    }
-                    expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
-                }
-            free(xq); free(xs); free(w); free(scales); free(q); free(x); free(out); free(one); free(packing);
-            end();
-        }
     }
 #ifdef SIMD_WIDTH
     begin("vf_sums: lane q is vf_sum of vector q, bitwise");
@@ -1236,67 +1258,6 @@ static void test_kernels(void) {
    -104.5, and rounded the other way). One division in a function of its
    own is left a division. */
 static __attribute__((noinline)) float float_quotient(float a, float b) { return a / b; }
-
-/* Many input rows of int8 and 4-bit matrices, with and without the GGUF
-   offsets (value = q * scale + offset): each row of an n-row product is
-   bitwise that row alone, for n = 1..MAXN (past the 16 inputs that AMX
-   builds take on tiles, so that tiles, the vector kernels for the rest and
-   a lone row are all compared), and the outputs are the double sums of the
-   values times the quantised inputs plus the offsets times the inputs'
-   float group sums. */
-static void test_many_rows_quantised(void) {
-    const int shapes[][3] = {/* rows, cols, group size */ {37, 256, 32}, {20, 128, 16}, {16, 384, 64}, {9, 256, 128}};
-    enum { MAXN = 40 };
-    for (int bits = 8; bits >= 4; bits -= 4)
-        for (int with_offsets = 0; with_offsets < 2; with_offsets++)
-            for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
-                const int R = shapes[si][0], C = shapes[si][1], gs = shapes[si][2], G = C / gs;
-                begin("%s matmul%s (%s kernels), %d x %d, group %d: rows of a batch = rows alone, n = 1..%d", bits == 4 ? "4-bit" : "int8",
-                      with_offsets ? " with offsets" : "", KERNEL_NAME, R, C, gs, MAXN);
-                int8_t *qv = xcalloc((size_t)R * C, 1);
-                uint8_t *packed = xcalloc((size_t)R * C / 2, 1);
-                float *scales = xcalloc((size_t)R * G, sizeof(float)), *offsets = xcalloc((size_t)R * G, sizeof(float));
-                float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
-                for (int i = 0; i < R * C; i++) qv[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : rand_below(255) - 127);
-                for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((qv[2 * i] + 8) | (qv[2 * i + 1] + 8) << 4);
-                for (int i = 0; i < R * G; i++) { scales[i] = rand_uniform(0.001f, 0.02f); offsets[i] = rand_uniform(-0.1f, 0.1f); }
-                for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 11 == 0 ? 8 : 1);
-                Matrix m = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs};
-                if (bits == 4) m.q4 = packed;
-                else m.q = qv;
-                if (with_offsets) m.offsets = offsets; /* (groups, rows): offsets[g * R + i] */
-                void *packing = pack_for_kernels(&m);
-                for (int n = 1; n <= MAXN && !case_failed; n++) {
-                    for (int i = 0; i < n * R; i++) out[i] = NAN;
-                    matmul(out, x, &m, n);
-                    for (int b = 0; b < n && !case_failed; b++) {
-                        matmul(one, x + (size_t)b * C, &m, 1);
-                        for (int i = 0; i < R; i++)
-                            if (!expect(memcmp(&one[i], &out[(size_t)b * R + i], sizeof(float)) == 0, "n %d, row %d, output %d: batched %.9g, alone %.9g",
-                                        n, b, i, out[(size_t)b * R + i], one[i])) break;
-                    }
-                }
-                int16_t *xq = xcalloc((size_t)MAXN * C, sizeof(int16_t));
-                float *xs = xcalloc((size_t)MAXN * G, sizeof(float));
-                quantize_groups(xq, xs, x, (size_t)MAXN * C, gs);
-                matmul(out, x, &m, MAXN);
-                for (int b = 0; b < MAXN && !case_failed; b++)
-                    for (int i = 0; i < R && !case_failed; i++) {
-                        double ref = 0, mag = 0;
-                        for (int g = 0; g < G; g++) {
-                            double xsum = 0;
-                            for (int j = g * gs; j < (g + 1) * gs; j++) {
-                                double v = (double)qv[(size_t)i * C + j] * scales[(size_t)i * G + g] * xq[(size_t)b * C + j] * xs[(size_t)b * G + g];
-                                ref += v, mag += fabs(v), xsum += x[(size_t)b * C + j];
-                            }
-                            if (with_offsets) ref += (double)offsets[(size_t)g * R + i] * xsum, mag += fabs(offsets[(size_t)g * R + i] * xsum);
-                        }
-                        expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
-                    }
-                free(xq); free(xs); free(qv); free(packed); free(scales); free(offsets); free(x); free(out); free(one); free(packing);
-                end();
-            }
-}
 
 /* Quantised matmul (int8 version 2, 4-bit version 3) against a plain double
    reference written here from the documented formulas: inputs quantised per
@@ -2850,7 +2811,6 @@ int main(void) {
     test_controls();
     test_kernels();
     test_quantised_matmul();
-    test_many_rows_quantised();
     test_matmul_vector_shapes();
     test_matmul_slices();
     test_matmul_half();
