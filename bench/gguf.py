@@ -127,7 +127,7 @@ def main():
     python = os.environ.get("PYTHON", sys.executable)
     llama = os.environ.get("LLAMA_CPP")
     if not os.path.exists(tok):
-        sys.exit("bench: %s not found (set MODELS_DIR)" % tok)
+        sys.exit("bench: %s not found (set MODELS_DIR, or --tokenizer)" % tok)
     lbench = llama and os.path.join(llama, "bin", "llama-bench")
     if lbench and not os.path.exists(lbench):
         sys.exit("bench: %s not found (LLAMA_CPP names a llama.cpp build directory)" % lbench)
