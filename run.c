@@ -2036,9 +2036,14 @@ static void softmax(float *x, int size) {
 static inline __attribute__((always_inline, unused)) void prefetch(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
-/* the same into the second-level cache only, for data needed well after the
-   data now in use, which the first-level cache has too little room to hold
-   beside it */
+/* the same into the second-level cache only: for data needed well after
+   the data now in use, which the first-level cache has too little room to
+   hold beside it, and for the next block of a matrix's weights. Prefetched
+   into the first level, each line held one of the core's few first-level
+   fill buffers until it came, buffers the hardware's own prefetcher needs
+   to stream from memory (Llama 3.2 1B shape, Q8_0, 2 threads, tok/s:
+   17.2 into the first level, 20.4 into the second, 21.4 with none; the
+   stories110M shape, weights in the third-level cache: 418, 425, 362) */
 static inline __attribute__((always_inline)) void prefetch_far(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
 }
@@ -2514,7 +2519,7 @@ KERNEL void block_f32(float *out, size_t stride, const void *w, size_t ld, int n
     for (int j = 0; j < cols; j += SIMD_WIDTH) {
         vfloat xv[MB_MAX_INPUTS];
         for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)j * NB + b * SIMD_WIDTH);
-        if (next) prefetch((const char *)next + (size_t)NR * j / share * size, NR * SIMD_WIDTH * size / share);
+        if (next) prefetch_far((const char *)next + (size_t)NR * j / share * size, NR * SIMD_WIDTH * size / share);
         for (int r = 0; r < NR; r++) {
             vfloat wv = vf_load_weights(wr[r], j, kind);
             for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_fma(wv, xv[b], acc[r * NB + b]);
@@ -2557,7 +2562,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
         for (int r = 0; r < NR; r++)
             for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
         for (int j = g * gs; j < (g + 1) * gs; j += VI_COLS) {
-            if (next) prefetch(next + (size_t)NR * j, NR * VI_COLS);
+            if (next) prefetch_far(next + (size_t)NR * j, NR * VI_COLS);
             for (int r = 0; r < NR; r++) {
                 vint wv = vi_load_i8(wr[r] + j);
                 for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, vi_load_i16(xr[b] + j));
@@ -2622,12 +2627,12 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, chains = N < 4 ? 4 : 2;
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     const float *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * groups * PACK_ROWS;
-    if (next) prefetch(ws + (size_t)groups * PACK_ROWS, (size_t)groups * PACK_ROWS * sizeof(float));
+    if (next) prefetch_far(ws + (size_t)groups * PACK_ROWS, (size_t)groups * PACK_ROWS * sizeof(float));
     vfloat acc[PACK_INPUTS];
     for (int m = 0; m < N; m++) acc[m] = vf_zero();
     for (int g = 0; g < groups; g++) {
         const int j0 = g * gs, j1 = j0 + gs;
-        if (next) prefetch(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
+        if (next) prefetch_far(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
         __m512i sum[PACK_INPUTS][MAX_CHAINS];
         for (int m = 0; m < N; m++)
             for (int k = 0; k < chains; k++) sum[m][k] = k == 0 ? _mm512_set1_epi32(c[(size_t)m * groups + g]) : _mm512_setzero_si512();
@@ -2763,7 +2768,7 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
     for (int g = 0; g < groups + 4; g += 4) {
         if (pre && (size_t)g / 4 * step < pre_bytes) {
             const size_t at = (size_t)g / 4 * step;
-            prefetch(pre + at, pre_bytes - at < step ? pre_bytes - at : step);
+            prefetch_far(pre + at, pre_bytes - at < step ? pre_bytes - at : step);
         }
         AMX_PRODUCT(0, 4, 6, g)
         AMX_PRODUCT(1, 5, 7, g + 1)
@@ -2835,7 +2840,7 @@ KERNEL void block_q4(float *out, size_t stride, const Matrix *W, int i, int n_ro
         for (int r = 0; r < MM_ROWS; r++)
             for (int b = 0; b < NB; b++) isum[r][b] = vi_zero();
         for (int j = g * gs; j < (g + 1) * gs; j += 2 * SIMD_WIDTH) {
-            prefetch(next + (size_t)MM_ROWS * j / 2, MM_ROWS * SIMD_WIDTH);
+            prefetch_far(next + (size_t)MM_ROWS * j / 2, MM_ROWS * SIMD_WIDTH);
             for (int r = 0; r < MM_ROWS; r++) {
                 vint wv = vi_load_q4(wr[r] + j / 2);
                 for (int b = 0; b < NB; b++) isum[r][b] = vi_dot(isum[r][b], wv, vi_load_i16(xr[b] + j));
