@@ -729,8 +729,11 @@ typedef struct {
     const uint8_t *q4;  /* 4-bit: (rows, cols / 2) bytes, two values each (see section 2) */
     /* VNNI builds, int8 and 4-bit: the values and scales as the kernel reads
        them (matrix_pack, section 3); NULL: read as stored */
-    const uint8_t *packed;      /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
-    const float *packed_scales; /* (rows / PACK_ROWS rounded up, groups, PACK_ROWS) */
+    const uint8_t *packed;        /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
+    const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form) */
+    int scale_form;               /* SCALES_F32, SCALES_F16 or SCALES_SHARED (section 3) */
+    int scale_run;                /* GGUF block types: the groups of a block (K-quants: 256 values),
+                                     whose scales share its f16 d; 0: other checkpoints */
     /* a GGUF token embedding of a block type: the blocks as stored, a row
        unpacked at each lookup (matrix_row); no other field is set */
     const uint8_t *blocks;
@@ -1247,6 +1250,7 @@ typedef struct {
 } GGMLType;
 
 static float half_to_float(uint16_t h); /* section 4 */
+static uint16_t half_from_float(float f);
 
 static float f16_at(const uint8_t *p) {
     uint16_t h;
@@ -1790,6 +1794,7 @@ static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int r
     float *scales = (float *)(memory + value_bytes), *offsets = type->offsets ? scales + groups : NULL;
     unpack_tensor(x, type, (int8_t *)memory, scales, offsets);
     m.group_size = type->group;
+    m.scale_run = type->block / type->group;
     m.scales = (const char *)scales;
     m.offsets = offsets;
     if (type->bits == 4) m.q4 = (const uint8_t *)memory;
@@ -2400,6 +2405,24 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
 #define PACK_ROWS 16
 static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W->cols * (W->q4 ? 4 : 8) / 8; }
 
+/* A block's scales, in one of three forms (matrix_pack picks the smallest
+   that holds every scale exactly):
+     SCALES_F32     float32 (groups, PACK_ROWS)
+     SCALES_F16     f16 (groups, PACK_ROWS): the GGUF types of one scale
+                    per block (Q8_0, Q4_0, ...), whose d is f16
+     SCALES_SHARED  int8 k (groups, PACK_ROWS), then f16 d (groups /
+                    scale_run, PACK_ROWS): scale = k * d, the K-quants'
+                    sub-block scale times their block's d
+   Q4_K's values and scales then take 0.54 bytes a weight instead of
+   0.625, Q6_K's (as int8) 1.07 instead of 1.25. */
+enum { SCALES_F32, SCALES_F16, SCALES_SHARED };
+static size_t packed_scale_bytes(const Matrix *W) {
+    const size_t groups = (size_t)(W->cols / W->group_size);
+    if (W->scale_form == SCALES_F32) return groups * PACK_ROWS * sizeof(float);
+    if (W->scale_form == SCALES_F16) return groups * PACK_ROWS * sizeof(uint16_t);
+    return groups * PACK_ROWS + groups / (size_t)W->scale_run * PACK_ROWS * sizeof(uint16_t);
+}
+
 /* Whether this build packs W. */
 static int matrix_packs(const Matrix *W) {
 #ifdef VNNI
@@ -2596,7 +2619,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    their products to the 16 rows' sums: lane r is row r's sum, with no sums
    across lanes, and every product computed is used, for one input row or
    many. The scales are packed alike, 16 rows' scales of a group in one
-   vector. In row-major order, each weight would have to be copied across
+   vector (packed_scale). In row-major order, each weight would have to be copied across
    lanes first: with 4 input rows that took 2.5 times as long (stories110M
    shape, 2 threads, weights in the third-level cache). */
 #define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
@@ -2610,6 +2633,16 @@ KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
     if (bits == 8) return _mm512_loadu_si512(p + (size_t)j * PACK_ROWS);
     __m512i e = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + (size_t)j * PACK_ROWS / 2)));
     return _mm512_ternarylogic_epi32(e, _mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
+}
+
+/* Group g's scales of the 16 rows of a packed block, whose scales are at ws. */
+KERNEL vfloat packed_scale(const Matrix *W, const uint8_t *ws, int g) {
+    if (W->scale_form == SCALES_F32) return vf_load((const float *)ws + (size_t)g * PACK_ROWS);
+    if (W->scale_form == SCALES_F16) return vf_load_half((const uint16_t *)ws + (size_t)g * PACK_ROWS);
+    const size_t groups = (size_t)(W->cols / W->group_size);
+    const vfloat d = vf_load_half((const uint16_t *)(ws + groups * PACK_ROWS) + (size_t)(g / W->scale_run) * PACK_ROWS);
+    const __m512i k = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)g * PACK_ROWS)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(k), d);
 }
 
 /* out[b * stride + r] for rows i..i+n_rows-1 of W (a packed block: i a
@@ -2626,8 +2659,9 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
     enum { MAX_CHAINS = 4 };
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, chains = N < 4 ? 4 : 2;
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
-    const float *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * groups * PACK_ROWS;
-    if (next) prefetch_far(ws + (size_t)groups * PACK_ROWS, (size_t)groups * PACK_ROWS * sizeof(float));
+    const size_t scale_bytes = packed_scale_bytes(W);
+    const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
+    if (next) prefetch_far(ws + scale_bytes, scale_bytes);
     vfloat acc[PACK_INPUTS];
     for (int m = 0; m < N; m++) acc[m] = vf_zero();
     for (int g = 0; g < groups; g++) {
@@ -2645,7 +2679,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                     sum[m][k] = _mm512_dpbusd_epi32(sum[m][k], w, _mm512_set1_epi32(x4));
                 }
             }
-        const vfloat wsg = vf_load(ws + (size_t)g * PACK_ROWS);
+        const vfloat wsg = packed_scale(W, ws, g);
         for (int m = 0; m < N; m++) {
             __m512i total = sum[m][0];
             for (int k = 1; k < chains; k++) total = _mm512_add_epi32(total, sum[m][k]);
@@ -2737,9 +2771,10 @@ static const uint8_t *amx_widen(const uint8_t *p, int cols) {
 
 /* acc[m] = fma(float(sums[m] + c_m), ws_g * xs_m, acc[m]) for the 16 inputs
    m of group g (if there is one), as packed_q8 finishes a group. */
-KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const float *ws, const int32_t *c, const float *s, int groups, int g) {
+KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const uint8_t *ws, const int32_t *c, const float *s, int groups,
+                      int g) {
     if (g < 0 || g >= groups) return;
-    const vfloat wsg = vf_load(ws + (size_t)g * PACK_ROWS);
+    const vfloat wsg = packed_scale(W, ws, g);
 #if defined(__GNUC__)
 #pragma GCC unroll 16
 #endif
@@ -2760,7 +2795,7 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
                    const uint8_t *wb, const int8_t *x, const int32_t *c, const float *s) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, k = gs < 64 ? gs : 64;
     const size_t step = (pre_bytes / ((groups + 3) / 4) + 63) / 64 * 64; /* prefetched per 4 groups */
-    const float *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * groups * PACK_ROWS;
+    const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * packed_scale_bytes(W);
     _Alignas(64) int32_t sums[4][AMX_INPUTS * PACK_ROWS];
     vfloat acc[AMX_INPUTS];
     for (int m = 0; m < AMX_INPUTS; m++) acc[m] = vf_zero();
@@ -2772,14 +2807,14 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
         }
         AMX_PRODUCT(0, 4, 6, g)
         AMX_PRODUCT(1, 5, 7, g + 1)
-        amx_scale(acc, sums[0], ws, c, s, groups, g - 4);
-        amx_scale(acc, sums[1], ws, c, s, groups, g - 3);
+        amx_scale(acc, sums[0], W, ws, c, s, groups, g - 4);
+        amx_scale(acc, sums[1], W, ws, c, s, groups, g - 3);
         AMX_STORE(2, g - 2, 2);
         AMX_STORE(3, g - 1, 3);
         AMX_PRODUCT(2, 4, 6, g + 2)
         AMX_PRODUCT(3, 5, 7, g + 3)
-        amx_scale(acc, sums[2], ws, c, s, groups, g - 2);
-        amx_scale(acc, sums[3], ws, c, s, groups, g - 1);
+        amx_scale(acc, sums[2], W, ws, c, s, groups, g - 2);
+        amx_scale(acc, sums[3], W, ws, c, s, groups, g - 1);
         AMX_STORE(0, g, 0);
         AMX_STORE(1, g + 1, 1);
     }
@@ -3305,21 +3340,109 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
    whose pages are given back to the system (only the lookups of the token
    embedding read it again): the weights are in memory once. */
 
-/* The bytes of W packed (0: W is read as stored), a multiple of 64. */
-static size_t matrix_packed_bytes(const Matrix *W) {
+/* Scale g of row r of W as stored. */
+static float stored_scale(const Matrix *W, size_t r, int g) {
+    return read_f32(W->scales + (r * (size_t)(W->cols / W->group_size) + (size_t)g) * sizeof(float));
+}
+
+static int same_bits(float a, float b) { return memcmp(&a, &b, sizeof(a)) == 0; }
+
+/* d, an f16 value, and k[j] in -128..127 with k[j] * d == s[j] bit for bit
+   for the n scales s of a run of groups (a K-quant block's d and its
+   sub-blocks' scales, or another such pair); 0 when there is none. d is
+   the largest scale in magnitude over a multiplier k tried from 128 down,
+   each sign (a K-quant's own k is found within a few tries). */
+static int shared_scale(const float *s, int n, float *d, int8_t *k) {
+    float top = 0.0f;
+    for (int j = 0; j < n; j++)
+        if (fabsf(s[j]) > fabsf(top)) top = s[j];
+    for (int m = 128; m >= 1; m--)
+        for (int sign = 1; sign >= -1; sign -= 2) {
+            const int km = sign * m;
+            *d = top == 0.0f ? 0.0f : top / (float)km;
+            if (km > 127 || !same_bits(half_to_float(half_from_float(*d)), *d)) continue;
+            int j = 0;
+            for (; j < n; j++) {
+                const float q = *d == 0.0f ? 0.0f : rintf(s[j] / *d);
+                if (!(q >= -128.0f && q <= 127.0f) || !same_bits(q * *d, s[j])) break;
+                k[j] = (int8_t)q;
+            }
+            if (j == n) return 1;
+        }
+    return 0;
+}
+
+/* Which forms hold row r's scales exactly: bit 0 SCALES_SHARED (runs of
+   `run` groups), bit 1 SCALES_F16. */
+static int row_scale_forms(const Matrix *W, size_t r, int run) {
+    const int groups = W->cols / W->group_size;
+    int forms = (run > 1 ? 1 : 0) | 2;
+    for (int g = 0; g < groups && forms; g += run) {
+        float s[256], d;
+        int8_t k[256];
+        for (int j = 0; j < run; j++) s[j] = stored_scale(W, r, g + j);
+        if ((forms & 1) && !shared_scale(s, run, &d, k)) forms &= ~1;
+        for (int j = 0; j < run && (forms & 2); j++)
+            if (!same_bits(half_to_float(half_from_float(s[j])), s[j])) forms &= ~2;
+    }
+    return forms;
+}
+
+/* The smallest form of W's scales that holds them all exactly (the rows
+   looked at by all threads). */
+static int scale_form_of(const Matrix *W) {
+    const int run = W->scale_run, rows = W->rows;
+    if (run < 1 || run > 256 || (W->cols / W->group_size) % run != 0) return SCALES_F32;
+    uint8_t *forms = xcalloc((size_t)rows, 1);
+    PARALLEL_FOR_IF(rows >= 64)
+    for (int r = 0; r < rows; r++) forms[r] = (uint8_t)row_scale_forms(W, (size_t)r, run);
+    int all = 3;
+    for (int r = 0; r < rows; r++) all &= forms[r];
+    free(forms);
+    return all & 1 ? SCALES_SHARED : all & 2 ? SCALES_F16 : SCALES_F32;
+}
+
+/* The bytes of W packed (0: W is read as stored), a multiple of 64;
+   chooses its form of scales. */
+static size_t matrix_packed_bytes(Matrix *W) {
     if (!matrix_packs(W)) return 0;
+    W->scale_form = scale_form_of(W);
     const size_t blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
-    return (blocks * packed_block_bytes(W) + blocks * (W->cols / W->group_size) * PACK_ROWS * sizeof(float) + 63) / 64 * 64;
+    return (blocks * (packed_block_bytes(W) + packed_scale_bytes(W)) + 63) / 64 * 64;
+}
+
+/* Row r's scales of groups g..g+run-1 into the packed scales of its block
+   (at ws), in W's form. */
+static void pack_scales(const Matrix *W, uint8_t *ws, size_t r, int g, int run) {
+    const size_t lane = r % PACK_ROWS, groups = (size_t)(W->cols / W->group_size);
+    float s[256], d;
+    int8_t k[256];
+    for (int j = 0; j < run; j++) s[j] = stored_scale(W, r, g + j);
+    if (W->scale_form == SCALES_SHARED) {
+        shared_scale(s, run, &d, k); /* found before, by scale_form_of */
+        const uint16_t h = half_from_float(d);
+        memcpy(ws + groups * PACK_ROWS + ((size_t)g / (size_t)run * PACK_ROWS + lane) * sizeof(h), &h, sizeof(h));
+    }
+    for (int j = 0; j < run; j++) {
+        const size_t at = (size_t)(g + j) * PACK_ROWS + lane;
+        if (W->scale_form == SCALES_F32) memcpy(ws + at * sizeof(float), &s[j], sizeof(float));
+        else if (W->scale_form == SCALES_F16) {
+            const uint16_t h = half_from_float(s[j]);
+            memcpy(ws + at * sizeof(h), &h, sizeof(h));
+        } else ws[at] = (uint8_t)k[j];
+    }
 }
 
 /* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned, zeroed). */
 static void matrix_pack(Matrix *W, void *memory) {
     if (!matrix_packs(W)) return;
     const int bits = W->q4 ? 4 : 8, cols = W->cols, groups = cols / W->group_size, lane = bits / 2; /* bytes of 4 values */
-    const size_t block = packed_block_bytes(W);
-    uint8_t *p = memory;
-    float *ps = (float *)(p + ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS * block);
-    for (size_t r = 0; r < (size_t)W->rows; r++) {
+    const int run = W->scale_form == SCALES_SHARED ? W->scale_run : 1;
+    const size_t block = packed_block_bytes(W), scale_bytes = packed_scale_bytes(W);
+    uint8_t *p = memory, *ps = p + ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS * block;
+    PARALLEL_FOR_IF(W->rows >= 64) /* each row to its own bytes */
+    for (int i = 0; i < W->rows; i++) {
+        const size_t r = (size_t)i;
         uint8_t *row = p + r / PACK_ROWS * block + r % PACK_ROWS * lane;
         for (int j = 0; j < cols; j += 4) {
             uint8_t *dst = row + (size_t)j / 4 * PACK_ROWS * lane;
@@ -3327,8 +3450,7 @@ static void matrix_pack(Matrix *W, void *memory) {
             else
                 for (int k = 0; k < 4; k++) dst[k] = (uint8_t)W->q[r * cols + j + k] ^ 0x80u;
         }
-        for (int g = 0; g < groups; g++)
-            memcpy(ps + (r / PACK_ROWS * groups + g) * PACK_ROWS + r % PACK_ROWS, W->scales + (r * groups + g) * sizeof(float), sizeof(float));
+        for (int g = 0; g < groups; g += run) pack_scales(W, ps + r / PACK_ROWS * scale_bytes, r, g, run);
     }
     W->packed = p;
     W->packed_scales = ps;
@@ -3361,20 +3483,21 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
 static void pack_weights(Transformer *t) {
     Matrix **all = xcalloc((size_t)t->config.n_layers * 7 + 1, sizeof(Matrix *));
     int n = matmul_matrices(t, all);
-    size_t bytes = 0;
-    for (int m = 0; m < n; m++) bytes += matrix_packed_bytes(all[m]);
+    size_t bytes = 0, *each = xcalloc((size_t)n, sizeof(size_t));
+    for (int m = 0; m < n; m++) bytes += each[m] = matrix_packed_bytes(all[m]);
     if (bytes > 0) {
         t->packing = alloc_pages(bytes, "weights");
         t->packing_bytes = bytes;
         char *at = t->packing;
         for (int m = 0; m < n; m++) {
             matrix_pack(all[m], at);
-            at += matrix_packed_bytes(all[m]);
+            at += each[m];
             /* at once: the peak of memory is the packed copy and one matrix
                (a GGUF embedding is never a converted copy: gguf_embedding) */
             matrix_release_stored(all[m]);
         }
     }
+    free(each);
     free(all);
 }
 

@@ -1130,7 +1130,9 @@ static void test_kernels(void) {
        quantised shapes as int8 and 4-bit, each with and without the GGUF
        offsets (value = q * scale + offset), past the 16 input rows that AMX
        builds take on tiles, so that tiles, the vector kernels for the rest
-       and a lone row are all compared */
+       and a lone row are all compared; the scales in turn float32, f16 values
+       (a GGUF Q8_0's d) or an f16 d per run of groups times int8 multipliers
+       (a K-quant's), which VNNI builds must pack in those forms */
     {
         const int shapes[][3] = {/* rows, cols, group size (0: float32) */
                                  {37, 64, 0},  {50, 48, 0},  {5, 288, 0},  {13, 100, 0},  {23, 64, 32},  {37, 96, 32},
@@ -1140,8 +1142,12 @@ static void test_kernels(void) {
             for (int variant = 0; variant < (shapes[si][2] ? 4 : 1); variant++) {
                 const int R = shapes[si][0], C = shapes[si][1], gs = shapes[si][2], G = gs ? C / gs : 0;
                 const int bits = variant & 1 ? 4 : 8, with_offsets = variant >> 1;
-                begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d%s%s, n = 1..%d", KERNEL_NAME, R, C, gs,
-                      gs && bits == 4 ? ", 4-bit" : "", with_offsets ? ", offsets" : "", MAXN);
+                int form = gs ? (int)(si + (size_t)variant) % 3 : SCALES_F32; /* shared: runs of 2 or 4 groups */
+                if (form == SCALES_SHARED && G % 2 != 0) form = SCALES_F16;
+                const int run = form != SCALES_SHARED ? form : G % 4 == 0 ? 4 : 2;
+                const char *form_names[] = {"", ", f16 scales", ", shared scales"};
+                begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d%s%s%s, n = 1..%d", KERNEL_NAME, R, C, gs,
+                      gs && bits == 4 ? ", 4-bit" : "", with_offsets ? ", offsets" : "", form_names[form], MAXN);
                 float *w = xcalloc((size_t)R * C, sizeof(float)), *scales = xcalloc((size_t)R * C, sizeof(float));
                 float *offsets = xcalloc((size_t)R * C, sizeof(float)); /* (groups, rows): offsets[g * R + i] */
                 int8_t *q = xcalloc((size_t)R * C, 1);
@@ -1153,13 +1159,23 @@ static void test_kernels(void) {
                 }
                 for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((q[2 * i] + 8) | (q[2 * i + 1] + 8) << 4);
                 for (int i = 0; i < R * G; i++) { scales[i] = rand_uniform(0.001f, 0.02f); offsets[i] = rand_uniform(-0.1f, 0.1f); }
+                if (form == SCALES_F16)
+                    for (int i = 0; i < R * G; i++) scales[i] = half_to_float(half_from_float(scales[i]));
+                for (int i = 0; form == SCALES_SHARED && i < R * G; i += run) { /* d of either sign, k in -128..127 (zeros too) */
+                    const float d = half_to_float(half_from_float(rand_uniform(-0.0002f, 0.0002f)));
+                    for (int j = 0; j < run; j++) scales[i + j] = d * (float)(rand_below(256) - 128);
+                }
                 for (int i = 0; i < MAXN * C; i++) x[i] = rand_uniform(-3, 3) * (i % 7 == 0 ? 10 : 1);
                 Matrix m = gs ? (Matrix){.scales = (const char *)scales, .rows = R, .cols = C, .group_size = gs}
                               : (Matrix){.w = w, .rows = R, .cols = C};
                 if (gs && bits == 4) m.q4 = packed;
                 else if (gs) m.q = q;
                 if (with_offsets) m.offsets = offsets;
+                m.scale_run = run;
                 void *packing = pack_for_kernels(&m);
+#ifdef VNNI
+                expect(m.scale_form == form, "scales packed in form %d, not %d", m.scale_form, form);
+#endif
                 for (int n = 1; n <= MAXN && !case_failed; n++) {
                     int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
                     for (int i = 0; i < n * R; i++) out[i] = NAN;
