@@ -731,6 +731,7 @@ typedef struct {
        them (matrix_pack, section 3); NULL: read as stored */
     const uint8_t *packed;        /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
     const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form) */
+    int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31) or 4 */
     int scale_form;               /* SCALES_F32, SCALES_F16 or SCALES_SHARED (section 3) */
     int scale_run;                /* GGUF block types: the groups of a block (K-quants: 256 values),
                                      whose scales share its f16 d; 0: other checkpoints */
@@ -2403,7 +2404,8 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
    the checkpoint is loaded (matrix_pack, after the matrix multiplications):
    blocks of PACK_ROWS rows. */
 #define PACK_ROWS 16
-static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W->cols * (W->q4 ? 4 : 8) / 8; }
+static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W->cols * W->packed_bits / 8; }
+#define SIX_BIT_COLS 16 /* the columns of a run of 6-bit values (packed_weights) */
 
 /* A block's scales, in one of three forms (matrix_pack picks the smallest
    that holds every scale exactly):
@@ -2625,14 +2627,33 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
 #define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
 #define PACK_FEW 4     /* up to this many, a kernel of their own; more take PACK_INPUTS's */
 
+/* The 32 bytes at p, 16 rows' 2 bytes of 4-bit values, as a lane of 4
+   bytes a row: each byte widened to 16 bits, then (b | b << 4) & 0x0F0F
+   puts its low nibble in the low byte and its high nibble in the high one. */
+KERNEL __m512i nibble_bytes(const uint8_t *p) {
+    __m512i e = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_ternarylogic_epi32(e, _mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
+}
+
 /* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
-   bytes: lane r holds row r's 4 values. 4-bit: each row's 2 bytes widened
-   to 16 bits, then (b | b << 4) & 0x0F0F puts the low nibble (column j or
-   j + 2) in the low byte and the high nibble in the high one. */
+   bytes: lane r holds row r's 4 values. 4-bit: each row's 2 bytes
+   (nibble_bytes). 6-bit: runs of SIX_BIT_COLS columns of 192 bytes, the
+   low nibbles of its 4 steps of 4 columns (32 bytes each, as 4-bit), then
+   64 bytes laid out as the values of a step, bits 2s and 2s + 1 of each
+   the top 2 bits of its value in step s: rotated to bits 4-5 and or-ed in. */
+KERNEL __m512i six_bit_step(const uint8_t *run, __m512i tops, const int step) {
+    const __m512i t = step == 0   ? _mm512_rol_epi32(tops, 4)
+                      : step == 1 ? _mm512_rol_epi32(tops, 2)
+                      : step == 2 ? tops
+                                  : _mm512_ror_epi32(tops, 2);
+    return _mm512_ternarylogic_epi32(nibble_bytes(run + 32 * step), t, _mm512_set1_epi8(0x30), 0xF8); /* a | (b & c) */
+}
+
 KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
     if (bits == 8) return _mm512_loadu_si512(p + (size_t)j * PACK_ROWS);
-    __m512i e = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p + (size_t)j * PACK_ROWS / 2)));
-    return _mm512_ternarylogic_epi32(e, _mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
+    if (bits == 4) return nibble_bytes(p + (size_t)j * PACK_ROWS / 2);
+    const uint8_t *run = p + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 6 / 8;
+    return six_bit_step(run, _mm512_loadu_si512(run + 128), j % SIX_BIT_COLS / 4);
 }
 
 /* Group g's scales of the 16 rows of a packed block, whose scales are at ws. */
@@ -2670,7 +2691,22 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         __m512i sum[PACK_INPUTS][MAX_CHAINS];
         for (int m = 0; m < N; m++)
             for (int k = 0; k < chains; k++) sum[m][k] = k == 0 ? _mm512_set1_epi32(c[(size_t)m * groups + g]) : _mm512_setzero_si512();
-        for (int j = j0; j < j1; j += 4 * chains)
+        for (int j = j0; bits == 6 && j < j1; j += SIX_BIT_COLS) { /* a run's tops loaded once */
+            const uint8_t *run = p + (size_t)j * PACK_ROWS * 6 / 8;
+            const __m512i tops = _mm512_loadu_si512(run + 128);
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+            for (int step = 0; step < 4; step++) {
+                __m512i w = six_bit_step(run, tops, step);
+                for (int m = 0; m < N; m++) {
+                    int32_t x4;
+                    memcpy(&x4, x + (size_t)m * cols + j + 4 * step, sizeof(x4));
+                    sum[m][step % chains] = _mm512_dpbusd_epi32(sum[m][step % chains], w, _mm512_set1_epi32(x4));
+                }
+            }
+        }
+        for (int j = j0; bits != 6 && j < j1; j += 4 * chains)
             for (int k = 0; k < chains && j + 4 * k < j1; k++) { /* the last round may be short */
                 __m512i w = packed_weights(p, j + 4 * k, bits);
                 for (int m = 0; m < N; m++) {
@@ -2748,9 +2784,9 @@ static void amx_configure(int k) {
 /* Each thread's 4-bit block widened to bytes: (cols / 4, PACK_ROWS, 4). */
 static _Thread_local Scratch amx_widened;
 
-static const uint8_t *amx_widen(const uint8_t *p, int cols) {
+static const uint8_t *amx_widen(const uint8_t *p, int cols, const int bits) {
     uint8_t *base = scratch_grow(&amx_widened, (size_t)cols * PACK_ROWS);
-    for (int j = 0; j < cols; j += 4) _mm512_store_si512(base + (size_t)j * PACK_ROWS, packed_weights(p, j, 4));
+    for (int j = 0; j < cols; j += 4) _mm512_store_si512(base + (size_t)j * PACK_ROWS, packed_weights(p, j, bits));
     return base;
 }
 
@@ -2914,6 +2950,7 @@ typedef enum {
     KERNEL_F32_SIMD,  /* cols a multiple of SIMD_WIDTH */
     KERNEL_Q8_SIMD,   /* VNNI: group_size a multiple of 4; else a multiple of VI_COLS */
     KERNEL_Q4_SIMD,   /* VNNI: group_size a multiple of 4; else (x86) of 2 * SIMD_WIDTH */
+    KERNEL_Q6_SIMD,   /* VNNI: int8 values in -32..31, packed as 6 bits */
 } KernelKind;
 
 static KernelKind kernel_of(const Matrix *W) {
@@ -2924,7 +2961,7 @@ static KernelKind kernel_of(const Matrix *W) {
     if (W->w && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
 #endif
 #ifdef VNNI
-    if (W->packed) return W->q4 ? KERNEL_Q4_SIMD : KERNEL_Q8_SIMD;
+    if (W->packed) return W->packed_bits == 4 ? KERNEL_Q4_SIMD : W->packed_bits == 6 ? KERNEL_Q6_SIMD : KERNEL_Q8_SIMD;
 #else
     if (!W->q4 && W->group_size > 0 && W->group_size % VI_COLS == 0) return KERNEL_Q8_SIMD;
 #endif
@@ -2962,12 +2999,12 @@ static int packed_inputs(int n) {
 static int32_t group_start(const Inputs *in, const int16_t *q) {
     int32_t sum = 0;
     for (int j = 0; q && j < in->group_size; j++) sum += q[j];
-    return (in->kind == KERNEL_Q4_SIMD ? -8 : -128) * sum;
+    return (in->kind == KERNEL_Q4_SIMD ? -8 : in->kind == KERNEL_Q6_SIMD ? -32 : -128) * sum;
 }
 
 /* Lays out quantised rows xq (n, cols) as packed_q8 reads them: x8 the
-   values as bytes, c8 the start -128 * sum xq (4-bit weights: -8 * sum xq)
-   of each group sum; the rows past n, up to packed_inputs(n), zero. */
+   values as bytes, c8 the start -128 * sum xq (4-bit weights: -8 * sum xq,
+   6-bit: -32 * sum xq) of each group sum; the rows past n, up to packed_inputs(n), zero. */
 static void pack_q8(Inputs *in, const int16_t *xq) {
     const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
     for (int b = 0; b < packed_inputs(n); b++) {
@@ -3048,7 +3085,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
 #endif
     size_t groups = count / W->group_size;
 #if defined(SIMD_WIDTH) && defined(VNNI)
-    if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD) {
+    if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD || in.kind == KERNEL_Q6_SIMD) {
         size_t padded = (size_t)packed_inputs(n); /* rows of x8, c8 and s8 */
         size_t pgroups = padded * (W->cols / W->group_size);
         size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
@@ -3086,7 +3123,7 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
         /* the next block's weights, prefetched a share per run of inputs */
         const size_t block = packed_block_bytes(W), runs = (size_t)(in->n / AMX_INPUTS), share = (block / runs + 63) / 64 * 64;
         const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * block;
-        const uint8_t *wb = bits == 4 ? amx_widen(p, cols) : p;
+        const uint8_t *wb = bits == 8 ? p : amx_widen(p, cols, bits);
         for (size_t r = 0; r < runs; r++, b += AMX_INPUTS) {
             const size_t at = r * share < block ? r * share : block;
             amx_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, next ? (const uint8_t *)next + at : NULL,
@@ -3155,6 +3192,7 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
     }
 #ifdef VNNI
     if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
+    else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6);
     else matmul_packed(out, W, i, next, in, 8);
 #else
     const int rows = W->rows, cols = W->cols, n = in->n, groups = cols / W->group_size;
@@ -3216,7 +3254,7 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
     }
     (void)work; /* read only by OpenMP */
 #ifdef AMX
-    if (in->n >= AMX_INPUTS && (in->kind == KERNEL_Q8_SIMD || in->kind == KERNEL_Q4_SIMD)) amx_usable();
+    if (in->n >= AMX_INPUTS && in->kind >= KERNEL_Q8_SIMD) amx_usable();
 #endif
     PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
     for (int t = 0; t < first[count]; t++) {
@@ -3402,10 +3440,48 @@ static int scale_form_of(const Matrix *W) {
     return all & 1 ? SCALES_SHARED : all & 2 ? SCALES_F16 : SCALES_F32;
 }
 
+/* Whether W's values are int8 in -32..31 (the GGUF types of 5 and 6 bits),
+   so that they pack as 6 bits (packed_weights), three quarters of the
+   bytes; its groups must fill runs of SIX_BIT_COLS. */
+static int six_bits_fit(const Matrix *W) {
+    if (!W->q || W->group_size % SIX_BIT_COLS != 0) return 0; /* whole runs in each group */
+    const int rows = W->rows, cols = W->cols;
+    uint8_t *fits = xcalloc((size_t)rows, 1);
+    PARALLEL_FOR_IF(rows >= 64)
+    for (int r = 0; r < rows; r++) {
+        const int8_t *q = W->q + (size_t)r * cols;
+        int lo = 0, hi = 0;
+        for (int j = 0; j < cols; j++) {
+            lo = q[j] < lo ? q[j] : lo;
+            hi = q[j] > hi ? q[j] : hi;
+        }
+        fits[r] = lo >= -32 && hi <= 31;
+    }
+    int all = 1;
+    for (int r = 0; r < rows; r++) all &= fits[r];
+    free(fits);
+    return all;
+}
+
+/* Row `lane` of a block's 6-bit values, as packed_weights reads them, from
+   its int8 values q (cols of them, in -32..31) stored as q + 32. */
+static void pack_six_bits(uint8_t *block, const int8_t *q, int cols, size_t lane) {
+    for (int j = 0; j < cols; j += 4) {
+        uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 6 / 8;
+        const int step = j % SIX_BIT_COLS / 4;
+        for (int k = 0; k < 4; k++) {
+            const int v = q[j + k] + 32;
+            run[32 * step + lane * 2 + (size_t)k / 2] |= (uint8_t)((v & 15) << (k % 2 * 4));
+            run[128 + lane * 4 + (size_t)k] |= (uint8_t)((v >> 4) << (2 * step));
+        }
+    }
+}
+
 /* The bytes of W packed (0: W is read as stored), a multiple of 64;
-   chooses its form of scales. */
+   chooses its bits and its form of scales. */
 static size_t matrix_packed_bytes(Matrix *W) {
     if (!matrix_packs(W)) return 0;
+    W->packed_bits = W->q4 ? 4 : six_bits_fit(W) ? 6 : 8;
     W->scale_form = scale_form_of(W);
     const size_t blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
     return (blocks * (packed_block_bytes(W) + packed_scale_bytes(W)) + 63) / 64 * 64;
@@ -3436,7 +3512,7 @@ static void pack_scales(const Matrix *W, uint8_t *ws, size_t r, int g, int run) 
 /* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned, zeroed). */
 static void matrix_pack(Matrix *W, void *memory) {
     if (!matrix_packs(W)) return;
-    const int bits = W->q4 ? 4 : 8, cols = W->cols, groups = cols / W->group_size, lane = bits / 2; /* bytes of 4 values */
+    const int bits = W->packed_bits, cols = W->cols, groups = cols / W->group_size, lane = bits / 2; /* 8, 4: bytes of 4 values */
     const int run = W->scale_form == SCALES_SHARED ? W->scale_run : 1;
     const size_t block = packed_block_bytes(W), scale_bytes = packed_scale_bytes(W);
     uint8_t *p = memory, *ps = p + ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS * block;
@@ -3444,7 +3520,8 @@ static void matrix_pack(Matrix *W, void *memory) {
     for (int i = 0; i < W->rows; i++) {
         const size_t r = (size_t)i;
         uint8_t *row = p + r / PACK_ROWS * block + r % PACK_ROWS * lane;
-        for (int j = 0; j < cols; j += 4) {
+        if (bits == 6) pack_six_bits(p + r / PACK_ROWS * block, W->q + r * cols, cols, r % PACK_ROWS);
+        for (int j = 0; bits != 6 && j < cols; j += 4) {
             uint8_t *dst = row + (size_t)j / 4 * PACK_ROWS * lane;
             if (bits == 4) memcpy(dst, W->q4 + (r * cols + j) / 2, 2);
             else

@@ -1132,7 +1132,8 @@ static void test_kernels(void) {
        builds take on tiles, so that tiles, the vector kernels for the rest
        and a lone row are all compared; the scales in turn float32, f16 values
        (a GGUF Q8_0's d) or an f16 d per run of groups times int8 multipliers
-       (a K-quant's), which VNNI builds must pack in those forms */
+       (a K-quant's), which VNNI builds must pack in those forms; int8 values
+       in -32..31 (GGUF's 5- and 6-bit types), which they pack as 6 bits */
     {
         const int shapes[][3] = {/* rows, cols, group size (0: float32) */
                                  {37, 64, 0},  {50, 48, 0},  {5, 288, 0},  {13, 100, 0},  {23, 64, 32},  {37, 96, 32},
@@ -1145,9 +1146,10 @@ static void test_kernels(void) {
                 int form = gs ? (int)(si + (size_t)variant) % 3 : SCALES_F32; /* shared: runs of 2 or 4 groups */
                 if (form == SCALES_SHARED && G % 2 != 0) form = SCALES_F16;
                 const int run = form != SCALES_SHARED ? form : G % 4 == 0 ? 4 : 2;
+                const int six = gs && bits == 8 && variant == (si % 2 ? 2 : 0); /* values in -32..31 */
                 const char *form_names[] = {"", ", f16 scales", ", shared scales"};
-                begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d%s%s%s, n = 1..%d", KERNEL_NAME, R, C, gs,
-                      gs && bits == 4 ? ", 4-bit" : "", with_offsets ? ", offsets" : "", form_names[form], MAXN);
+                begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d%s%s%s%s, n = 1..%d", KERNEL_NAME, R, C, gs,
+                      gs && bits == 4 ? ", 4-bit" : "", six ? ", values of 6 bits" : "", with_offsets ? ", offsets" : "", form_names[form], MAXN);
                 float *w = xcalloc((size_t)R * C, sizeof(float)), *scales = xcalloc((size_t)R * C, sizeof(float));
                 float *offsets = xcalloc((size_t)R * C, sizeof(float)); /* (groups, rows): offsets[g * R + i] */
                 int8_t *q = xcalloc((size_t)R * C, 1);
@@ -1155,7 +1157,7 @@ static void test_kernels(void) {
                 float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
                 for (int i = 0; i < R * C; i++) {
                     w[i] = rand_uniform(-1, 1);
-                    q[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : rand_uniform(0, 255) - 127);
+                    q[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : six ? rand_below(64) - 32 : rand_uniform(0, 255) - 127);
                 }
                 for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((q[2 * i] + 8) | (q[2 * i + 1] + 8) << 4);
                 for (int i = 0; i < R * G; i++) { scales[i] = rand_uniform(0.001f, 0.02f); offsets[i] = rand_uniform(-0.1f, 0.1f); }
@@ -1175,6 +1177,7 @@ static void test_kernels(void) {
                 void *packing = pack_for_kernels(&m);
 #ifdef VNNI
                 expect(m.scale_form == form, "scales packed in form %d, not %d", m.scale_form, form);
+                if (gs) expect(m.packed_bits == (bits == 4 ? 4 : six && gs % SIX_BIT_COLS == 0 ? 6 : 8), "values packed as %d bits", m.packed_bits);
 #endif
                 for (int n = 1; n <= MAXN && !case_failed; n++) {
                     int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
