@@ -75,6 +75,11 @@ tests/.bin/llama3_dump: tests/llama3_dump.c tests/hex_lines.h run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) -Wno-unused-function -O2 -o $@ tests/llama3_dump.c -lm
 
+# the same built as ./runomp: GGUF logits through the vector kernels (tests/test_gguf.py)
+tests/.bin/llama3_dump_native: tests/llama3_dump.c tests/hex_lines.h run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(FASTFLAGS) -march=native -mtune=generic -fopenmp -Wno-unused-function -o $@ tests/llama3_dump.c -lm
+
 # the JSON mask test driver: the tokens a schema allows after a text (tests/test_json_schema.py)
 tests/.bin/json_mask_dump: tests/json_mask_dump.c tests/hex_lines.h run.c
 	@mkdir -p tests/.bin
@@ -144,7 +149,7 @@ clean: clean-fuzz
 clean-fuzz:
 	rm -rf tests/fuzz/.out
 
-test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
+test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/llama3_dump_native tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
 	MODELS_DIR=$(MODELS_DIR) PYTHON=$(TEST_PYTHON) RUN=$(RUN) bash tests/run_tests.sh
 
 # the streaming-read probe, then bench/bench.py with the fastest build; the

@@ -98,11 +98,13 @@
 #define PRAGMA(text) _Pragma(#text)
 #define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
 static int max_threads(void) { return omp_get_max_threads(); }
+static int thread_id(void) { return omp_get_thread_num(); }
 #else
 /* no threads: the loop runs as written (the condition is only evaluated, so
    that the variables it reads count as used) */
 #define PARALLEL_FOR_IF(cond) if ((void)(cond), 1)
 static int max_threads(void) { return 1; }
+static int thread_id(void) { return 0; }
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -733,10 +735,15 @@ typedef struct {
     const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form) */
     int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31) or 4 */
     int scale_form;               /* SCALES_F32, SCALES_F16 or SCALES_SHARED (section 3) */
+    int offset_form;              /* OFFSETS_NONE, OFFSETS_F32 or OFFSETS_MIN (section 3): a packed
+                                     block's offsets, after its scales */
+    float offset_centre;          /* OFFSETS_MIN: offset = centre x scale - dmin x m */
     int scale_run;                /* GGUF block types: the groups of a block (K-quants: 256 values),
                                      whose scales share its f16 d; 0: other checkpoints */
-    /* a GGUF token embedding of a block type: the blocks as stored, a row
-       unpacked at each lookup (matrix_row); no other field is set */
+    /* a GGUF matrix of a block type as stored: the token embedding, a row
+       unpacked at each lookup (matrix_row; no other field is set), or, in
+       the builds that pack, a matrix until pack_weights packs it from its
+       blocks (rows, cols, group_size and scale_run set) */
     const uint8_t *blocks;
     int block_type;     /* its GGML type number */
 } Matrix;
@@ -1241,23 +1248,34 @@ typedef struct GGUF {
    named for the error). How section 1 holds each type: `bits` 32 (float32),
    8 (int8 q) or 4 (4-bit q), with a float32 scale per `group` values and,
    for the types with a minimum (`offsets`), a float32 offset per group:
-   value = q x scale + offset. `unpack` turns one block into that form. */
+   value = q x scale + offset. `unpack` turns one block into that form;
+   `factors` gives its scales (and a K-quant's offsets) as the products the
+   format stores, for the builds that pack the blocks as they are (section
+   3): the f16 d as stored and group g's multiplier k[g], scale = d x k[g]
+   (k = 1 for the types of one group a block), and for the K-quants with a
+   minimum the f16 dmin and group g's m[g], offset = centre x scale - dmin x
+   m[g] (centre: 2^(value_bits - 1), the middle of the values' range). */
 typedef void (*GGMLUnpack)(const uint8_t *block, int8_t *q, float *scales, float *offsets);
+typedef void (*GGMLFactors)(const uint8_t *block, uint16_t *d, int8_t *k, uint16_t *dmin, uint8_t *m);
 typedef struct {
     const char *name;
     int block, block_bytes;
     int bits, group, offsets;
     GGMLUnpack unpack; /* NULL: float types */
+    GGMLFactors factors;
+    int value_bits;    /* the bits of a stored value (4, 5, 6 or 8) */
 } GGMLType;
 
 static float half_to_float(uint16_t h); /* section 4 */
 static uint16_t half_from_float(float f);
 
-static float f16_at(const uint8_t *p) {
+static uint16_t u16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    return half_to_float(h);
+    return h;
 }
+
+static float f16_at(const uint8_t *p) { return half_to_float(u16_at(p)); }
 
 /* bfloat16: the top 16 bits of a float32 */
 static float bf16_to_float(uint16_t h) {
@@ -1359,7 +1377,7 @@ static void k_quant_values(const uint8_t *b, const uint8_t *qh, int8_t *q, float
         int sc, m;
         k_scale_min(b + 4, g, &sc, &m);
         scales[g] = d * (float)sc;
-        offsets[g] = centre * scales[g] - dmin * (float)m;
+        offsets[g] = fmaf(-dmin, (float)m, centre * scales[g]); /* one rounding, as packed_offset */
         for (int l = 0; l < 32; l++) {
             int byte = qs[g / 2 * 32 + l], n = (g % 2 ? byte >> 4 : byte & 15) | (qh ? ((qh[l] >> g) & 1) << 4 : 0);
             q[g * 32 + l] = (int8_t)(n - (int)centre);
@@ -1369,6 +1387,25 @@ static void k_quant_values(const uint8_t *b, const uint8_t *qh, int8_t *q, float
 
 static void unpack_q4_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) { k_quant_values(b, NULL, q, scales, offsets); }
 static void unpack_q5_k(const uint8_t *b, int8_t *q, float *scales, float *offsets) { k_quant_values(b, b + 16, q, scales, offsets); }
+
+/* The factors of the types of one group a block: d, the first 2 bytes. */
+static void factors_one(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *dmin, uint8_t *m) {
+    (void)dmin, (void)m;
+    *d = u16_at(b);
+    k[0] = 1;
+}
+
+/* Q4_K's and Q5_K's: d, dmin, then the 6-bit scales and minimums. */
+static void factors_k(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *dmin, uint8_t *m) {
+    *d = u16_at(b);
+    *dmin = u16_at(b + 2);
+    for (int g = 0; g < 8; g++) {
+        int sc, mn;
+        k_scale_min(b + 4, g, &sc, &mn);
+        k[g] = (int8_t)sc;
+        m[g] = (uint8_t)mn;
+    }
+}
 
 /* Q6_K, 256 values in 16 sub-blocks of 16: 128 bytes ql (low 4 bits), 64
    bytes qh (high 2 bits), 16 int8 scales, f16 d. Each half of 128 values
@@ -1391,38 +1428,44 @@ static void unpack_q6_k(const uint8_t *b, int8_t *q, float *scales, float *offse
     }
 }
 
+static void factors_q6_k(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *dmin, uint8_t *m) {
+    (void)dmin, (void)m;
+    *d = u16_at(b + 208);
+    for (int g = 0; g < 16; g++) k[g] = (int8_t)b[192 + g];
+}
+
 static const GGMLType ggml_types[] = {
-    [0] = {"F32", 1, 4, 32, 0, 0, NULL},
-    [1] = {"F16", 1, 2, 32, 0, 0, NULL},
-    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0},
-    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1},
-    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0},
-    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1},
-    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0},
-    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL},
-    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL},
-    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL},
-    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k},
-    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k},
-    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k},
-    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL},
-    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL},
-    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL},
-    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL},
-    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL},
-    [20] = {"IQ4_NL", 0, 0, 0, 0, 0, NULL},
-    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL},
-    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL},
-    [23] = {"IQ4_XS", 0, 0, 0, 0, 0, NULL},
-    [24] = {"I8", 0, 0, 0, 0, 0, NULL},
-    [25] = {"I16", 0, 0, 0, 0, 0, NULL},
-    [26] = {"I32", 0, 0, 0, 0, 0, NULL},
-    [27] = {"I64", 0, 0, 0, 0, 0, NULL},
-    [28] = {"F64", 0, 0, 0, 0, 0, NULL},
-    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL},
-    [30] = {"BF16", 1, 2, 32, 0, 0, NULL},
-    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL},
-    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL},
+    [0] = {"F32", 1, 4, 32, 0, 0, NULL, NULL, 32},
+    [1] = {"F16", 1, 2, 32, 0, 0, NULL, NULL, 16},
+    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0, factors_one, 4},
+    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1, factors_one, 4},
+    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0, factors_one, 5},
+    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1, factors_one, 5},
+    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0, factors_one, 8},
+    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k, factors_k, 4},
+    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k, factors_k, 5},
+    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k, factors_q6_k, 6},
+    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [20] = {"IQ4_NL", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [23] = {"IQ4_XS", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [24] = {"I8", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [25] = {"I16", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [26] = {"I32", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [27] = {"I64", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [28] = {"F64", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [30] = {"BF16", 1, 2, 32, 0, 0, NULL, NULL, 16},
+    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL, NULL, 0},
 };
 #define GGML_TYPES ((int)(sizeof(ggml_types) / sizeof(ggml_types[0])))
 enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };
@@ -1768,10 +1811,13 @@ static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *val
     }
 }
 
+static int packs_blocks(void); /* section 3 */
+
 /* The matrix tensor `name` of (rows, cols) in section 1's layout: F32, F16
    and BF16 read in place (the kernels widen 16-bit values as they load
    them: half the bytes of float32 to read per token); the block types
-   unpacked. */
+   left as they are for the builds that pack them straight from their
+   blocks (pack_weights), or else unpacked. */
 static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int rows, int cols) {
     const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, (uint64_t)rows, 1);
     const GGMLType *type = ggml_type(x->type);
@@ -1790,12 +1836,17 @@ static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int r
         m.bf16 = x->type == GGML_BF16;
         return m;
     }
+    m.group_size = type->group;
+    m.scale_run = type->block / type->group;
+    if (packs_blocks()) {
+        m.blocks = (const uint8_t *)x->data;
+        m.block_type = (int)x->type;
+        return m;
+    }
     const size_t groups = count / (size_t)type->group, value_bytes = ((type->bits == 4 ? count / 2 : count) + 63) / 64 * 64;
     char *memory = model_pages(t, value_bytes + groups * sizeof(float) * (type->offsets ? 2 : 1));
     float *scales = (float *)(memory + value_bytes), *offsets = type->offsets ? scales + groups : NULL;
     unpack_tensor(x, type, (int8_t *)memory, scales, offsets);
-    m.group_size = type->group;
-    m.scale_run = type->block / type->group;
     m.scales = (const char *)scales;
     m.offsets = offsets;
     if (type->bits == 4) m.q4 = (const uint8_t *)memory;
@@ -2416,13 +2467,32 @@ static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W
                     scale_run, PACK_ROWS): scale = k * d, the K-quants'
                     sub-block scale times their block's d
    Q4_K's values and scales then take 0.54 bytes a weight instead of
-   0.625, Q6_K's (as int8) 1.07 instead of 1.25. */
+   0.625, Q6_K's (as int8) 1.07 instead of 1.25.
+   Then, for the types with a minimum, the block's offsets, in one of two
+   forms:
+     OFFSETS_F32    float32 (groups, PACK_ROWS)
+     OFFSETS_MIN    uint8 m (groups, PACK_ROWS), then f16 dmin (groups /
+                    scale_run, PACK_ROWS): offset = centre x scale - dmin x
+                    m, computed as the K-quants' unpack computes it (Q4_K,
+                    Q5_K: their 6-bit minimums and their block's dmin)
+   so that a Q4_K block of 16 rows is 2368 bytes against the file's 2304. */
 enum { SCALES_F32, SCALES_F16, SCALES_SHARED };
-static size_t packed_scale_bytes(const Matrix *W) {
+enum { OFFSETS_NONE, OFFSETS_F32, OFFSETS_MIN };
+
+/* The bytes of a block's scales alone. */
+static size_t scale_part_bytes(const Matrix *W) {
     const size_t groups = (size_t)(W->cols / W->group_size);
     if (W->scale_form == SCALES_F32) return groups * PACK_ROWS * sizeof(float);
     if (W->scale_form == SCALES_F16) return groups * PACK_ROWS * sizeof(uint16_t);
     return groups * PACK_ROWS + groups / (size_t)W->scale_run * PACK_ROWS * sizeof(uint16_t);
+}
+
+/* The bytes of a block's scales and offsets. */
+static size_t packed_scale_bytes(const Matrix *W) {
+    const size_t groups = (size_t)(W->cols / W->group_size), bytes = scale_part_bytes(W);
+    if (W->offset_form == OFFSETS_F32) return bytes + groups * PACK_ROWS * sizeof(float);
+    if (W->offset_form == OFFSETS_MIN) return bytes + groups * PACK_ROWS + groups / (size_t)W->scale_run * PACK_ROWS * sizeof(uint16_t);
+    return bytes;
 }
 
 /* Whether this build packs W. */
@@ -2431,6 +2501,16 @@ static int matrix_packs(const Matrix *W) {
     return W->group_size > 0 && W->group_size % 4 == 0;
 #else
     (void)W;
+    return 0;
+#endif
+}
+
+/* Whether this build packs GGUF matrices of block types straight from
+   their blocks (gguf_matrix leaves them as stored). */
+static int packs_blocks(void) {
+#ifdef VNNI
+    return 1;
+#else
     return 0;
 #endif
 }
@@ -2666,9 +2746,24 @@ KERNEL vfloat packed_scale(const Matrix *W, const uint8_t *ws, int g) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(k), d);
 }
 
+/* Group g's offsets of the 16 rows of a packed block, whose scales are at
+   ws and whose group g's scales are wsg. OFFSETS_MIN: centre x scale is
+   exact (a power of 2), so the one rounding of the fused multiply-add is
+   the one of the K-quants' unpack. */
+KERNEL vfloat packed_offset(const Matrix *W, const uint8_t *ws, vfloat wsg, int g) {
+    const uint8_t *wo = ws + scale_part_bytes(W);
+    if (W->offset_form == OFFSETS_F32) return vf_load((const float *)wo + (size_t)g * PACK_ROWS);
+    const size_t groups = (size_t)(W->cols / W->group_size);
+    const vfloat dmin = vf_load_half((const uint16_t *)(wo + groups * PACK_ROWS) + (size_t)(g / W->scale_run) * PACK_ROWS);
+    const vfloat m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wo + (size_t)g * PACK_ROWS))));
+    return _mm512_fnmadd_ps(dmin, m, _mm512_mul_ps(vf_set(W->offset_centre), wsg));
+}
+
 /* out[b * stride + r] for rows i..i+n_rows-1 of W (a packed block: i a
    multiple of PACK_ROWS) and n_in <= N input rows b: x (N, cols) their
-   bytes, c and s (N, groups) their starts and scales (rows past n_in: zero).
+   bytes, c and s (N, groups) their starts and scales (rows past n_in: zero),
+   and xsum (N, groups) the float sums of their groups, which W's offsets
+   multiply (value = q x scale + offset) right after each group's term.
    Each group's sums are taken in `chains` int32 sums per input, columns 4 at
    a time in turn, added exactly at the end of the group: a vpdpbusd waits
    for the one before it on its sum, so that few inputs need several sums
@@ -2676,7 +2771,7 @@ KERNEL vfloat packed_scale(const Matrix *W, const uint8_t *ws, int g) {
    a group at a time.
    N and bits are constants in every inlined copy. */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
-                      const int32_t *c, const float *s, int n_in, const int N, const int bits) {
+                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
     enum { MAX_CHAINS = 4 };
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, chains = N < 4 ? 4 : 2;
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
@@ -2720,6 +2815,10 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
             __m512i total = sum[m][0];
             for (int k = 1; k < chains; k++) total = _mm512_add_epi32(total, sum[m][k]);
             acc[m] = vf_fma(vi_to_float(total), _mm512_mul_ps(wsg, vf_set(s[(size_t)m * groups + g])), acc[m]);
+        }
+        if (W->offset_form) {
+            const vfloat off = packed_offset(W, ws, wsg, g);
+            for (int m = 0; m < N; m++) acc[m] = vf_fma(off, vf_set(xsum[(size_t)m * groups + g]), acc[m]);
         }
     }
     const __mmask16 stored = (__mmask16)((1u << n_rows) - 1);
@@ -2805,10 +2904,11 @@ static const uint8_t *amx_widen(const uint8_t *p, int cols, const int bits) {
 #define AMX_STORE(C, g, at) \
     if ((g) >= 0 && (g) < groups) _tile_stored(C, sums[at], 64)
 
-/* acc[m] = fma(float(sums[m] + c_m), ws_g * xs_m, acc[m]) for the 16 inputs
-   m of group g (if there is one), as packed_q8 finishes a group. */
-KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const uint8_t *ws, const int32_t *c, const float *s, int groups,
-                      int g) {
+/* acc[m] = fma(float(sums[m] + c_m), ws_g * xs_m, acc[m]), then the
+   offsets' term, for the 16 inputs m of group g (if there is one), as
+   packed_q8 finishes a group. */
+KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const uint8_t *ws, const int32_t *c, const float *s,
+                      const float *xsum, int groups, int g) {
     if (g < 0 || g >= groups) return;
     const vfloat wsg = packed_scale(W, ws, g);
 #if defined(__GNUC__)
@@ -2817,6 +2917,10 @@ KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const u
     for (int m = 0; m < AMX_INPUTS; m++) {
         __m512i total = _mm512_add_epi32(_mm512_load_si512(sums + m * PACK_ROWS), _mm512_set1_epi32(c[(size_t)m * groups + g]));
         acc[m] = vf_fma(vi_to_float(total), _mm512_mul_ps(wsg, vf_set(s[(size_t)m * groups + g])), acc[m]);
+    }
+    if (W->offset_form) {
+        const vfloat off = packed_offset(W, ws, wsg, g);
+        for (int m = 0; m < AMX_INPUTS; m++) acc[m] = vf_fma(off, vf_set(xsum[(size_t)m * groups + g]), acc[m]);
     }
 }
 
@@ -2828,7 +2932,7 @@ KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const u
    next pair's products run, and scaled a pair later again, when the
    stores are done. */
 static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *pre, size_t pre_bytes,
-                   const uint8_t *wb, const int8_t *x, const int32_t *c, const float *s) {
+                   const uint8_t *wb, const int8_t *x, const int32_t *c, const float *s, const float *xsum) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, k = gs < 64 ? gs : 64;
     const size_t step = (pre_bytes / ((groups + 3) / 4) + 63) / 64 * 64; /* prefetched per 4 groups */
     const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * packed_scale_bytes(W);
@@ -2843,14 +2947,14 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
         }
         AMX_PRODUCT(0, 4, 6, g)
         AMX_PRODUCT(1, 5, 7, g + 1)
-        amx_scale(acc, sums[0], W, ws, c, s, groups, g - 4);
-        amx_scale(acc, sums[1], W, ws, c, s, groups, g - 3);
+        amx_scale(acc, sums[0], W, ws, c, s, xsum, groups, g - 4);
+        amx_scale(acc, sums[1], W, ws, c, s, xsum, groups, g - 3);
         AMX_STORE(2, g - 2, 2);
         AMX_STORE(3, g - 1, 3);
         AMX_PRODUCT(2, 4, 6, g + 2)
         AMX_PRODUCT(3, 5, 7, g + 3)
-        amx_scale(acc, sums[2], W, ws, c, s, groups, g - 2);
-        amx_scale(acc, sums[3], W, ws, c, s, groups, g - 1);
+        amx_scale(acc, sums[2], W, ws, c, s, xsum, groups, g - 2);
+        amx_scale(acc, sums[3], W, ws, c, s, xsum, groups, g - 1);
         AMX_STORE(0, g, 0);
         AMX_STORE(1, g + 1, 1);
     }
@@ -2983,6 +3087,8 @@ typedef struct {
     int8_t *x8;     /* VNNI: (packed_inputs(n), cols) xq as bytes */
     int32_t *c8;    /* VNNI: (packed_inputs(n), groups) the starts of the group sums */
     float *s8;      /* VNNI: (packed_inputs(n), groups) the scales xs (zero past n) */
+    float *sum8;    /* VNNI, matrices with offsets: (packed_inputs(n), groups) the float sums of x
+                       over each group (group_sums; zero past n); NULL otherwise */
 } Inputs;
 
 #if defined(SIMD_WIDTH) && defined(VNNI)
@@ -3063,9 +3169,20 @@ static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count
     }
 }
 
-/* Quantises or packs x (n, W.cols) for the kernel of W. */
-static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
-    Inputs in = {kernel_of(W), n, W->cols, W->group_size, x, NULL, NULL, NULL, NULL, NULL, NULL};
+/* The sums of x (n, cols) over its groups of gs values: sums (n, cols / gs). */
+static void group_sums(float *sums, const float *x, int n, int cols, int gs) {
+    for (size_t g = 0; g < (size_t)n * (cols / gs); g++) {
+        float sum = 0.0f;
+        for (int j = 0; j < gs; j++) sum += x[g * gs + j];
+        sums[g] = sum;
+    }
+}
+
+/* Quantises or packs x (n, W.cols) for the kernel of W; with_sums: the
+   group sums too, for packed matrices with offsets. */
+static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_sums) {
+    Inputs in = {kernel_of(W), n, W->cols, W->group_size, x, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    (void)with_sums; /* read by VNNI builds only */
     size_t count = (size_t)n * W->cols;
     if (in.kind == KERNEL_F32_PLAIN) return in;
 #ifdef SIMD_WIDTH
@@ -3090,7 +3207,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
         size_t pgroups = padded * (W->cols / W->group_size);
         size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
         size_t pbytes = (padded * W->cols + 63) / 64 * 64;
-        char *base = scratch_get(qbytes + pbytes + 2 * gbytes);
+        char *base = scratch_get(qbytes + pbytes + (with_sums ? 3 : 2) * gbytes);
         int16_t *xq = (int16_t *)base;
         in.x8 = (int8_t *)(base + qbytes);
         in.c8 = (int32_t *)(base + qbytes + pbytes);
@@ -3098,6 +3215,11 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W) {
         quantize_groups(xq, in.s8, x, count, W->group_size);
         memset(in.s8 + groups, 0, (pgroups - groups) * sizeof(float));
         pack_q8(&in, xq);
+        if (with_sums) {
+            in.sum8 = (float *)(base + qbytes + pbytes + 2 * gbytes);
+            group_sums(in.sum8, x, n, W->cols, W->group_size);
+            memset(in.sum8 + groups, 0, (pgroups - groups) * sizeof(float));
+        }
         return in;
     }
 #endif
@@ -3128,7 +3250,7 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
             const size_t at = r * share < block ? r * share : block;
             amx_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, next ? (const uint8_t *)next + at : NULL,
                    block - at < share ? block - at : share, wb, in->x8 + (size_t)b * cols, in->c8 + (size_t)b * groups,
-                   in->s8 + (size_t)b * groups);
+                   in->s8 + (size_t)b * groups, in->sum8 + (size_t)b * groups);
         }
         next = NULL;
     }
@@ -3138,14 +3260,14 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
         const uint8_t *pre = b == 0 ? next : NULL;
         const int8_t *x = in->x8 + (size_t)b * cols;
         const int32_t *c = in->c8 + (size_t)b * groups;
-        const float *s = in->s8 + (size_t)b * groups;
+        const float *s = in->s8 + (size_t)b * groups, *xsum = in->sum8 + (size_t)b * groups;
         float *o = out + (size_t)b * rows + i;
         switch (n_in) {
-        case 1: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 1, bits); break;
-        case 2: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 2, bits); break;
-        case 3: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 3, bits); break;
-        case 4: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, 4, bits); break;
-        default: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, n_in, PACK_INPUTS, bits);
+        case 1: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 1, bits); break;
+        case 2: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 2, bits); break;
+        case 3: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 3, bits); break;
+        case 4: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 4, bits); break;
+        default: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, PACK_INPUTS, bits);
         }
     }
 }
@@ -3267,19 +3389,6 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
 }
 #endif
 
-/* The sums of x (n, cols) over its groups of gs values, (n, cols / gs),
-   where prepare_inputs put the kernels' inputs, read no more once the
-   kernels are done. */
-static float *group_sums(const float *x, int n, int cols, int gs) {
-    float *sums = scratch_get((size_t)n * (cols / gs) * sizeof(float));
-    for (size_t g = 0; g < (size_t)n * (cols / gs); g++) {
-        float sum = 0.0f;
-        for (int j = 0; j < gs; j++) sum += x[g * gs + j];
-        sums[g] = sum;
-    }
-    return sums;
-}
-
 /* out (n, W.rows) += the part of W @ x that W's offsets make (section 2.2:
    value = q * scale + offset): each row's offsets times the sums of x over
    their groups (group_sums), added group by group (in the same order for
@@ -3347,7 +3456,9 @@ static void matmul_shared(const Matrix *const *Ws, float *const *outs, int count
             for (int k = 0; k < count; k++) matmul_shared(&Ws[k], &outs[k], 1, x, n);
             return;
         }
-    Inputs in = prepare_inputs(x, n, Ws[0]);
+    int with_sums = 0; /* packed matrices add their offsets in the kernel */
+    for (int m = 0; m < count; m++) with_sums |= Ws[m]->packed && Ws[m]->offset_form != OFFSETS_NONE;
+    Inputs in = prepare_inputs(x, n, Ws[0], with_sums);
     for (int m = 0; m < count; m++) {
         if (in.kind == KERNEL_F32_PLAIN) matmul_f32_plain(outs[m], x, Ws[m], n);
         if (in.kind == KERNEL_Q8_PLAIN) matmul_q8_plain(outs[m], in.xq, in.xs, Ws[m], n);
@@ -3356,10 +3467,14 @@ static void matmul_shared(const Matrix *const *Ws, float *const *outs, int count
 #ifdef SIMD_WIDTH
     if (in.kind >= KERNEL_F32_SIMD) matmul_simd(Ws, outs, count, &in);
 #endif
-    const float *sums = NULL; /* the matrices share cols and group_size */
+    float *sums = NULL; /* the matrices share cols and group_size; where prepare_inputs put the
+                           kernels' inputs, read no more once the kernels are done */
     for (int m = 0; m < count; m++)
-        if (Ws[m]->offsets) {
-            if (!sums) sums = group_sums(x, n, Ws[0]->cols, Ws[0]->group_size);
+        if (Ws[m]->offsets && !Ws[m]->packed) {
+            if (!sums) {
+                sums = scratch_get((size_t)n * (Ws[0]->cols / Ws[0]->group_size) * sizeof(float));
+                group_sums(sums, x, n, Ws[0]->cols, Ws[0]->group_size);
+            }
             add_offsets(outs[m], Ws[m], sums, n);
         }
 }
@@ -3478,67 +3593,146 @@ static void pack_six_bits(uint8_t *block, const int8_t *q, int cols, size_t lane
 }
 
 /* The bytes of W packed (0: W is read as stored), a multiple of 64;
-   chooses its bits and its form of scales. */
+   chooses its bits and the forms of its scales and offsets: for GGUF
+   blocks, the ones their type stores (values of 5 or 6 bits as 6, scales
+   as f16 or shared, K-quants' offsets as minimums); otherwise the smallest
+   that hold W's values and scales exactly, offsets as float32. */
 static size_t matrix_packed_bytes(Matrix *W) {
     if (!matrix_packs(W)) return 0;
-    W->packed_bits = W->q4 ? 4 : six_bits_fit(W) ? 6 : 8;
-    W->scale_form = scale_form_of(W);
+    if (W->blocks) {
+        const GGMLType *type = &ggml_types[W->block_type];
+        W->packed_bits = type->value_bits == 4 ? 4 : type->value_bits == 8 ? 8 : 6;
+        W->scale_form = W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
+        W->offset_form = !type->offsets ? OFFSETS_NONE : W->scale_run > 1 ? OFFSETS_MIN : OFFSETS_F32;
+        W->offset_centre = (float)(1 << (type->value_bits - 1));
+    } else {
+        W->packed_bits = W->q4 ? 4 : six_bits_fit(W) ? 6 : 8;
+        W->scale_form = scale_form_of(W);
+        W->offset_form = W->offsets ? OFFSETS_F32 : OFFSETS_NONE;
+    }
     const size_t blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
     return (blocks * (packed_block_bytes(W) + packed_scale_bytes(W)) + 63) / 64 * 64;
 }
 
-/* Row r's scales of groups g..g+run-1 into the packed scales of its block
-   (at ws), in W's form. */
-static void pack_scales(const Matrix *W, uint8_t *ws, size_t r, int g, int run) {
-    const size_t lane = r % PACK_ROWS, groups = (size_t)(W->cols / W->group_size);
-    float s[256], d;
-    int8_t k[256];
-    for (int j = 0; j < run; j++) s[j] = stored_scale(W, r, g + j);
-    if (W->scale_form == SCALES_SHARED) {
-        shared_scale(s, run, &d, k); /* found before, by scale_form_of */
-        const uint16_t h = half_from_float(d);
-        memcpy(ws + groups * PACK_ROWS + ((size_t)g / (size_t)run * PACK_ROWS + lane) * sizeof(h), &h, sizeof(h));
+/* One row of W as matrix_pack takes it, whatever W's source: its values in
+   int8 and its scales and offsets as section 1 holds them, with the
+   factors of the forms that store them so (k, d for SCALES_SHARED, d alone
+   for SCALES_F16: each group's scale; m, dmin for OFFSETS_MIN). */
+typedef struct {
+    int8_t *q;          /* (cols) */
+    float *s, *o;       /* (groups) */
+    int8_t *k;          /* (groups) */
+    uint8_t *m;         /* (groups) */
+    uint16_t *d, *dmin; /* (groups) f16 bits, one a run of scale_run groups (SCALES_F16: one a group) */
+} PackRow;
+
+/* Row r of W: unpacked from its GGUF blocks, or read from section 1's
+   arrays (a shared scale's factors found by shared_scale). */
+static void stored_row(const Matrix *W, size_t r, PackRow *row) {
+    const int cols = W->cols, groups = cols / W->group_size;
+    if (W->blocks) {
+        const GGMLType *type = &ggml_types[W->block_type];
+        const int per = type->block / type->group, n_blocks = cols / type->block;
+        const uint8_t *b = W->blocks + r * (size_t)n_blocks * type->block_bytes;
+        for (int i = 0; i < n_blocks; i++, b += type->block_bytes) {
+            type->unpack(b, row->q + (size_t)i * type->block, row->s + i * per, row->o + i * per);
+            type->factors(b, row->d + i, row->k + i * per, row->dmin + i, row->m + i * per);
+        }
+        return;
     }
-    for (int j = 0; j < run; j++) {
-        const size_t at = (size_t)(g + j) * PACK_ROWS + lane;
-        if (W->scale_form == SCALES_F32) memcpy(ws + at * sizeof(float), &s[j], sizeof(float));
-        else if (W->scale_form == SCALES_F16) {
-            const uint16_t h = half_from_float(s[j]);
-            memcpy(ws + at * sizeof(h), &h, sizeof(h));
-        } else ws[at] = (uint8_t)k[j];
+    for (int j = 0; j < cols; j++) row->q[j] = W->q ? W->q[r * cols + j] : (int8_t)q4_value(W, r * cols + j);
+    for (int g = 0; g < groups; g++) {
+        row->s[g] = stored_scale(W, r, g);
+        if (W->offsets) row->o[g] = W->offsets[(size_t)g * W->rows + r];
+        if (W->scale_form == SCALES_F16) row->d[g] = half_from_float(row->s[g]);
+    }
+    for (int g = 0; W->scale_form == SCALES_SHARED && g < groups; g += W->scale_run) {
+        float d;
+        shared_scale(row->s + g, W->scale_run, &d, row->k + g); /* found before, by scale_form_of */
+        row->d[g / W->scale_run] = half_from_float(d);
     }
 }
 
-/* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned, zeroed). */
+/* Row `row` into lane `lane` of its packed block (values at p, scales and
+   offsets at ws), in W's forms. */
+static void pack_row(const Matrix *W, uint8_t *p, uint8_t *ws, size_t lane, const PackRow *row) {
+    const int cols = W->cols, groups = cols / W->group_size, run = W->scale_run > 0 ? W->scale_run : 1;
+    const int8_t *q = row->q;
+    if (W->packed_bits == 6) pack_six_bits(p, q, cols, lane);
+    for (int j = 0; W->packed_bits == 8 && j < cols; j += 4)
+        for (int k = 0; k < 4; k++) p[(size_t)j * PACK_ROWS + lane * 4 + (size_t)k] = (uint8_t)q[j + k] ^ 0x80u;
+    for (int j = 0; W->packed_bits == 4 && j < cols; j += 2)
+        p[(size_t)j / 4 * PACK_ROWS * 2 + lane * 2 + (size_t)j % 4 / 2] = (uint8_t)((q[j] + 8) | (q[j + 1] + 8) << 4);
+    uint8_t *wo = ws + scale_part_bytes(W), *d_at = ws + (size_t)groups * PACK_ROWS, *dmin_at = wo + (size_t)groups * PACK_ROWS;
+    for (int g = 0; g < groups; g++) {
+        const size_t at = (size_t)g * PACK_ROWS + lane, run_at = (size_t)g / (size_t)run * PACK_ROWS + lane;
+        if (W->scale_form == SCALES_F32) memcpy(ws + at * sizeof(float), &row->s[g], sizeof(float));
+        if (W->scale_form == SCALES_F16) memcpy(ws + at * sizeof(uint16_t), &row->d[g], sizeof(uint16_t));
+        if (W->scale_form == SCALES_SHARED) {
+            ws[at] = (uint8_t)row->k[g];
+            memcpy(d_at + run_at * sizeof(uint16_t), &row->d[g / run], sizeof(uint16_t));
+        }
+        if (W->offset_form == OFFSETS_F32) memcpy(wo + at * sizeof(float), &row->o[g], sizeof(float));
+        if (W->offset_form == OFFSETS_MIN) {
+            wo[at] = row->m[g];
+            memcpy(dmin_at + run_at * sizeof(uint16_t), &row->dmin[g / run], sizeof(uint16_t));
+        }
+    }
+}
+
+/* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned,
+   zeroed), a block of rows at a time, each thread with a PackRow of its
+   own. */
 static void matrix_pack(Matrix *W, void *memory) {
     if (!matrix_packs(W)) return;
-    const int bits = W->packed_bits, cols = W->cols, groups = cols / W->group_size, lane = bits / 2; /* 8, 4: bytes of 4 values */
-    const int run = W->scale_form == SCALES_SHARED ? W->scale_run : 1;
-    const size_t block = packed_block_bytes(W), scale_bytes = packed_scale_bytes(W);
-    uint8_t *p = memory, *ps = p + ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS * block;
-    PARALLEL_FOR_IF(W->rows >= 64) /* each row to its own bytes */
-    for (int i = 0; i < W->rows; i++) {
-        const size_t r = (size_t)i;
-        uint8_t *row = p + r / PACK_ROWS * block + r % PACK_ROWS * lane;
-        if (bits == 6) pack_six_bits(p + r / PACK_ROWS * block, W->q + r * cols, cols, r % PACK_ROWS);
-        for (int j = 0; bits != 6 && j < cols; j += 4) {
-            uint8_t *dst = row + (size_t)j / 4 * PACK_ROWS * lane;
-            if (bits == 4) memcpy(dst, W->q4 + (r * cols + j) / 2, 2);
-            else
-                for (int k = 0; k < 4; k++) dst[k] = (uint8_t)W->q[r * cols + j + k] ^ 0x80u;
-        }
-        for (int g = 0; g < groups; g += run) pack_scales(W, ps + r / PACK_ROWS * scale_bytes, r, g, run);
+    const int cols = W->cols, groups = cols / W->group_size, threads = max_threads();
+    const size_t block = packed_block_bytes(W), scale_bytes = packed_scale_bytes(W), blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
+    const size_t row_bytes = ((size_t)cols + (size_t)groups * (2 * sizeof(float) + 2 + 2 * sizeof(uint16_t)) + 63) / 64 * 64;
+    char *buffers = xcalloc((size_t)threads, row_bytes);
+    PackRow *rows = xcalloc((size_t)threads, sizeof(PackRow));
+    for (int t = 0; t < threads; t++) {
+        char *b = buffers + (size_t)t * row_bytes;
+        rows[t].s = (float *)b;
+        rows[t].o = rows[t].s + groups;
+        rows[t].d = (uint16_t *)(rows[t].o + groups);
+        rows[t].dmin = rows[t].d + groups;
+        rows[t].q = (int8_t *)(rows[t].dmin + groups);
+        rows[t].k = rows[t].q + cols;
+        rows[t].m = (uint8_t *)rows[t].k + groups;
     }
+    uint8_t *p = memory, *ps = p + blocks * block;
+    PARALLEL_FOR_IF(blocks >= 4)
+    for (size_t b = 0; b < blocks; b++) {
+        PackRow *row = &rows[thread_id()];
+        for (size_t r = b * PACK_ROWS; r < (b + 1) * PACK_ROWS && r < (size_t)W->rows; r++) {
+            stored_row(W, r, row);
+            pack_row(W, p + b * block, ps + b * scale_bytes, r % PACK_ROWS, row);
+        }
+    }
+    free(rows);
+    free(buffers);
     W->packed = p;
     W->packed_scales = ps;
 }
 
-/* Gives back the pages of a packed matrix as stored (in the mapped file). */
+/* The bytes of W's GGUF blocks. */
+static size_t stored_block_bytes(const Matrix *W) {
+    const GGMLType *type = &ggml_types[W->block_type];
+    return (size_t)W->rows * W->cols / (size_t)type->block * (size_t)type->block_bytes;
+}
+
+/* Gives back the pages of a packed matrix as stored (in the mapped file, or
+   converted). */
 static void matrix_release_stored(const Matrix *W) {
     if (!W->packed) return;
     size_t count = (size_t)W->rows * W->cols;
+    if (W->blocks) {
+        release_pages(W->blocks, stored_block_bytes(W));
+        return;
+    }
     release_pages(W->q4 ? (const void *)W->q4 : (const void *)W->q, W->q4 ? count / 2 : count);
     release_pages(W->scales, count / W->group_size * sizeof(float));
+    if (W->offsets) release_pages(W->offsets, count / W->group_size * sizeof(float));
 }
 
 /* The matrices of t that a matmul reads: n_layers x 7, then the classifier. */
@@ -3567,6 +3761,8 @@ static void pack_weights(Transformer *t) {
         t->packing_bytes = bytes;
         char *at = t->packing;
         for (int m = 0; m < n; m++) {
+            /* a GGUF matrix's blocks mapped in one call, not page by page */
+            if (each[m] && all[m]->blocks) populate((void *)(uintptr_t)all[m]->blocks, stored_block_bytes(all[m]));
             matrix_pack(all[m], at);
             at += each[m];
             /* at once: the peak of memory is the packed copy and one matrix
@@ -4284,12 +4480,6 @@ typedef struct {
     const int *logit_rows;          /* (n_logits) rows whose logits are wanted, ascending */
     int n_logits;
 } Batch;
-
-#ifdef _OPENMP
-static int thread_id(void) { return omp_get_thread_num(); }
-#else
-static int thread_id(void) { return 0; }
-#endif
 
 /* ---- Attention in tiles ------------------------------------------------------
    A tile is up to tile_rows rows of one sequence at consecutive positions

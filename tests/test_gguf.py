@@ -11,7 +11,10 @@ llama.cpp" below for their tolerances).
 Files: written here by gguf_ref (random quant bits with realistic scales;
 dim 256 so the K types fit, ffn 512, 4 heads, vocab 300 with a small
 SentencePiece vocabulary). Logits from tests/.bin/llama3_dump (make
-tests/.bin/llama3_dump); the sanitizer cases use tests/.bin/run_asan (make
+tests/.bin/llama3_dump), and again from tests/.bin/llama3_dump_native, the
+same driver built as ./runomp (vector kernels; with VNNI, the block types
+packed straight from their blocks): cases ending in _vector, SKIP without
+it; the sanitizer cases use tests/.bin/run_asan (make
 tests/.bin/run_asan) and SKIP without it.
 
 Tolerances (errors: max |run.c - reference| over all logits, relative to
@@ -58,6 +61,10 @@ import gguf_ref as ref  # noqa: E402
 RUN = os.environ.get("RUN", "./run")
 TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "gguf")
 DUMP = os.path.join(HERE, ".bin", "llama3_dump")
+# the same driver built as ./runomp (vector kernels; where the machine has
+# VNNI, the block types packed straight from their blocks): the logits cases
+# run on both, the second with names ending in _vector
+NATIVE_DUMP = os.path.join(HERE, ".bin", "llama3_dump_native")
 ASAN = os.path.join(HERE, ".bin", "run_asan")
 IDS = [1, 5, 17, 42, 3, 77, 260, 299]
 EXACT_TOL = 2e-5
@@ -89,10 +96,12 @@ def write(name, seed, **settings):
     return p
 
 
-def dump_logits(p, ids):
-    if not os.path.isfile(DUMP):
-        raise AssertionError("%s is missing (make tests/.bin/llama3_dump)" % DUMP)
-    r = sh([DUMP, "logits", p] + [str(i) for i in ids])
+def dump_logits(p, ids, dump=DUMP):
+    if not os.path.isfile(dump):
+        if dump == NATIVE_DUMP:
+            raise Skip("%s is missing (make tests/.bin/llama3_dump_native)" % dump)
+        raise AssertionError("%s is missing (make tests/.bin/llama3_dump)" % dump)
+    r = sh([dump, "logits", p] + [str(i) for i in ids])
     assert r.returncode == 0, "llama3_dump logits failed (%d): %s" % (r.returncode, r.stderr.decode(errors="replace").strip()[-300:])
     got = np.array([[float(x) for x in line.split()] for line in r.stdout.decode().splitlines()])
     assert got.shape[0] == len(ids), "llama3_dump printed %d lines for %d ids" % (got.shape[0], len(ids))
@@ -138,10 +147,10 @@ def against_reference(model, got, ids, quantised, exact=None, emu=None):
     return within(relative_errors(got, emu, scale), QUANT_TIGHT, noise, what) + " against the int8 emulation"
 
 
-def compare(p, quantised, ids=IDS):
+def compare(p, quantised, ids=IDS, dump=DUMP):
     """The verdict's details for one file; raises AssertionError when out of
     tolerance. Returns a short description of the error seen."""
-    return against_reference(ref.Model(ref.read_gguf(p)), dump_logits(p, ids), ids, quantised)
+    return against_reference(ref.Model(ref.read_gguf(p)), dump_logits(p, ids, dump), ids, quantised)
 
 
 def verdict_with_detail(name, fn):
@@ -191,18 +200,18 @@ def test_reference_sensitivity():
 
 # --- logits --------------------------------------------------------------------------
 
-def logits_fn(name, wtype, seed, settings):
+def logits_fn(name, wtype, seed, settings, dump=DUMP):
     def fn():
         p = write(name, seed, wtype=wtype, **settings)
-        return compare(p, wtype not in ref.EXACT_TYPES)
+        return compare(p, wtype not in ref.EXACT_TYPES, dump=dump)
     return fn
 
 
-def mix_fn(name, seed, settings, types, wtype):
+def mix_fn(name, seed, settings, types, wtype, dump=DUMP):
     """Mixed types in one file, as llama-quantize's K mixes write them."""
     def fn():
         p = write(name, seed, wtype=wtype, types=types, **settings)
-        return compare(p, True)
+        return compare(p, True, dump=dump)
     return fn
 
 
@@ -533,22 +542,24 @@ def bad_each(binary, files, prefix):
 
 def main():
     verdict_with_detail("gguf_reference_sensitivity", test_reference_sensitivity)
-    seed = 100
-    for wtype in TYPES:
-        for vname, settings in VARIANTS.items():
-            seed += 1
-            name = "%s_%s" % (wtype, vname)
-            verdict_with_detail("gguf_logits_" + name, logits_fn(name, wtype, seed, settings))
-    # llama-quantize's Q4_K_M: attn_v, ffn_down and output in Q6_K, the rest Q4_K;
-    # and the fallbacks for rows that are not whole 256-blocks
-    verdict_with_detail("gguf_logits_mix_q4_k_m", mix_fn("mix_q4_k_m", 7, VARIANTS["llama_untied_gqa_ropefreqs"],
-                                                          {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K",
-                                                           "output.weight": "Q6_K"}, "Q4_K"))
-    verdict_with_detail("gguf_logits_mix_fallbacks", mix_fn("mix_fallbacks", 8, VARIANTS["qwen2_untied_gqa"],
-                                                            {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1",
-                                                             "attn_v.weight": "Q8_0", "ffn_up.weight": "Q4_1",
-                                                             "ffn_gate.weight": "Q4_0", "token_embd.weight": "Q6_K",
-                                                             "output.weight": "F16", "ffn_down.weight": "BF16"}, "Q5_K"))
+    for suffix, dump in (("", DUMP), ("_vector", NATIVE_DUMP)):
+        seed = 100
+        for wtype in TYPES:
+            for vname, settings in VARIANTS.items():
+                seed += 1
+                name = "%s_%s" % (wtype, vname)
+                verdict_with_detail("gguf_logits_" + name + suffix, logits_fn(name, wtype, seed, settings, dump))
+        # llama-quantize's Q4_K_M: attn_v, ffn_down and output in Q6_K, the rest Q4_K;
+        # and the fallbacks for rows that are not whole 256-blocks
+        verdict_with_detail("gguf_logits_mix_q4_k_m" + suffix, mix_fn("mix_q4_k_m", 7, VARIANTS["llama_untied_gqa_ropefreqs"],
+                                                                       {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K",
+                                                                        "output.weight": "Q6_K"}, "Q4_K", dump))
+        verdict_with_detail("gguf_logits_mix_fallbacks" + suffix, mix_fn("mix_fallbacks", 8, VARIANTS["qwen2_untied_gqa"],
+                                                                         {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1",
+                                                                          "attn_v.weight": "Q8_0", "ffn_up.weight": "Q4_1",
+                                                                          "ffn_gate.weight": "Q4_0", "token_embd.weight": "Q6_K",
+                                                                          "output.weight": "F16", "ffn_down.weight": "BF16"}, "Q5_K",
+                                                                         dump))
     verdict_with_detail("gguf_format_versions_alignment_metadata", format_variants_fn())
     verdict_with_detail("gguf_generate_llama_q4_k", smoke_fn("llama_q4_k", "Q4_K", VARIANTS["llama_untied_gqa_ropefreqs"]))
     verdict_with_detail("gguf_generate_qwen2_q8_0", smoke_fn("qwen2_q8_0", "Q8_0", VARIANTS["qwen2_tied_mqa"]))

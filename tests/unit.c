@@ -1354,6 +1354,103 @@ static void test_quantised_matmul(void) {
     }
 }
 
+#ifdef VNNI
+/* A random f16 value of magnitude in [lo, hi), either sign when `signed_`. */
+static uint16_t random_half(float lo, float hi, int signed_) {
+    float v = rand_uniform(lo, hi);
+    return half_from_float(signed_ && rand_below(2) ? -v : v);
+}
+#endif
+
+/* GGUF matrices of every block type, packed straight from their blocks (as
+   VNNI builds load them): each form the type stores is chosen (values of 5
+   and 6 bits as 6, f16 or shared scales, K-quants' offsets as minimums);
+   every output is bit for bit the one of the same matrix unpacked as
+   section 2.2 unpacks it (q, float32 scales and offsets) and packed from
+   that, within 1e-5 of the double sum of its values times the quantised
+   inputs plus the offsets times the float group sums, and each row of a
+   batch is the row alone. Random blocks with realistic d, dmin and Q4_1's
+   m; the rows leave a partial block, the columns two K-quant blocks. */
+static void test_gguf_packing(void) {
+#ifdef VNNI
+    const int types[] = {2, 3, 6, 7, 8, 12, 13, 14}; /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K */
+    enum { R = 21, C = 512, N = 20 };
+    for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+        const GGMLType *type = &ggml_types[types[ti]];
+        begin("GGUF %s packed from its blocks = unpacked, bit for bit; vs double reference; rows alone, n = 1..%d", type->name, N);
+        const int per_row = C / type->block, groups = C / type->group;
+        const size_t bytes = (size_t)R * per_row * type->block_bytes;
+        uint8_t *blocks = xcalloc(bytes, 1);
+        for (size_t i = 0; i < bytes; i++) blocks[i] = (uint8_t)rand_below(256);
+        for (int b = 0; b < R * per_row; b++) { /* the f16 fields: d (and dmin, or Q4_1's m) */
+            uint8_t *at = blocks + (size_t)b * type->block_bytes;
+            uint16_t d = random_half(0.0005f, 0.004f, types[ti] == 8 || types[ti] == 14), second = random_half(0.0005f, 0.004f, types[ti] == 3);
+            memcpy(at + (types[ti] == 14 ? 208 : 0), &d, 2);
+            if (type->offsets) memcpy(at + 2, &second, 2);
+        }
+        Matrix blockwise = {.rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
+                            .blocks = blocks, .block_type = types[ti]};
+        void *packing = pack_for_kernels(&blockwise);
+        expect(blockwise.packed != NULL, "not packed");
+        expect(blockwise.packed_bits == (type->value_bits == 4 ? 4 : type->value_bits == 8 ? 8 : 6), "values packed as %d bits",
+               blockwise.packed_bits);
+        expect(blockwise.scale_form == (type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d", blockwise.scale_form);
+        expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
+               "offsets in form %d", blockwise.offset_form);
+        /* the same matrix unpacked, as non-VNNI builds hold it */
+        int8_t *q = xcalloc((size_t)R * C, 1);
+        float *scales = xcalloc((size_t)R * groups, sizeof(float)), *offsets = xcalloc((size_t)R * groups, sizeof(float));
+        GGUFTensor tensor = {.n_dims = 2, .ne = {C, R, 1, 1}, .type = (uint32_t)types[ti], .data = (const char *)blocks, .bytes = bytes};
+        unpack_tensor(&tensor, type, q, scales, type->offsets ? offsets : NULL);
+        int8_t *values = xcalloc((size_t)R * C, 1); /* section 1's int8 values (4-bit types: unpacked from the nibbles) */
+        for (int i = 0; i < R * C; i++)
+            values[i] = type->bits == 4 ? (int8_t)((((uint8_t *)q)[i / 2] >> (i % 2 * 4) & 15) - 8) : q[i];
+        Matrix unpacked = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
+                           .offsets = type->offsets ? offsets : NULL};
+        if (type->bits == 4) unpacked.q4 = (const uint8_t *)q;
+        else unpacked.q = q;
+        void *packing2 = pack_for_kernels(&unpacked);
+        float *x = xcalloc((size_t)N * C, sizeof(float)), *out = xcalloc((size_t)N * R, sizeof(float));
+        float *ref_out = xcalloc((size_t)N * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
+        for (int i = 0; i < N * C; i++) x[i] = rand_uniform(-3, 3) * (i % 11 == 0 ? 8 : 1);
+        for (int n = 1; n <= N && !case_failed; n++) {
+            matmul(out, x, &blockwise, n);
+            matmul(ref_out, x, &unpacked, n);
+            if (memcmp(out, ref_out, (size_t)n * R * sizeof(float)) != 0) {
+                int i = 0;
+                while (out[i] == ref_out[i]) i++;
+                expect(0, "n %d, output %d: from the blocks %.9g, unpacked %.9g", n, i, out[i], ref_out[i]);
+            }
+            for (int b = 0; b < n && !case_failed; b++) {
+                matmul(one, x + (size_t)b * C, &blockwise, 1);
+                expect(memcmp(one, out + (size_t)b * R, R * sizeof(float)) == 0, "n %d: row %d differs alone", n, b);
+            }
+        }
+        int16_t *xq = xcalloc((size_t)N * C, sizeof(int16_t));
+        float *xs = xcalloc((size_t)N * groups, sizeof(float));
+        quantize_groups(xq, xs, x, (size_t)N * C, type->group);
+        for (int b = 0; b < N && !case_failed; b++)
+            for (int i = 0; i < R && !case_failed; i++) {
+                double ref = 0, mag = 0;
+                for (int g = 0; g < groups; g++) {
+                    double isum = 0, xsum = 0;
+                    for (int j = g * type->group; j < (g + 1) * type->group; j++) {
+                        isum += (double)values[(size_t)i * C + j] * xq[(size_t)b * C + j];
+                        xsum += x[(size_t)b * C + j];
+                    }
+                    const double t = isum * scales[(size_t)i * groups + g] * xs[(size_t)b * groups + g];
+                    const double o = type->offsets ? (double)offsets[(size_t)g * R + i] * xsum : 0.0;
+                    ref += t + o, mag += fabs(t) + fabs(o);
+                }
+                expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
+            }
+        free(xq); free(xs); free(x); free(out); free(ref_out); free(one); free(values);
+        free(q); free(scales); free(offsets); free(blocks); free(packing); free(packing2);
+        end();
+    }
+#endif
+}
+
 /* out (n, rows) = x (n, cols) @ W^T for a float32 W: each output against
    the double-precision sum (within 4e-6 of the sum of the products'
    magnitudes), and each row bit-identical to that row computed alone (one:
@@ -2830,6 +2927,7 @@ int main(void) {
     test_controls();
     test_kernels();
     test_quantised_matmul();
+    test_gguf_packing();
     test_matmul_vector_shapes();
     test_matmul_slices();
     test_matmul_half();
