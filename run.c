@@ -2253,7 +2253,9 @@ static void matmul_q4_plain(float *out, const int16_t *xq, const float *xs, cons
    this list. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#ifdef __AVX512VNNI__
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define KERNEL_NAME "AVX-512 VNNI, BF16 dot products"
+#elif defined(__AVX512VNNI__)
 #define KERNEL_NAME "AVX-512 VNNI"
 #else
 #define KERNEL_NAME "AVX-512"
@@ -2320,6 +2322,17 @@ static inline vfloat vf_load_bf16(const uint16_t *p) {
 static inline vfloat vf_load_i8_scaled(const int8_t *p, float scale) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), _mm512_set1_ps(scale));
 }
+#ifdef __AVX512BF16__
+/* bfloat16 matrices by vdpbf16ps (KERNEL_BF16_DOT): a vector of 32
+   bfloat16 weights w times 32 bfloat16 inputs x, lane k adding the
+   products of columns 2k and 2k + 1 to acc (in float32, as the
+   instruction rounds: to nearest even, bfloat16 subnormals as zero); the
+   inputs rounded to bfloat16 (to nearest even) once per matmul, two
+   vectors of floats to one of 32 values (lo the first 16) */
+#define BF16_DOT 1
+static inline vfloat vf_dot_bf16(vfloat acc, vfloat w, vfloat x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+static inline vfloat vf_bf16_pairs(vfloat lo, vfloat hi) { return (vfloat)_mm512_cvtne2ps_pbh(hi, lo); }
+#endif
 #ifndef __AVX512VNNI__
 static inline vint vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vint vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
@@ -2564,18 +2577,30 @@ static int packs_blocks(void) {
    over rows and inputs unroll and the accumulators live in registers. */
 #define KERNEL static inline __attribute__((always_inline))
 
-/* How block_f32 loads weights: float32, or 16-bit floats widened. */
-enum { LOAD_F32, LOAD_F16, LOAD_BF16 };
+/* How block_f32 loads weights: float32, or 16-bit floats widened; or
+   (DOT_BF16) bfloat16 kept as it is, 2 x SIMD_WIDTH of them a vector, for
+   vf_dot_bf16 with inputs in bfloat16. */
+enum { LOAD_F32, LOAD_F16, LOAD_BF16, DOT_BF16 };
 
 /* SIMD_WIDTH weights from column j of a row at w, as floats: float32, or
-   F16/BF16 widened (builds with VF_HALF_LOADS). */
+   F16/BF16 widened (builds with VF_HALF_LOADS); DOT_BF16: 2 x SIMD_WIDTH
+   bfloat16 as they are. */
 KERNEL vfloat vf_load_weights(const void *w, int j, const int kind) {
 #ifdef VF_HALF_LOADS
     if (kind == LOAD_F16) return vf_load_half((const uint16_t *)w + j);
     if (kind == LOAD_BF16) return vf_load_bf16((const uint16_t *)w + j);
 #endif
-    (void)kind;
+    if (kind == DOT_BF16) return vf_load((const float *)((const uint16_t *)w + j));
     return vf_load((const float *)w + j);
+}
+
+/* acc + the products of weights w and inputs x as `kind` loads them. */
+KERNEL vfloat weight_products(vfloat acc, vfloat w, vfloat x, const int kind) {
+#ifdef BF16_DOT
+    if (kind == DOT_BF16) return vf_dot_bf16(acc, w, x);
+#endif
+    (void)kind;
+    return vf_fma(w, x, acc);
 }
 
 /* out[b * stride + r] = the lanes of acc[r * NB + b] added up (vf_sum),
@@ -2612,22 +2637,27 @@ KERNEL void store_sums(float *out, size_t stride, const vfloat *acc, int n_rows,
    kernels prefetch `next`, the next block of rows (NULL: none), as many
    bytes at a time as they read. The weights are float32, or 16-bit floats
    (`kind`) widened as they are loaded: the same products in the same order
-   as the float32 matrix they widen to. */
+   as the float32 matrix they widen to; or bfloat16 by vf_dot_bf16 (inputs
+   in bfloat16 as xp lays out floats, a pair of them to a float: twice the
+   columns a vector). */
 KERNEL void block_f32(float *out, size_t stride, const void *w, size_t ld, int n_rows, const void *next, int share, const float *xp,
                       int n_in, int cols, const vfloat *from, vfloat *to, const int NR, const int NB, const int kind) {
     const size_t size = kind == LOAD_F32 ? sizeof(float) : sizeof(uint16_t);
+    const int pack = kind == DOT_BF16 ? 2 : 1, step = pack * SIMD_WIDTH; /* input columns a float of xp; columns a step */
     const char *wr[MB_MAX];
     vfloat acc[MB_MAX * MB_MAX_INPUTS]; /* acc[r * NB + b] */
     for (int r = 0; r < NR; r++) wr[r] = (const char *)w + (size_t)(r < n_rows ? r : n_rows - 1) * ld * size;
     for (int r = 0; r < NR; r++)
         for (int b = 0; b < NB; b++) acc[r * NB + b] = from ? from[r * NB + b] : vf_zero();
-    for (int j = 0; j < cols; j += SIMD_WIDTH) {
+    const size_t ahead = (size_t)NR * step * size / (size_t)share; /* bytes of `next` prefetched a step */
+    const char *pre = next;
+    for (int j = 0; j < cols; j += step, pre += ahead) {
         vfloat xv[MB_MAX_INPUTS];
-        for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)j * NB + b * SIMD_WIDTH);
-        if (next) prefetch_far((const char *)next + (size_t)NR * j / share * size, NR * SIMD_WIDTH * size / share);
+        for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)(j / pack) * NB + b * SIMD_WIDTH);
+        if (pre) prefetch_far(pre, ahead);
         for (int r = 0; r < NR; r++) {
             vfloat wv = vf_load_weights(wr[r], j, kind);
-            for (int b = 0; b < NB; b++) acc[r * NB + b] = vf_fma(wv, xv[b], acc[r * NB + b]);
+            for (int b = 0; b < NB; b++) acc[r * NB + b] = weight_products(acc[r * NB + b], wv, xv[b], kind);
         }
     }
     if (to)
@@ -3052,6 +3082,7 @@ typedef enum {
     KERNEL_Q8_PLAIN,
     KERNEL_Q4_PLAIN,
     KERNEL_F32_SIMD,  /* cols a multiple of SIMD_WIDTH */
+    KERNEL_BF16_DOT,  /* BF16_DOT builds, bfloat16 weights: cols a multiple of 2 * SIMD_WIDTH */
     KERNEL_Q8_SIMD,   /* VNNI: group_size a multiple of 4; else a multiple of VI_COLS */
     KERNEL_Q4_SIMD,   /* VNNI: group_size a multiple of 4; else (x86) of 2 * SIMD_WIDTH */
     KERNEL_Q6_SIMD,   /* VNNI: int8 values in -32..31, packed as 6 bits */
@@ -3059,6 +3090,9 @@ typedef enum {
 
 static KernelKind kernel_of(const Matrix *W) {
 #ifdef SIMD_WIDTH
+#ifdef BF16_DOT
+    if (W->half && W->bf16 && W->cols % (2 * SIMD_WIDTH) == 0) return KERNEL_BF16_DOT;
+#endif
 #ifdef VF_HALF_LOADS
     if (W->group_size == 0 && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
 #else
@@ -3083,7 +3117,9 @@ typedef struct {
     const float *x; /* (n, cols) */
     int16_t *xq;    /* int8, 4-bit (not VNNI): (n, cols) quantised values */
     float *xs;      /* int8, 4-bit (not VNNI): (n, cols / group_size) their scales */
-    float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH) */
+    float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH);
+                       bfloat16 dot products: the same in bfloat16, 2 x SIMD_WIDTH columns a vector
+                       (n = 1: the row as it is) */
     int8_t *x8;     /* VNNI: (packed_inputs(n), cols) xq as bytes */
     int32_t *c8;    /* VNNI: (packed_inputs(n), groups) the starts of the group sums */
     float *s8;      /* VNNI: (packed_inputs(n), groups) the scales xs (zero past n) */
@@ -3199,6 +3235,22 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
                 }
         return in;
     }
+#ifdef BF16_DOT
+    if (in.kind == KERNEL_BF16_DOT) {
+        const int step = 2 * SIMD_WIDTH, per = n == 1 ? 1 : MB_INPUTS;
+        size_t padded = (size_t)(n + per - 1) / per * per;
+        uint16_t *xb = scratch_get(padded * W->cols * sizeof(uint16_t));
+        in.xf = (float *)xb;
+        for (size_t b0 = 0; b0 < padded; b0 += per)
+            for (int j = 0; j < W->cols; j += step)
+                for (int b = 0; b < per; b++) {
+                    const float *src = x + (b0 + b) * W->cols + j;
+                    const vfloat v = b0 + b < (size_t)n ? vf_bf16_pairs(vf_load(src), vf_load(src + SIMD_WIDTH)) : vf_zero();
+                    vf_store((float *)(xb + b0 * W->cols + (size_t)j * per + b * step), v);
+                }
+        return in;
+    }
+#endif
 #endif
     size_t groups = count / W->group_size;
 #if defined(SIMD_WIDTH) && defined(VNNI)
@@ -3278,10 +3330,11 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
 KERNEL void matmul_float_block(float *out, const Matrix *W, int i, const void *next, const Inputs *in, const int kind) {
     const int rows = W->rows, cols = W->cols, n = in->n;
     const size_t size = kind == LOAD_F32 ? sizeof(float) : sizeof(uint16_t);
+    const int pack = kind == DOT_BF16 ? 2 : 1; /* input columns a float of in->xf */
     const char *w = (kind == LOAD_F32 ? (const char *)W->w : (const char *)W->half) + (size_t)i * cols * size;
     if (n == 1) {
-        block_f32(out + i, (size_t)rows, w, (size_t)cols, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, 1, in->x, 1, cols, NULL, NULL,
-                  MM_ROWS, 1, kind);
+        block_f32(out + i, (size_t)rows, w, (size_t)cols, rows - i < MM_ROWS ? rows - i : MM_ROWS, next, 1,
+                  kind == DOT_BF16 ? in->xf : in->x, 1, cols, NULL, NULL, MM_ROWS, 1, kind);
         return;
     }
     /* passes of MB_INPUTS input rows over a slice of the block, F32_SLAB
@@ -3297,7 +3350,7 @@ KERNEL void matmul_float_block(float *out, const Matrix *W, int i, const void *n
                 const int b = p * MB_INPUTS;
                 block_f32(out + (size_t)b * rows + i, (size_t)rows, w + (size_t)j0 * size, (size_t)cols, n_rows,
                           next ? (const char *)next + (size_t)MB_ROWS * done / passes * size : NULL, passes,
-                          in->xf + (size_t)b * cols + (size_t)j0 * MB_INPUTS, n - b, len, j0 > 0 ? carry[p - p0] : NULL,
+                          in->xf + ((size_t)b * cols + (size_t)j0 * MB_INPUTS) / pack, n - b, len, j0 > 0 ? carry[p - p0] : NULL,
                           j0 + len < cols ? carry[p - p0] : NULL, MB_ROWS, MB_INPUTS, kind);
             }
         }
@@ -3310,6 +3363,10 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
         if (W->w) matmul_float_block(out, W, i, next, in, LOAD_F32);
         else if (W->bf16) matmul_float_block(out, W, i, next, in, LOAD_BF16);
         else matmul_float_block(out, W, i, next, in, LOAD_F16);
+        return;
+    }
+    if (in->kind == KERNEL_BF16_DOT) {
+        matmul_float_block(out, W, i, next, in, DOT_BF16);
         return;
     }
 #ifdef VNNI
@@ -3344,7 +3401,7 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
 
 /* The rows of a block of matmul_simd, for the kernel and the input rows. */
 static int block_rows(const Inputs *in) {
-    if (in->kind == KERNEL_F32_SIMD) return in->n == 1 ? MM_ROWS : MB_ROWS;
+    if (in->kind == KERNEL_F32_SIMD || in->kind == KERNEL_BF16_DOT) return in->n == 1 ? MM_ROWS : MB_ROWS;
 #ifdef VNNI
     return PACK_ROWS;
 #else

@@ -665,6 +665,9 @@ def matmul(x, w, t, groups=None, kind=None):
       mid * scale), mid the middle of n's range, the first part on the int8
       activations and the second on the float sum of the group's inputs;
       float weights see float32 activations;
+    'runc_bf16': the same, but BF16 weights see bfloat16 activations (round
+      to nearest even), as run.c's bfloat16 dot products (vdpbf16ps) take
+      them where the machine has them;
     'llamacpp': llama.cpp's CPU kernels (ggml-cpu-quants.c): q8_0 blocks
       of 32 with float16 scales for Q4_0/Q5_0/Q8_0, q8_1 for Q4_1/Q5_1 whose
       min term takes the block's sum as float16(d * sum q), q8_K blocks of
@@ -673,7 +676,9 @@ def matmul(x, w, t, groups=None, kind=None):
     groups: for the types with a minimum, group_scale_min's (scale, min)."""
     if kind is None:
         return x @ w.T
-    if kind == "runc":
+    if kind == "runc_bf16" and t == "BF16":
+        return _bf16_round(x) @ w.T
+    if kind in ("runc", "runc_bf16"):
         if t in EXACT_TYPES:
             return x.astype(np.float32).astype(np.float64) @ w.T
         xq = quantize_activation(x, 16 if t == "Q6_K" else 32)
@@ -747,7 +752,7 @@ def _rope(x, pos, hp, factors):
 
 def forward(model, tokens, activations=None):
     """Logits (len(tokens), vocab) for tokens at positions 0..n-1, causal.
-    activations: None (exact float64), 'runc' or 'llamacpp': each matmul
+    activations: None (exact float64), 'runc', 'runc_bf16' or 'llamacpp': each matmul
     as that engine's kernels compute it (see matmul)."""
     hp, w, wt = model.hp, model.w, model.t
     tokens = np.asarray(tokens)

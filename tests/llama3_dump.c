@@ -9,7 +9,9 @@
          the first turn of a conversation, else 0; SYSTEM "" for none)
      llama3_dump logits CHECKPOINT ID...
          the logits after each of the ids (fed at positions 0, 1, ...), one
-         line of vocab_size numbers per position */
+         line of vocab_size numbers per position
+     llama3_dump kernels
+         the matmul kernels of this build (as --version names them) */
 #define TESTING
 #include "../run.c"
 #include "hex_lines.h"
@@ -65,6 +67,10 @@ int main(int argc, char **argv) {
         free_transformer(&t);
         return 0;
     }
-    fprintf(stderr, "usage: llama3_dump tokens TOKENIZER VOCAB | chat TOKENIZER VOCAB FIRST SYSTEM USER | logits CHECKPOINT ID...\n");
+    if (argc == 2 && strcmp(argv[1], "kernels") == 0) {
+        printf("%s\n", KERNEL_NAME);
+        return 0;
+    }
+    fprintf(stderr, "usage: llama3_dump tokens TOKENIZER VOCAB | chat TOKENIZER VOCAB FIRST SYSTEM USER | logits CHECKPOINT ID... | kernels\n");
     return 2;
 }

@@ -22,7 +22,10 @@ max |logit|):
   - F32, F16, BF16: run.c computes in float32 what the reference computes
     in float64 from the same dequantised weights; float32 rounding of sums
     of <= 512 products through two layers stays near 1e-6 (llama.cpp's
-    float32 path: 3e-7), so EXACT_TOL = 2e-5.
+    float32 path: 3e-7), so EXACT_TOL = 2e-5. A build with bfloat16 dot
+    products (`llama3_dump kernels` says so) rounds a BF16 matrix's inputs
+    to bfloat16: such files are held, as the quantised ones below, to the
+    emulation of that rounding (forward(..., 'runc_bf16')).
   - quantised types: run.c's integer kernels round each matmul's input to
     int8 per group (32 values, 16 for Q6_K) with scale max|x|/127, half
     away from zero; for the types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K)
@@ -131,26 +134,39 @@ def within(per_pos, tight, noise, what):
         err, first, noise, CASCADE * noise)
 
 
-def against_reference(model, got, ids, quantised, exact=None, emu=None):
+def against_reference(model, got, ids, quantised, exact=None, emu=None, emulation="runc"):
     """run.c's logits `got` against the reference: the exact forward for
-    the float types, forward(..., 'runc') for the quantised ones (exact and
+    the float types, forward(..., emulation) for the quantised ones (exact and
     emu: those forwards, when already computed)."""
     exact = ref.forward(model, ids) if exact is None else exact
     assert got.shape == exact.shape, "run.c gives %s logits, the reference %s" % (got.shape, exact.shape)
     scale = float(np.abs(exact).max())
     if not quantised:
         return within(relative_errors(got, exact, scale), EXACT_TOL, None, "against the exact forward")
-    emu = ref.forward(model, ids, "runc") if emu is None else emu
+    emu = ref.forward(model, ids, emulation) if emu is None else emu
     noise = float(np.abs(exact - emu).max()) / scale
     what = "against the int8 emulation (error against the exact forward %.3g)" % (
         float(np.abs(got - exact).max()) / scale)
     return within(relative_errors(got, emu, scale), QUANT_TIGHT, noise, what) + " against the int8 emulation"
 
 
+def bf16_dot(dump):
+    """Whether the build of `dump` multiplies BF16 weights by bfloat16 dot
+    products (its inputs rounded to bfloat16)."""
+    r = sh([dump, "kernels"]) if os.path.isfile(dump) else None
+    return bool(r and r.returncode == 0 and b"BF16 dot products" in r.stdout)
+
+
 def compare(p, quantised, ids=IDS, dump=DUMP):
     """The verdict's details for one file; raises AssertionError when out of
-    tolerance. Returns a short description of the error seen."""
-    return against_reference(ref.Model(ref.read_gguf(p)), dump_logits(p, ids, dump), ids, quantised)
+    tolerance. Returns a short description of the error seen. A build with
+    bfloat16 dot products is held to the emulation of its bfloat16 inputs
+    wherever the file has BF16 matrices."""
+    model = ref.Model(ref.read_gguf(p))
+    got = dump_logits(p, ids, dump)
+    if bf16_dot(dump) and "BF16" in model.t.values():
+        return against_reference(model, got, ids, True, emulation="runc_bf16") + " (bfloat16 inputs)"
+    return against_reference(model, got, ids, quantised)
 
 
 def verdict_with_detail(name, fn):

@@ -1594,6 +1594,43 @@ static void test_matmul_half(void) {
         expect(memcmp(row, w + 3 * C, sizeof(row)) == 0, "matrix_row differs from the widened values");
         end();
     }
+#ifdef BF16_DOT
+    /* rows of a multiple of 32 columns: bfloat16 dot products, the inputs
+       rounded to bfloat16 (to nearest even) */
+    begin("matmul BF16 (%s), 2080 columns: the double sums of the weights times the inputs in bfloat16; rows alone = in a batch, n = 1..%d",
+          KERNEL_NAME, N);
+    enum { C2 = 2080 };
+    Matrix m = {.half = h, .bf16 = 1, .rows = R, .cols = C2};
+    expect(kernel_of(&m) == KERNEL_BF16_DOT, "not multiplied by bfloat16 dot products");
+    for (int i = 0; i < R * C2; i++) {
+        h[i] = (uint16_t)(draw_below(&state, 2) << 15 | (120 + (int)draw_below(&state, 9)) << 7 | (int)draw_below(&state, 128));
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(&w[i], &bits, sizeof(float));
+    }
+    static float one[R];
+    for (int n = 1; n <= N && !case_failed; n++) {
+        matmul(out, x, &m, n);
+        for (int b = 0; b < n && !case_failed; b++) {
+            matmul(one, x + (size_t)b * C2, &m, 1);
+            expect(memcmp(one, out + (size_t)b * R, sizeof(one)) == 0, "n %d: row %d differs alone", n, b);
+            for (int i = 0; i < R; i++) {
+                double ref = 0, mag = 0;
+                for (int j = 0; j < C2; j++) {
+                    uint32_t u;
+                    memcpy(&u, &x[(size_t)b * C2 + j], 4);
+                    u = (u + 0x7FFFu + (u >> 16 & 1u)) & 0xFFFF0000u; /* to bfloat16, ties to even */
+                    float xb;
+                    memcpy(&xb, &u, 4);
+                    ref += (double)w[(size_t)i * C2 + j] * xb;
+                    mag += fabs((double)w[(size_t)i * C2 + j] * xb);
+                }
+                if (!expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-6 * mag, "n %d row %d output %d: %.9g vs %.9g", n, b, i, out[(size_t)b * R + i], ref))
+                    break;
+            }
+        }
+    }
+    end();
+#endif
 }
 
 /* ------------------------------------------------------------------------ */
