@@ -2469,7 +2469,7 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
    blocks of PACK_ROWS rows. */
 #define PACK_ROWS 16
 static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W->cols * W->packed_bits / 8; }
-#define SIX_BIT_COLS 16 /* the columns of a run of 6-bit values (packed_weights) */
+#define SIX_BIT_COLS 16 /* the columns of a run of 5- or 6-bit values (packed_weights) */
 
 /* A block's scales, in one of three forms (matrix_pack picks the smallest
    that holds every scale exactly):
@@ -2759,33 +2759,58 @@ KERNEL __m512i six_bit_step(const uint8_t *run, __m512i tops, const int step) {
     return _mm512_ternarylogic_epi32(nibble_bytes(run + 32 * step), t, _mm512_set1_epi8(0x30), 0xF8); /* a | (b & c) */
 }
 
+/* 5-bit: runs of SIX_BIT_COLS columns of 160 bytes, the low nibbles as
+   6-bit's, then a 64-bit mask a step, bit 4r + k the top bit of row r's
+   value in column k of the step: 16 added where it is set. */
+KERNEL __m512i five_bit_step(const uint8_t *run, const int step) {
+    uint64_t tops;
+    memcpy(&tops, run + 128 + 8 * step, 8);
+    const __m512i low = nibble_bytes(run + 32 * step);
+    return _mm512_mask_add_epi8(low, (__mmask64)tops, low, _mm512_set1_epi8(16));
+}
+
 KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
     if (bits == 8) return _mm512_loadu_si512(p + (size_t)j * PACK_ROWS);
     if (bits == 4) return nibble_bytes(p + (size_t)j * PACK_ROWS / 2);
-    const uint8_t *run = p + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 6 / 8;
+    const uint8_t *run = p + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * bits / 8;
+    if (bits == 5) return five_bit_step(run, j % SIX_BIT_COLS / 4);
     return six_bit_step(run, _mm512_loadu_si512(run + 128), j % SIX_BIT_COLS / 4);
 }
 
-/* Group g's scales of the 16 rows of a packed block, whose scales are at ws. */
-KERNEL vfloat packed_scale(const Matrix *W, const uint8_t *ws, int g) {
-    if (W->scale_form == SCALES_F32) return vf_load((const float *)ws + (size_t)g * PACK_ROWS);
-    if (W->scale_form == SCALES_F16) return vf_load_half((const uint16_t *)ws + (size_t)g * PACK_ROWS);
+/* Where the scales and offsets of a packed block lie (its scales at ws),
+   found once for its group loop: scale_run is a power of 2 where the forms
+   share a d or dmin per run (K-quants: 8 or 16 groups), so that a group's
+   run is g >> shift. */
+typedef struct {
+    const uint8_t *scales, *d, *offsets, *dmin;
+    int shift;
+} PackedSide;
+
+static PackedSide packed_side(const Matrix *W, const uint8_t *ws) {
     const size_t groups = (size_t)(W->cols / W->group_size);
-    const vfloat d = vf_load_half((const uint16_t *)(ws + groups * PACK_ROWS) + (size_t)(g / W->scale_run) * PACK_ROWS);
-    const __m512i k = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)g * PACK_ROWS)));
+    PackedSide side = {ws, ws + groups * PACK_ROWS, ws + scale_part_bytes(W), NULL, 0};
+    side.dmin = side.offsets + groups * PACK_ROWS;
+    while (W->scale_run >> (side.shift + 1)) side.shift++;
+    return side;
+}
+
+/* Group g's scales of the 16 rows of a packed block. */
+KERNEL vfloat packed_scale(const Matrix *W, const PackedSide *side, int g) {
+    if (W->scale_form == SCALES_F32) return vf_load((const float *)side->scales + (size_t)g * PACK_ROWS);
+    if (W->scale_form == SCALES_F16) return vf_load_half((const uint16_t *)side->scales + (size_t)g * PACK_ROWS);
+    const vfloat d = vf_load_half((const uint16_t *)side->d + (size_t)(g >> side->shift) * PACK_ROWS);
+    const __m512i k = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(side->scales + (size_t)g * PACK_ROWS)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(k), d);
 }
 
-/* Group g's offsets of the 16 rows of a packed block, whose scales are at
-   ws and whose group g's scales are wsg. OFFSETS_MIN: centre x scale is
-   exact (a power of 2), so the one rounding of the fused multiply-add is
-   the one of the K-quants' unpack. */
-KERNEL vfloat packed_offset(const Matrix *W, const uint8_t *ws, vfloat wsg, int g) {
-    const uint8_t *wo = ws + scale_part_bytes(W);
-    if (W->offset_form == OFFSETS_F32) return vf_load((const float *)wo + (size_t)g * PACK_ROWS);
-    const size_t groups = (size_t)(W->cols / W->group_size);
-    const vfloat dmin = vf_load_half((const uint16_t *)(wo + groups * PACK_ROWS) + (size_t)(g / W->scale_run) * PACK_ROWS);
-    const vfloat m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wo + (size_t)g * PACK_ROWS))));
+/* Group g's offsets of the 16 rows of a packed block, whose group g's
+   scales are wsg. OFFSETS_MIN: centre x scale is exact (a power of 2), so
+   the one rounding of the fused multiply-add is the one of the K-quants'
+   unpack. */
+KERNEL vfloat packed_offset(const Matrix *W, const PackedSide *side, vfloat wsg, int g) {
+    if (W->offset_form == OFFSETS_F32) return vf_load((const float *)side->offsets + (size_t)g * PACK_ROWS);
+    const vfloat dmin = vf_load_half((const uint16_t *)side->dmin + (size_t)(g >> side->shift) * PACK_ROWS);
+    const vfloat m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(side->offsets + (size_t)g * PACK_ROWS))));
     return _mm512_fnmadd_ps(dmin, m, _mm512_mul_ps(vf_set(W->offset_centre), wsg));
 }
 
@@ -2807,6 +2832,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     const size_t scale_bytes = packed_scale_bytes(W);
     const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
+    const PackedSide side = packed_side(W, ws);
     if (next) prefetch_far(ws + scale_bytes, scale_bytes);
     vfloat acc[PACK_INPUTS];
     for (int m = 0; m < N; m++) acc[m] = vf_zero();
@@ -2816,14 +2842,14 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         __m512i sum[PACK_INPUTS][MAX_CHAINS];
         for (int m = 0; m < N; m++)
             for (int k = 0; k < chains; k++) sum[m][k] = k == 0 ? _mm512_set1_epi32(c[(size_t)m * groups + g]) : _mm512_setzero_si512();
-        for (int j = j0; bits == 6 && j < j1; j += SIX_BIT_COLS) { /* a run's tops loaded once */
-            const uint8_t *run = p + (size_t)j * PACK_ROWS * 6 / 8;
-            const __m512i tops = _mm512_loadu_si512(run + 128);
+        for (int j = j0; (bits == 5 || bits == 6) && j < j1; j += SIX_BIT_COLS) { /* a run's 6-bit tops loaded once */
+            const uint8_t *run = p + (size_t)j * PACK_ROWS * bits / 8;
+            const __m512i tops = bits == 6 ? _mm512_loadu_si512(run + 128) : _mm512_setzero_si512();
 #if defined(__GNUC__)
 #pragma GCC unroll 4
 #endif
             for (int step = 0; step < 4; step++) {
-                __m512i w = six_bit_step(run, tops, step);
+                __m512i w = bits == 6 ? six_bit_step(run, tops, step) : five_bit_step(run, step);
                 for (int m = 0; m < N; m++) {
                     int32_t x4;
                     memcpy(&x4, x + (size_t)m * cols + j + 4 * step, sizeof(x4));
@@ -2831,7 +2857,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                 }
             }
         }
-        for (int j = j0; bits != 6 && j < j1; j += 4 * chains)
+        for (int j = j0; (bits == 4 || bits == 8) && j < j1; j += 4 * chains)
             for (int k = 0; k < chains && j + 4 * k < j1; k++) { /* the last round may be short */
                 __m512i w = packed_weights(p, j + 4 * k, bits);
                 for (int m = 0; m < N; m++) {
@@ -2840,14 +2866,14 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                     sum[m][k] = _mm512_dpbusd_epi32(sum[m][k], w, _mm512_set1_epi32(x4));
                 }
             }
-        const vfloat wsg = packed_scale(W, ws, g);
+        const vfloat wsg = packed_scale(W, &side, g);
         for (int m = 0; m < N; m++) {
             __m512i total = sum[m][0];
             for (int k = 1; k < chains; k++) total = _mm512_add_epi32(total, sum[m][k]);
             acc[m] = vf_fma(vi_to_float(total), _mm512_mul_ps(wsg, vf_set(s[(size_t)m * groups + g])), acc[m]);
         }
         if (W->offset_form) {
-            const vfloat off = packed_offset(W, ws, wsg, g);
+            const vfloat off = packed_offset(W, &side, wsg, g);
             for (int m = 0; m < N; m++) acc[m] = vf_fma(off, vf_set(xsum[(size_t)m * groups + g]), acc[m]);
         }
     }
@@ -2937,10 +2963,10 @@ static const uint8_t *amx_widen(const uint8_t *p, int cols, const int bits) {
 /* acc[m] = fma(float(sums[m] + c_m), ws_g * xs_m, acc[m]), then the
    offsets' term, for the 16 inputs m of group g (if there is one), as
    packed_q8 finishes a group. */
-KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const uint8_t *ws, const int32_t *c, const float *s,
+KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const PackedSide *side, const int32_t *c, const float *s,
                       const float *xsum, int groups, int g) {
     if (g < 0 || g >= groups) return;
-    const vfloat wsg = packed_scale(W, ws, g);
+    const vfloat wsg = packed_scale(W, side, g);
 #if defined(__GNUC__)
 #pragma GCC unroll 16
 #endif
@@ -2949,7 +2975,7 @@ KERNEL void amx_scale(vfloat *acc, const int32_t *sums, const Matrix *W, const u
         acc[m] = vf_fma(vi_to_float(total), _mm512_mul_ps(wsg, vf_set(s[(size_t)m * groups + g])), acc[m]);
     }
     if (W->offset_form) {
-        const vfloat off = packed_offset(W, ws, wsg, g);
+        const vfloat off = packed_offset(W, side, wsg, g);
         for (int m = 0; m < AMX_INPUTS; m++) acc[m] = vf_fma(off, vf_set(xsum[(size_t)m * groups + g]), acc[m]);
     }
 }
@@ -2965,7 +2991,7 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
                    const uint8_t *wb, const int8_t *x, const int32_t *c, const float *s, const float *xsum) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, k = gs < 64 ? gs : 64;
     const size_t step = (pre_bytes / ((groups + 3) / 4) + 63) / 64 * 64; /* prefetched per 4 groups */
-    const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * packed_scale_bytes(W);
+    const PackedSide side = packed_side(W, W->packed_scales + (size_t)(i / PACK_ROWS) * packed_scale_bytes(W));
     _Alignas(64) int32_t sums[4][AMX_INPUTS * PACK_ROWS];
     vfloat acc[AMX_INPUTS];
     for (int m = 0; m < AMX_INPUTS; m++) acc[m] = vf_zero();
@@ -2977,14 +3003,14 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
         }
         AMX_PRODUCT(0, 4, 6, g)
         AMX_PRODUCT(1, 5, 7, g + 1)
-        amx_scale(acc, sums[0], W, ws, c, s, xsum, groups, g - 4);
-        amx_scale(acc, sums[1], W, ws, c, s, xsum, groups, g - 3);
+        amx_scale(acc, sums[0], W, &side, c, s, xsum, groups, g - 4);
+        amx_scale(acc, sums[1], W, &side, c, s, xsum, groups, g - 3);
         AMX_STORE(2, g - 2, 2);
         AMX_STORE(3, g - 1, 3);
         AMX_PRODUCT(2, 4, 6, g + 2)
         AMX_PRODUCT(3, 5, 7, g + 3)
-        amx_scale(acc, sums[2], W, ws, c, s, xsum, groups, g - 2);
-        amx_scale(acc, sums[3], W, ws, c, s, xsum, groups, g - 1);
+        amx_scale(acc, sums[2], W, &side, c, s, xsum, groups, g - 2);
+        amx_scale(acc, sums[3], W, &side, c, s, xsum, groups, g - 1);
         AMX_STORE(0, g, 0);
         AMX_STORE(1, g + 1, 1);
     }
@@ -3085,6 +3111,7 @@ typedef enum {
     KERNEL_BF16_DOT,  /* BF16_DOT builds, bfloat16 weights: cols a multiple of 2 * SIMD_WIDTH */
     KERNEL_Q8_SIMD,   /* VNNI: group_size a multiple of 4; else a multiple of VI_COLS */
     KERNEL_Q4_SIMD,   /* VNNI: group_size a multiple of 4; else (x86) of 2 * SIMD_WIDTH */
+    KERNEL_Q5_SIMD,   /* VNNI: int8 values in -16..15, packed as 5 bits */
     KERNEL_Q6_SIMD,   /* VNNI: int8 values in -32..31, packed as 6 bits */
 } KernelKind;
 
@@ -3099,7 +3126,8 @@ static KernelKind kernel_of(const Matrix *W) {
     if (W->w && W->cols % SIMD_WIDTH == 0) return KERNEL_F32_SIMD;
 #endif
 #ifdef VNNI
-    if (W->packed) return W->packed_bits == 4 ? KERNEL_Q4_SIMD : W->packed_bits == 6 ? KERNEL_Q6_SIMD : KERNEL_Q8_SIMD;
+    if (W->packed)
+        return W->packed_bits == 4 ? KERNEL_Q4_SIMD : W->packed_bits == 5 ? KERNEL_Q5_SIMD : W->packed_bits == 6 ? KERNEL_Q6_SIMD : KERNEL_Q8_SIMD;
 #else
     if (!W->q4 && W->group_size > 0 && W->group_size % VI_COLS == 0) return KERNEL_Q8_SIMD;
 #endif
@@ -3141,7 +3169,7 @@ static int packed_inputs(int n) {
 static int32_t group_start(const Inputs *in, const int16_t *q) {
     int32_t sum = 0;
     for (int j = 0; q && j < in->group_size; j++) sum += q[j];
-    return (in->kind == KERNEL_Q4_SIMD ? -8 : in->kind == KERNEL_Q6_SIMD ? -32 : -128) * sum;
+    return (in->kind == KERNEL_Q4_SIMD ? -8 : in->kind == KERNEL_Q5_SIMD ? -16 : in->kind == KERNEL_Q6_SIMD ? -32 : -128) * sum;
 }
 
 /* Lays out quantised rows xq (n, cols) as packed_q8 reads them: x8 the
@@ -3254,7 +3282,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
 #endif
     size_t groups = count / W->group_size;
 #if defined(SIMD_WIDTH) && defined(VNNI)
-    if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD || in.kind == KERNEL_Q6_SIMD) {
+    if (in.kind == KERNEL_Q8_SIMD || in.kind == KERNEL_Q4_SIMD || in.kind == KERNEL_Q5_SIMD || in.kind == KERNEL_Q6_SIMD) {
         size_t padded = (size_t)packed_inputs(n); /* rows of x8, c8 and s8 */
         size_t pgroups = padded * (W->cols / W->group_size);
         size_t qbytes = (count * sizeof(int16_t) + 63) / 64 * 64, gbytes = (pgroups * sizeof(float) + 63) / 64 * 64;
@@ -3371,6 +3399,7 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
     }
 #ifdef VNNI
     if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
+    else if (in->kind == KERNEL_Q5_SIMD) matmul_packed(out, W, i, next, in, 5);
     else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6);
     else matmul_packed(out, W, i, next, in, 8);
 #else
@@ -3602,7 +3631,7 @@ static int row_scale_forms(const Matrix *W, size_t r, int run) {
    looked at by all threads). */
 static int scale_form_of(const Matrix *W) {
     const int run = W->scale_run, rows = W->rows;
-    if (run < 1 || run > 256 || (W->cols / W->group_size) % run != 0) return SCALES_F32;
+    if (run < 1 || run > 256 || (run & (run - 1)) != 0 || (W->cols / W->group_size) % run != 0) return SCALES_F32; /* PackedSide */
     uint8_t *forms = xcalloc((size_t)rows, 1);
     PARALLEL_FOR_IF(rows >= 64)
     for (int r = 0; r < rows; r++) forms[r] = (uint8_t)row_scale_forms(W, (size_t)r, run);
@@ -3612,11 +3641,11 @@ static int scale_form_of(const Matrix *W) {
     return all & 1 ? SCALES_SHARED : all & 2 ? SCALES_F16 : SCALES_F32;
 }
 
-/* Whether W's values are int8 in -32..31 (the GGUF types of 5 and 6 bits),
-   so that they pack as 6 bits (packed_weights), three quarters of the
-   bytes; its groups must fill runs of SIX_BIT_COLS. */
-static int six_bits_fit(const Matrix *W) {
-    if (!W->q || W->group_size % SIX_BIT_COLS != 0) return 0; /* whole runs in each group */
+/* The bits W's int8 values pack as: 5 when all are in -16..15, 6 in
+   -32..31 (the GGUF types of 5 and 6 bits), else 8 (packed_weights); the
+   groups must fill runs of SIX_BIT_COLS for 5 or 6. */
+static int value_bits_of(const Matrix *W) {
+    if (!W->q || W->group_size % SIX_BIT_COLS != 0) return 8; /* whole runs in each group */
     const int rows = W->rows, cols = W->cols;
     uint8_t *fits = xcalloc((size_t)rows, 1);
     PARALLEL_FOR_IF(rows >= 64)
@@ -3627,12 +3656,12 @@ static int six_bits_fit(const Matrix *W) {
             lo = q[j] < lo ? q[j] : lo;
             hi = q[j] > hi ? q[j] : hi;
         }
-        fits[r] = lo >= -32 && hi <= 31;
+        fits[r] = (uint8_t)((lo >= -32 && hi <= 31) | (lo >= -16 && hi <= 15) << 1);
     }
-    int all = 1;
+    int all = 3;
     for (int r = 0; r < rows; r++) all &= fits[r];
     free(fits);
-    return all;
+    return all & 2 ? 5 : all & 1 ? 6 : 8;
 }
 
 /* Four int8 values from q as the bytes of a little-endian word. */
@@ -3656,8 +3685,10 @@ static uint16_t nibble_pairs(uint32_t n) {
 
 /* Row `lane` of a block's values, as packed_weights reads them, from its
    int8 values q (cols of them), 4 at a time: 8 bits (q + 128), 4 (q + 8, two
-   to a byte) or 6 (q + 32: the low nibbles as 4 bits, then a run's tops,
-   bits 2s and 2s + 1 of byte k the top 2 bits of column 4s + k). */
+   to a byte), 6 (q + 32: the low nibbles as 4 bits, then a run's tops,
+   bits 2s and 2s + 1 of byte k the top 2 bits of column 4s + k) or 5 (q +
+   16: the low nibbles, then step s's top bits in bits 4 lane .. 4 lane + 3
+   of the run's mask s, shared with the block's other rows). */
 static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t lane, int bits) {
     for (int j = 0; bits == 8 && j < cols; j += 4) {
         const uint32_t w = four_values(q + j) ^ 0x80808080u;
@@ -3666,6 +3697,19 @@ static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t lane, 
     for (int j = 0; bits == 4 && j < cols; j += 4) {
         const uint16_t h = nibble_pairs(bytes_add(four_values(q + j), 0x08080808u));
         memcpy(block + (size_t)j / 4 * PACK_ROWS * 2 + lane * 2, &h, 2);
+    }
+    for (int j = 0; bits == 5 && j < cols; j += SIX_BIT_COLS) {
+        uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 5 / 8;
+        for (int step = 0; step < 4; step++) {
+            const uint32_t v = bytes_add(four_values(q + j + 4 * step), 0x10101010u);
+            const uint16_t h = nibble_pairs(v & 0x0F0F0F0Fu);
+            memcpy(run + 32 * step + lane * 2, &h, 2);
+            const uint32_t t = v >> 4 & 0x01010101u; /* the top bit of each byte, then as 4 bits */
+            uint64_t mask;
+            memcpy(&mask, run + 128 + 8 * step, 8);
+            mask |= (uint64_t)((t | t >> 7 | t >> 14 | t >> 21) & 15u) << (4 * lane);
+            memcpy(run + 128 + 8 * step, &mask, 8);
+        }
     }
     for (int j = 0; bits == 6 && j < cols; j += SIX_BIT_COLS) {
         uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 6 / 8;
@@ -3689,12 +3733,12 @@ static size_t matrix_packed_bytes(Matrix *W) {
     if (!matrix_packs(W)) return 0;
     if (W->blocks) {
         const GGMLType *type = &ggml_types[W->block_type];
-        W->packed_bits = type->value_bits == 4 ? 4 : type->value_bits == 8 ? 8 : 6;
+        W->packed_bits = type->value_bits;
         W->scale_form = W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
         W->offset_form = !type->offsets ? OFFSETS_NONE : W->scale_run > 1 ? OFFSETS_MIN : OFFSETS_F32;
         W->offset_centre = (float)(1 << (type->value_bits - 1));
     } else {
-        W->packed_bits = W->q4 ? 4 : six_bits_fit(W) ? 6 : 8;
+        W->packed_bits = W->q4 ? 4 : value_bits_of(W);
         W->scale_form = scale_form_of(W);
         W->offset_form = W->offsets ? OFFSETS_F32 : OFFSETS_NONE;
     }

@@ -1133,7 +1133,8 @@ static void test_kernels(void) {
        and a lone row are all compared; the scales in turn float32, f16 values
        (a GGUF Q8_0's d) or an f16 d per run of groups times int8 multipliers
        (a K-quant's), which VNNI builds must pack in those forms; int8 values
-       in -32..31 (GGUF's 5- and 6-bit types), which they pack as 6 bits */
+       in -32..31 and -16..15 (GGUF's 6- and 5-bit types), which they pack
+       as 6 and 5 bits */
     {
         const int shapes[][3] = {/* rows, cols, group size (0: float32) */
                                  {37, 64, 0},  {50, 48, 0},  {5, 288, 0},  {13, 100, 0},  {23, 64, 32},  {37, 96, 32},
@@ -1146,10 +1147,11 @@ static void test_kernels(void) {
                 int form = gs ? (int)(si + (size_t)variant) % 3 : SCALES_F32; /* shared: runs of 2 or 4 groups */
                 if (form == SCALES_SHARED && G % 2 != 0) form = SCALES_F16;
                 const int run = form != SCALES_SHARED ? form : G % 4 == 0 ? 4 : 2;
-                const int six = gs && bits == 8 && variant == (si % 2 ? 2 : 0); /* values in -32..31 */
+                const int narrow = gs && bits == 8 && variant == (si % 2 ? 2 : 0); /* values in -32..31, or -16..15 */
+                const int six = narrow && si % 4 < 2, five = narrow && !six;
                 const char *form_names[] = {"", ", f16 scales", ", shared scales"};
                 begin("matmul (%s kernels): rows of a batch = rows alone, %d x %d, group %d%s%s%s%s, n = 1..%d", KERNEL_NAME, R, C, gs,
-                      gs && bits == 4 ? ", 4-bit" : "", six ? ", values of 6 bits" : "", with_offsets ? ", offsets" : "", form_names[form], MAXN);
+                      gs && bits == 4 ? ", 4-bit" : "", six ? ", values of 6 bits" : five ? ", values of 5 bits" : "", with_offsets ? ", offsets" : "", form_names[form], MAXN);
                 float *w = xcalloc((size_t)R * C, sizeof(float)), *scales = xcalloc((size_t)R * C, sizeof(float));
                 float *offsets = xcalloc((size_t)R * C, sizeof(float)); /* (groups, rows): offsets[g * R + i] */
                 int8_t *q = xcalloc((size_t)R * C, 1);
@@ -1157,7 +1159,7 @@ static void test_kernels(void) {
                 float *x = xcalloc((size_t)MAXN * C, sizeof(float)), *out = xcalloc((size_t)MAXN * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
                 for (int i = 0; i < R * C; i++) {
                     w[i] = rand_uniform(-1, 1);
-                    q[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : six ? rand_below(64) - 32 : rand_uniform(0, 255) - 127);
+                    q[i] = (int8_t)(bits == 4 ? rand_below(16) - 8 : six ? rand_below(64) - 32 : five ? rand_below(32) - 16 : rand_uniform(0, 255) - 127);
                 }
                 for (int i = 0; bits == 4 && i < R * C / 2; i++) packed[i] = (uint8_t)((q[2 * i] + 8) | (q[2 * i + 1] + 8) << 4);
                 for (int i = 0; i < R * G; i++) { scales[i] = rand_uniform(0.001f, 0.02f); offsets[i] = rand_uniform(-0.1f, 0.1f); }
@@ -1177,7 +1179,7 @@ static void test_kernels(void) {
                 void *packing = pack_for_kernels(&m);
 #ifdef VNNI
                 expect(m.scale_form == form, "scales packed in form %d, not %d", m.scale_form, form);
-                if (gs) expect(m.packed_bits == (bits == 4 ? 4 : six && gs % SIX_BIT_COLS == 0 ? 6 : 8), "values packed as %d bits", m.packed_bits);
+                if (gs) expect(m.packed_bits == (bits == 4 ? 4 : narrow && gs % SIX_BIT_COLS == 0 ? (six ? 6 : 5) : 8), "values packed as %d bits", m.packed_bits);
 #endif
                 for (int n = 1; n <= MAXN && !case_failed; n++) {
                     int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
@@ -1363,8 +1365,8 @@ static uint16_t random_half(float lo, float hi, int signed_) {
 #endif
 
 /* GGUF matrices of every block type, packed straight from their blocks (as
-   VNNI builds load them): each form the type stores is chosen (values of 5
-   and 6 bits as 6, f16 or shared scales, K-quants' offsets as minimums);
+   VNNI builds load them): each form the type stores is chosen (values of 4,
+   5, 6 or 8 bits as such, f16 or shared scales, K-quants' offsets as minimums);
    every output is bit for bit the one of the same matrix unpacked as
    section 2.2 unpacks it (q, float32 scales and offsets) and packed from
    that, within 1e-5 of the double sum of its values times the quantised
@@ -1392,8 +1394,7 @@ static void test_gguf_packing(void) {
                             .blocks = blocks, .block_type = types[ti]};
         void *packing = pack_for_kernels(&blockwise);
         expect(blockwise.packed != NULL, "not packed");
-        expect(blockwise.packed_bits == (type->value_bits == 4 ? 4 : type->value_bits == 8 ? 8 : 6), "values packed as %d bits",
-               blockwise.packed_bits);
+        expect(blockwise.packed_bits == type->value_bits, "values packed as %d bits", blockwise.packed_bits);
         expect(blockwise.scale_form == (type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d", blockwise.scale_form);
         expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
                "offsets in form %d", blockwise.offset_form);
