@@ -13,8 +13,9 @@
      2. checkpoint loading: mmap, header validation, weight mapping, files
         of the wrong kind named as what they are; 2.1 GGUF files (llama.cpp's
         format), 2.2 a llama or qwen2 model from one (types F32 to Q6_K)
-     3. kernels: rmsnorm, softmax, matmul (int8 and 4-bit weights packed
-        at load for the VNNI kernel), rope, attention (the math in comments)
+     3. kernels: rmsnorm, softmax, matmul (quantised weights packed at
+        load for the VNNI kernel, GGUF's straight from their blocks;
+        bfloat16 dot products), rope, attention (the math in comments)
      4. the paged key/value cache (float32, f16 or q8_0 rows: --kv-type;
         past the context with --keep: a ring of slots)
         and the forward pass over a batch of rows
@@ -1743,12 +1744,14 @@ static const GGUFTensor *gguf_tensor(const GGUF *g, const char *name) {
    halves). Llama 3.1's scaling comes as `rope_freqs.weight`, a factor per
    frequency that divides the angle. qwen2 adds biases to q, k and v.
 
-   The values are read in place (F32) or converted once: F16 and BF16 to
-   float32 (exact), the block types to int8 or 4-bit values with a float32
-   scale per group and, for the types with a minimum, a float32 offset per
-   group (value = q x scale + offset, as the format defines it; matmul adds
-   the offsets' part as offset x the group's sum of inputs). The stored pages
-   are given back once converted. */
+   The values are read in place (F32, F16 and BF16: the kernels widen the
+   16-bit values as they load them), packed straight from their blocks by
+   the builds that pack (section 3), or else converted once: the block
+   types to int8 or 4-bit values with a float32 scale per group and, for
+   the types with a minimum, a float32 offset per group (value = q x scale
+   + offset, as the format defines it; matmul adds the offsets' part as
+   offset x the group's sum of inputs). The stored pages are given back
+   once packed or converted. */
 
 #define GGUF_CONVERT_HINT "convert the original model with `python3 export.py model DIR out.gguf`"
 
@@ -2483,7 +2486,10 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
    the checkpoint is loaded (matrix_pack, after the matrix multiplications):
    blocks of PACK_ROWS rows. */
 #define PACK_ROWS 16
-static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W->cols * W->packed_bits / 8; }
+static size_t packed_block_bytes(const Matrix *W) {
+    const size_t cols = W->packed_bits == 4 ? ((size_t)W->cols + 7) / 8 * 8 : (size_t)W->cols; /* 4 bits: whole units of 8 */
+    return (size_t)PACK_ROWS * cols * (size_t)W->packed_bits / 8;
+}
 #define SIX_BIT_COLS 16 /* the columns of a run of 5- or 6-bit values (packed_weights) */
 
 /* A block's scales, in one of three forms (matrix_pack picks the smallest
@@ -2495,7 +2501,7 @@ static size_t packed_block_bytes(const Matrix *W) { return (size_t)PACK_ROWS * W
                     scale_run, PACK_ROWS): scale = k * d, the K-quants'
                     sub-block scale times their block's d
    Q4_K's values and scales then take 0.54 bytes a weight instead of
-   0.625, Q6_K's (as int8) 1.07 instead of 1.25.
+   0.625, Q6_K's (as 6 bits) 0.82, the file's.
    Then, for the types with a minimum, the block's offsets, in one of two
    forms:
      OFFSETS_F32    float32 (groups, PACK_ROWS)
@@ -2752,44 +2758,50 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
 #define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
 #define PACK_FEW 4     /* up to this many, a kernel of their own; more take PACK_INPUTS's */
 
-/* The 32 bytes at p, 16 rows' 2 bytes of 4-bit values, as a lane of 4
-   bytes a row: each byte widened to 16 bits, then (b | b << 4) & 0x0F0F
-   puts its low nibble in the low byte and its high nibble in the high one. */
-KERNEL __m512i nibble_bytes(const uint8_t *p) {
-    __m512i e = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_ternarylogic_epi32(e, _mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x0F0F), 0xA8); /* (a | b) & c */
+/* 4-bit values in units of 8 columns: 64 bytes, row r's 4 bytes at 4r,
+   byte k holding column k of the unit in its low nibble and column 4 + k
+   in its high one. One load gives 8 columns of the 16 rows; half 0 or 1 of
+   it is columns 0..3 or 4..7, as unsigned bytes (lane r: row r's 4
+   values), parted by an and and a shift (a layout of 4 columns a row in 2
+   bytes had to be widened across lanes: the 4-bit kernel decoded 24.5 GB/s
+   from the second-level cache on one Zen 4 core where the int8 one decodes
+   42.8). */
+KERNEL __m512i nibble_half(__m512i unit, const int half) {
+    return _mm512_and_si512(half ? _mm512_srli_epi16(unit, 4) : unit, _mm512_set1_epi8(15));
 }
 
-/* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
-   bytes: lane r holds row r's 4 values. 4-bit: each row's 2 bytes
-   (nibble_bytes). 6-bit: runs of SIX_BIT_COLS columns of 192 bytes, the
-   low nibbles of its 4 steps of 4 columns (32 bytes each, as 4-bit), then
-   64 bytes laid out as the values of a step, bits 2s and 2s + 1 of each
-   the top 2 bits of its value in step s: rotated to bits 4-5 and or-ed in. */
-KERNEL __m512i six_bit_step(const uint8_t *run, __m512i tops, const int step) {
+/* Columns 4 step .. 4 step + 3 of a run of SIX_BIT_COLS columns of 6-bit
+   values (192 bytes: the low nibbles in 2 units of 4-bit values, then 64
+   bytes laid out as the values of a step, bits 2s and 2s + 1 of each the
+   top 2 bits of its value in step s: rotated to bits 4-5 and or-ed in),
+   the run's units and tops loaded. */
+KERNEL __m512i six_bit_step(const __m512i *units, __m512i tops, const int step) {
     const __m512i t = step == 0   ? _mm512_rol_epi32(tops, 4)
                       : step == 1 ? _mm512_rol_epi32(tops, 2)
                       : step == 2 ? tops
                                   : _mm512_ror_epi32(tops, 2);
-    return _mm512_ternarylogic_epi32(nibble_bytes(run + 32 * step), t, _mm512_set1_epi8(0x30), 0xF8); /* a | (b & c) */
+    return _mm512_ternarylogic_epi32(nibble_half(units[step / 2], step % 2), t, _mm512_set1_epi8(0x30), 0xF8); /* a | (b & c) */
 }
 
-/* 5-bit: runs of SIX_BIT_COLS columns of 160 bytes, the low nibbles as
-   6-bit's, then a 64-bit mask a step, bit 4r + k the top bit of row r's
-   value in column k of the step: 16 added where it is set. */
-KERNEL __m512i five_bit_step(const uint8_t *run, const int step) {
+/* The same for 5-bit values: runs of 160 bytes, the low nibbles as 6-bit's,
+   then a 64-bit mask a step, bit 4r + k the top bit of row r's value in
+   column k of the step: 16 added where it is set. */
+KERNEL __m512i five_bit_step(const uint8_t *run, const __m512i *units, const int step) {
     uint64_t tops;
     memcpy(&tops, run + 128 + 8 * step, 8);
-    const __m512i low = nibble_bytes(run + 32 * step);
+    const __m512i low = nibble_half(units[step / 2], step % 2);
     return _mm512_mask_add_epi8(low, (__mmask64)tops, low, _mm512_set1_epi8(16));
 }
 
+/* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
+   bytes: lane r holds row r's 4 values. */
 KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
     if (bits == 8) return _mm512_loadu_si512(p + (size_t)j * PACK_ROWS);
-    if (bits == 4) return nibble_bytes(p + (size_t)j * PACK_ROWS / 2);
+    if (bits == 4) return nibble_half(_mm512_loadu_si512(p + (size_t)j / 8 * 64), j / 4 % 2);
     const uint8_t *run = p + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * bits / 8;
-    if (bits == 5) return five_bit_step(run, j % SIX_BIT_COLS / 4);
-    return six_bit_step(run, _mm512_loadu_si512(run + 128), j % SIX_BIT_COLS / 4);
+    const __m512i units[2] = {_mm512_loadu_si512(run), _mm512_loadu_si512(run + 64)};
+    if (bits == 5) return five_bit_step(run, units, j % SIX_BIT_COLS / 4);
+    return six_bit_step(units, _mm512_loadu_si512(run + 128), j % SIX_BIT_COLS / 4);
 }
 
 /* Where the scales and offsets of a packed block lie (its scales at ws),
@@ -2857,14 +2869,13 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         __m512i sum[PACK_INPUTS][MAX_CHAINS];
         for (int m = 0; m < N; m++)
             for (int k = 0; k < chains; k++) sum[m][k] = k == 0 ? _mm512_set1_epi32(c[(size_t)m * groups + g]) : _mm512_setzero_si512();
-        for (int j = j0; (bits == 5 || bits == 6) && j < j1; j += SIX_BIT_COLS) { /* a run's 6-bit tops loaded once */
-            const uint8_t *run = p + (size_t)j * PACK_ROWS * bits / 8;
-            const __m512i tops = bits == 6 ? _mm512_loadu_si512(run + 128) : _mm512_setzero_si512();
+        for (int j = j0; bits == 4 && gs % 16 == 0 && j < j1; j += 16) { /* 2 units of 8 columns, a load each */
+            const __m512i units[2] = {_mm512_loadu_si512(p + (size_t)j * PACK_ROWS / 2), _mm512_loadu_si512(p + (size_t)(j + 8) * PACK_ROWS / 2)};
 #if defined(__GNUC__)
 #pragma GCC unroll 4
 #endif
-            for (int step = 0; step < 4; step++) {
-                __m512i w = bits == 6 ? six_bit_step(run, tops, step) : five_bit_step(run, step);
+            for (int step = 0; step < 4; step++) { /* columns j + 4 step .. j + 4 step + 3 */
+                const __m512i w = nibble_half(units[step / 2], step % 2);
                 for (int m = 0; m < N; m++) {
                     int32_t x4;
                     memcpy(&x4, x + (size_t)m * cols + j + 4 * step, sizeof(x4));
@@ -2872,7 +2883,23 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                 }
             }
         }
-        for (int j = j0; (bits == 4 || bits == 8) && j < j1; j += 4 * chains)
+        for (int j = j0; (bits == 5 || bits == 6) && j < j1; j += SIX_BIT_COLS) { /* a run's units and 6-bit tops loaded once */
+            const uint8_t *run = p + (size_t)j * PACK_ROWS * bits / 8;
+            const __m512i units[2] = {_mm512_loadu_si512(run), _mm512_loadu_si512(run + 64)};
+            const __m512i tops = bits == 6 ? _mm512_loadu_si512(run + 128) : _mm512_setzero_si512();
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+            for (int step = 0; step < 4; step++) {
+                __m512i w = bits == 6 ? six_bit_step(units, tops, step) : five_bit_step(run, units, step);
+                for (int m = 0; m < N; m++) {
+                    int32_t x4;
+                    memcpy(&x4, x + (size_t)m * cols + j + 4 * step, sizeof(x4));
+                    sum[m][step % chains] = _mm512_dpbusd_epi32(sum[m][step % chains], w, _mm512_set1_epi32(x4));
+                }
+            }
+        }
+        for (int j = j0; (bits == 8 || (bits == 4 && gs % 16 != 0)) && j < j1; j += 4 * chains)
             for (int k = 0; k < chains && j + 4 * k < j1; k++) { /* the last round may be short */
                 __m512i w = packed_weights(p, j + 4 * k, bits);
                 for (int m = 0; m < N; m++) {
@@ -3589,8 +3616,11 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
    VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
    the checkpoint is loaded: for each block of PACK_ROWS rows (the last one
    padded with zero rows), for each 4 columns, each row's 4 values (int8:
-   wq + 128; 4-bit: its 2 bytes as stored); then each block's scales, group
-   by group, a row a lane. The copy takes the place of the stored matrix,
+   wq + 128; 4-bit: its 2 bytes as stored; 5 and 6 bits: in runs of
+   SIX_BIT_COLS columns); then each block's scales and offsets, group by
+   group, a row a lane. The rows come from section 1's arrays (run.c's own
+   checkpoints) or straight from a GGUF matrix's blocks (stored_row), a
+   block of rows per thread. The copy takes the place of the stored matrix,
    whose pages are given back to the system (only the lookups of the token
    embedding read it again): the weights are in memory once. */
 
@@ -3691,51 +3721,42 @@ static uint32_t bytes_add(uint32_t w, uint32_t c) {
     return ((w & 0x7F7F7F7Fu) + (c & 0x7F7F7F7Fu)) ^ ((w ^ c) & 0x80808080u);
 }
 
-/* The four nibbles in the bytes of n as 2 bytes (byte k of n in the low
-   nibble of byte k / 2, in its high one for k odd). */
-static uint16_t nibble_pairs(uint32_t n) {
-    const uint32_t t = n | n >> 4;
-    return (uint16_t)((t & 0xFFu) | (t >> 8 & 0xFF00u));
-}
-
 /* Row `lane` of a block's values, as packed_weights reads them, from its
-   int8 values q (cols of them), 4 at a time: 8 bits (q + 128), 4 (q + 8, two
-   to a byte), 6 (q + 32: the low nibbles as 4 bits, then a run's tops,
-   bits 2s and 2s + 1 of byte k the top 2 bits of column 4s + k) or 5 (q +
-   16: the low nibbles, then step s's top bits in bits 4 lane .. 4 lane + 3
-   of the run's mask s, shared with the block's other rows). */
+   int8 values q (cols of them), 4 at a time: 8 bits (q + 128), 4 (q + 8, in
+   units of 8 columns, column k and k + 4 in a byte), 6 (q + 32: the low
+   nibbles in 2 units of 4 bits, then a run's tops, bits 2s and 2s + 1 of
+   byte k the top 2 bits of column 4s + k) or 5 (q + 16: the low nibbles,
+   then step s's top bits in bits 4 lane .. 4 lane + 3 of the run's mask s,
+   shared with the block's other rows). */
 static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t lane, int bits) {
     for (int j = 0; bits == 8 && j < cols; j += 4) {
         const uint32_t w = four_values(q + j) ^ 0x80808080u;
         memcpy(block + (size_t)j * PACK_ROWS + lane * 4, &w, 4);
     }
-    for (int j = 0; bits == 4 && j < cols; j += 4) {
-        const uint16_t h = nibble_pairs(bytes_add(four_values(q + j), 0x08080808u));
-        memcpy(block + (size_t)j / 4 * PACK_ROWS * 2 + lane * 2, &h, 2);
+    for (int j = 0; bits == 4 && j < cols; j += 8) { /* a unit of 8 columns (nibble_half) */
+        const uint32_t lo = bytes_add(four_values(q + j), 0x08080808u) & 0x0F0F0F0Fu;
+        const uint32_t hi = j + 4 < cols ? bytes_add(four_values(q + j + 4), 0x08080808u) & 0x0F0F0F0Fu : 0;
+        const uint32_t w = lo | hi << 4;
+        memcpy(block + (size_t)j / 8 * 64 + lane * 4, &w, 4);
     }
-    for (int j = 0; bits == 5 && j < cols; j += SIX_BIT_COLS) {
-        uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 5 / 8;
+    for (int j = 0; (bits == 5 || bits == 6) && j < cols; j += SIX_BIT_COLS) {
+        uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * (size_t)bits / 8;
+        uint32_t units[2] = {0, 0}, tops = 0;
         for (int step = 0; step < 4; step++) {
-            const uint32_t v = bytes_add(four_values(q + j + 4 * step), 0x10101010u);
-            const uint16_t h = nibble_pairs(v & 0x0F0F0F0Fu);
-            memcpy(run + 32 * step + lane * 2, &h, 2);
-            const uint32_t t = v >> 4 & 0x01010101u; /* the top bit of each byte, then as 4 bits */
-            uint64_t mask;
-            memcpy(&mask, run + 128 + 8 * step, 8);
-            mask |= (uint64_t)((t | t >> 7 | t >> 14 | t >> 21) & 15u) << (4 * lane);
-            memcpy(run + 128 + 8 * step, &mask, 8);
+            const uint32_t v = bytes_add(four_values(q + j + 4 * step), bits == 6 ? 0x20202020u : 0x10101010u);
+            units[step / 2] |= (v & 0x0F0F0F0Fu) << (4 * (step % 2));
+            if (bits == 6) tops |= (v >> 4 & 0x03030303u) << (2 * step);
+            if (bits == 5) {
+                const uint32_t t = v >> 4 & 0x01010101u; /* the top bit of each byte, then as 4 bits */
+                uint64_t mask;
+                memcpy(&mask, run + 128 + 8 * step, 8);
+                mask |= (uint64_t)((t | t >> 7 | t >> 14 | t >> 21) & 15u) << (4 * lane);
+                memcpy(run + 128 + 8 * step, &mask, 8);
+            }
         }
-    }
-    for (int j = 0; bits == 6 && j < cols; j += SIX_BIT_COLS) {
-        uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * 6 / 8;
-        uint32_t tops = 0;
-        for (int step = 0; step < 4; step++) {
-            const uint32_t v = bytes_add(four_values(q + j + 4 * step), 0x20202020u);
-            const uint16_t h = nibble_pairs(v & 0x0F0F0F0Fu);
-            memcpy(run + 32 * step + lane * 2, &h, 2);
-            tops |= (v >> 4 & 0x03030303u) << (2 * step);
-        }
-        memcpy(run + 128 + lane * 4, &tops, 4);
+        memcpy(run + lane * 4, &units[0], 4);
+        memcpy(run + 64 + lane * 4, &units[1], 4);
+        if (bits == 6) memcpy(run + 128 + lane * 4, &tops, 4);
     }
 }
 
