@@ -9,16 +9,20 @@ written by export.py; Q4_K_M, Q5_K_M and Q6_K made from the F16 file by
 llama.cpp's llama-quantize when LLAMA_CPP names a llama.cpp build (a
 directory holding bin/llama-quantize and bin/llama-bench, built from a
 fetched copy outside this repository: bench/llamacpp.md). In interleaved
-rounds (medians), for each file:
+rounds (medians), for each file, the two programs in turn (which goes first
+alternates from round to round):
   run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt
              pp128: prompt tok/s of a 128-token prompt (both greedy, -T 2)
   llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1: avg_ts of pp128, tg128
-then the ratios, the bytes one token reads (every matrix once: the layers'
+then the ratios (each the median of the rounds' ratios: the machine's speed
+drifts by more than the differences measured), the bytes one token reads (every matrix once: the layers'
 and the classifier's tensor bytes as stored in the file), run.c's tg128 x
 those bytes as a fraction of the streaming-read probe (bench/bandwidth.c,
 2 threads, one probe per round), run.c's peak RSS against the file, and
 its load time (the first prompt token's wall time is not separated: the
-load is `-n 1` with an empty prompt, timed whole).
+load is `-n 1` with an empty prompt, timed whole) beside llama.cpp's
+(`llama-bench -p 0 -n 1 -r 1` timed whole: its load, a warm-up token and
+one token).
 
 --shape llama32_1b measures the Llama 3.2 1B shape instead (dim 2048,
 hidden 8192, 16 layers, 32 heads, 8 key/value heads, vocabulary 128256,
@@ -100,11 +104,10 @@ def llama_bench(binary, path):
     return got[(128, 0)], got[(0, 128)]
 
 
-def load_seconds(runbin, path):
-    """Wall time of a run that loads the model and decodes one token."""
+def load_seconds(cmd):
+    """Wall time of a command that loads the model and decodes a token."""
     start = time.perf_counter()
-    subprocess.run([runbin, path, "-t", "0", "-T", "2", "-n", "1", "-i", ""], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
@@ -136,38 +139,49 @@ def main():
     fastest = min(paths.values(), key=os.path.getsize)
     p16, p128 = make_prompt(runbin, fastest, fastest, 16), make_prompt(runbin, fastest, fastest, 128)  # the file's vocabulary
 
-    runs = {t: {"tg": [], "pp": [], "ltg": [], "lpp": [], "load": [], "rss": 0} for t in paths}
+    runs = {t: {"tg": [], "pp": [], "ltg": [], "lpp": [], "load": [], "lload": [], "rss": 0} for t in paths}
     probes = []
+    def run_c(t, path):
+        base = [runbin, path, "-t", "0", "-T", "2"]
+        (_, _, _, tg), rss1 = stats_of(base + ["-n", "144", "-i", p16])
+        (_, pp, _, _), rss2 = stats_of(base + ["-n", "129", "-i", p128])
+        runs[t]["tg"].append(tg)
+        runs[t]["pp"].append(pp)
+        runs[t]["rss"] = max(runs[t]["rss"], rss1, rss2)
+        runs[t]["load"].append(load_seconds([runbin, path, "-t", "0", "-T", "2", "-n", "1", "-i", ""]))
+
+    def llama_cpp(t, path):
+        lpp, ltg = llama_bench(lbench, path)
+        runs[t]["lpp"].append(lpp)
+        runs[t]["ltg"].append(ltg)
+        runs[t]["lload"].append(load_seconds([lbench, "-m", path, "-p", "0", "-n", "1", "-t", "2", "-r", "1"]))
+
     for r in range(args.runs):
         for t, path in paths.items():
-            base = [runbin, path, "-t", "0", "-T", "2"]
-            (_, _, _, tg), rss1 = stats_of(base + ["-n", "144", "-i", p16])
-            (_, pp, _, _), rss2 = stats_of(base + ["-n", "129", "-i", p128])
-            runs[t]["tg"].append(tg)
-            runs[t]["pp"].append(pp)
-            runs[t]["rss"] = max(runs[t]["rss"], rss1, rss2)
-            runs[t]["load"].append(load_seconds(runbin, path))
-            if lbench:
-                lpp, ltg = llama_bench(lbench, path)
-                runs[t]["lpp"].append(lpp)
-                runs[t]["ltg"].append(ltg)
+            # the two programs in turn, first one then the other, so that a
+            # drift of the machine's speed favours neither
+            for side in ((run_c, llama_cpp) if r % 2 == 0 else (llama_cpp, run_c)):
+                if side is run_c or lbench:
+                    side(t, path)
         probes.append(probe_bandwidth(args.bandwidth)[2])
         print("bench: round %d of %d done" % (r + 1, args.runs), file=sys.stderr)
     bw = statistics.median(probes)
 
     med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    paired = lambda a, b: med([x / y for x, y in zip(a, b)])  # noqa: E731 (the median of the rounds' ratios)
     rows = []
     for t, path in paths.items():
         x = runs[t]
         size = os.path.getsize(path)
         tg, pp, ltg, lpp = med(x["tg"]), med(x["pp"]), med(x["ltg"]), med(x["lpp"])
-        rows.append("| %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f | %.0f | %.2fx | %.0f%% | %.2fx | %.2f |" % (
-            t, size / 1e6, per_token[t] / 1e6, tg, ltg, tg / ltg, pp, lpp, pp / lpp, 100 * tg * per_token[t] / 1e9 / bw,
-            x["rss"] / size, med(x["load"])))
+        rows.append("| %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f | %.0f | %.2fx | %.0f%% | %.2fx | %.2f | %.2f |" % (
+            t, size / 1e6, per_token[t] / 1e6, tg, ltg, paired(x["tg"], x["ltg"]), pp, lpp, paired(x["pp"], x["lpp"]),
+            100 * tg * per_token[t] / 1e9 / bw, x["rss"] / size, med(x["load"]), med(x["lload"])))
     lines = [
         "# GGUF: run.c and llama.cpp on the same files",
         "",
-        "%s; %s; `%s`%s, medians of %d interleaved rounds, 2 threads, greedy." % (
+        "%s; %s; `%s`%s, medians of %d interleaved rounds (each round the two in turn, which first alternating; "
+        "a ratio is the median of the rounds' ratios), 2 threads, greedy." % (
             datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), machine(), runbin,
             " and llama-bench (%s)" % llama if lbench else " (LLAMA_CPP not set: no llama.cpp figures)", args.runs),
         "",
@@ -176,10 +190,12 @@ def main():
         "Streaming-read probe (bench/bandwidth.c, 2 threads): %.1f GB/s. Probe fraction: tg128 x bytes per token." % bw,
         "RSS: run.c's peak against the file (its key/value cache for the whole context, %.0f MB, included)." % (
             SHAPES[args.shape][2] / 1e6),
+        "Load: the wall time of run.c's `-n 1` with an empty prompt (loading, packing, one token), and of "
+        "`llama-bench -p 0 -n 1 -r 1` (loading, its warm-up token and one token).",
         "",
         "| type | file MB | bytes/token MB | tg128 run.c | tg128 llama.cpp | tg ratio | pp128 run.c | pp128 llama.cpp "
-        "| pp ratio | probe fraction | RSS / file | load s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pp ratio | probe fraction | RSS / file | load s run.c | load s llama.cpp |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ] + rows
     write_report(lines, args.out)
 
