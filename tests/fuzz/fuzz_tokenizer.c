@@ -3,7 +3,7 @@
 
    Input: two bytes giving the model's vocabulary size (1..1024), then the
    file. load_tokenizer() must reject it with an error or load exactly that
-   many pieces, each within max_token_length, sorted for lookup. A loaded
+   many pieces, each within max_token_length, each found by lookup. A loaded
    tokenizer then encodes a few fixed texts (ASCII, UTF-8, invalid UTF-8):
    tokenizer.bin's checked against the naive reference encoder; tk42's
    checked to be ordinary tokens in range that spell the text back, with
@@ -32,8 +32,12 @@ static void check_byte_level(const Tokenizer *t, const char *text) {
     for (int i = 0; i < t->vocab_size; i++)
         CHECK(t->piece_len[i] >= 0 && t->piece_len[i] <= t->max_token_length && t->vocab[i][t->piece_len[i]] == '\0',
               "piece %d: length %d (max_token_length %d)", i, t->piece_len[i], t->max_token_length);
-    for (int i = 1; i < t->n_sorted; i++)
-        CHECK(compare_pieces_by_bytes(t, t->sorted_vocab[i - 1].id, t->sorted_vocab[i].id) <= 0, "sorted_vocab unsorted at %d", i);
+    for (int i = 0; i < t->vocab_size; i++) { /* the index finds each ordinary piece: it or a later one of its bytes */
+        int id = lookup_bytes(t, t->vocab[i], t->piece_len[i]);
+        CHECK(t->special[i] || (id >= i && id < t->vocab_size && !t->special[id] && t->piece_len[id] == t->piece_len[i] &&
+                                memcmp(t->vocab[id], t->vocab[i], (size_t)t->piece_len[i]) == 0),
+              "piece %d found as %d by its bytes", i, id);
+    }
     CHECK(t->bos >= 0 && t->bos < t->vocab_size && t->n_end >= 1 && t->n_end <= MAX_END_TOKENS, "bos %d, n_end %d", t->bos, t->n_end);
     for (int i = 0; i < t->n_end; i++) CHECK(t->end[i] >= 0 && t->end[i] < t->vocab_size, "end token %d", t->end[i]);
     size_t len = strlen(text);
