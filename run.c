@@ -748,8 +748,8 @@ typedef struct {
     /* VNNI builds, int8 and 4-bit: the values and scales as the kernel reads
        them (matrix_pack, section 3); NULL: read as stored */
     const uint8_t *packed;        /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
-    const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form) */
-    int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31) or 4 */
+    const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form, then its offsets) */
+    int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31), 5 (in -16..15) or 4 */
     int scale_form;               /* SCALES_F32, SCALES_F16 or SCALES_SHARED (section 3) */
     int offset_form;              /* OFFSETS_NONE, OFFSETS_F32 or OFFSETS_MIN (section 3): a packed
                                      block's offsets, after its scales */
