@@ -3709,54 +3709,75 @@ static int value_bits_of(const Matrix *W) {
     return all & 2 ? 5 : all & 1 ? 6 : 8;
 }
 
-/* Four int8 values from q as the bytes of a little-endian word. */
-static uint32_t four_values(const int8_t *q) {
-    uint32_t w;
-    memcpy(&w, q, 4);
-    return w;
+/* Eight int8 values from q plus c's bytes, each modulo 256 (no carries
+   between them), as the bytes of a little-endian word. */
+static uint64_t eight_values(const int8_t *q, uint64_t c) {
+    const uint64_t low7 = 0x7F7F7F7F7F7F7F7Full;
+    uint64_t w;
+    memcpy(&w, q, 8);
+    return ((w & low7) + (c & low7)) ^ ((w ^ c) & ~low7);
 }
 
-/* The bytes of w plus those of c, each modulo 256 (no carries between them). */
-static uint32_t bytes_add(uint32_t w, uint32_t c) {
-    return ((w & 0x7F7F7F7Fu) + (c & 0x7F7F7F7Fu)) ^ ((w ^ c) & 0x80808080u);
+/* The 4-bit values of 8 columns (the nibbles of v's bytes) as one unit
+   (nibble_half): byte k holds columns k and k + 4. */
+static uint32_t nibble_unit(uint64_t v) {
+    v &= 0x0F0F0F0F0F0F0F0Full;
+    return (uint32_t)v | (uint32_t)(v >> 32) << 4;
 }
 
-/* Row `lane` of a block's values, as packed_weights reads them, from its
-   int8 values q (cols of them), 4 at a time: 8 bits (q + 128), 4 (q + 8, in
-   units of 8 columns, column k and k + 4 in a byte), 6 (q + 32: the low
-   nibbles in 2 units of 4 bits, then a run's tops, bits 2s and 2s + 1 of
-   byte k the top 2 bits of column 4s + k) or 5 (q + 16: the low nibbles,
-   then step s's top bits in bits 4 lane .. 4 lane + 3 of the run's mask s,
-   shared with the block's other rows). */
-static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t lane, int bits) {
-    for (int j = 0; bits == 8 && j < cols; j += 4) {
-        const uint32_t w = four_values(q + j) ^ 0x80808080u;
-        memcpy(block + (size_t)j * PACK_ROWS + lane * 4, &w, 4);
-    }
-    for (int j = 0; bits == 4 && j < cols; j += 8) { /* a unit of 8 columns (nibble_half) */
-        const uint32_t lo = bytes_add(four_values(q + j), 0x08080808u) & 0x0F0F0F0Fu;
-        const uint32_t hi = j + 4 < cols ? bytes_add(four_values(q + j + 4), 0x08080808u) & 0x0F0F0F0Fu : 0;
-        const uint32_t w = lo | hi << 4;
-        memcpy(block + (size_t)j / 8 * 64 + lane * 4, &w, 4);
-    }
-    for (int j = 0; (bits == 5 || bits == 6) && j < cols; j += SIX_BIT_COLS) {
-        uint8_t *run = block + (size_t)(j / SIX_BIT_COLS) * SIX_BIT_COLS * PACK_ROWS * (size_t)bits / 8;
-        uint32_t units[2] = {0, 0}, tops = 0;
-        for (int step = 0; step < 4; step++) {
-            const uint32_t v = bytes_add(four_values(q + j + 4 * step), bits == 6 ? 0x20202020u : 0x10101010u);
-            units[step / 2] |= (v & 0x0F0F0F0Fu) << (4 * (step % 2));
-            if (bits == 6) tops |= (v >> 4 & 0x03030303u) << (2 * step);
-            if (bits == 5) {
-                const uint32_t t = v >> 4 & 0x01010101u; /* the top bit of each byte, then as 4 bits */
-                uint64_t mask;
-                memcpy(&mask, run + 128 + 8 * step, 8);
-                mask |= (uint64_t)((t | t >> 7 | t >> 14 | t >> 21) & 15u) << (4 * lane);
-                memcpy(run + 128 + 8 * step, &mask, 8);
-            }
+/* The int8 value that packs as bits of 0 (a lane past a matrix's last row,
+   a column past its last). */
+static int8_t packed_zero(int bits) { return (int8_t)-(1 << (bits - 1)); }
+
+/* A block's values, as packed_weights reads them, from the int8 values of
+   its PACK_ROWS rows (q: row `lane` at q + lane * stride, cols values then
+   packed_zero up to stride, a multiple of 8), one 64-byte line at a time,
+   the 4-byte words of its PACK_ROWS lanes: 8 bits (q + 128, 4 columns a
+   word), 4 (q + 8, a unit of 8 columns a word, column k and k + 4 in byte
+   k), 6 (q + 32, a run of SIX_BIT_COLS columns in 3 lines: the low nibbles
+   in 2 units, then the tops, bits 2s and 2s + 1 of byte k the top 2 bits of
+   column 4s + k) or 5 (q + 16: the 2 lines of low nibbles, then the tops of
+   step s (columns 4s .. 4s + 3) in bits 4 lane .. 4 lane + 3 of the run's
+   64-bit mask s). Written a line at a time: each line once, in order. */
+static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t stride, int bits) {
+    uint32_t line[PACK_ROWS];
+    for (int j = 0; bits == 8 && j < cols; j += 4, block += 64) {
+        for (int lane = 0; lane < PACK_ROWS; lane++) {
+            memcpy(&line[lane], q + lane * stride + j, 4);
+            line[lane] ^= 0x80808080u; /* each byte + 128 */
         }
-        memcpy(run + lane * 4, &units[0], 4);
-        memcpy(run + 64 + lane * 4, &units[1], 4);
-        if (bits == 6) memcpy(run + 128 + lane * 4, &tops, 4);
+        memcpy(block, line, sizeof line);
+    }
+    for (int j = 0; bits == 4 && j < cols; j += 8, block += 64) {
+        for (int lane = 0; lane < PACK_ROWS; lane++) line[lane] = nibble_unit(eight_values(q + lane * stride + j, 0x0808080808080808ull));
+        memcpy(block, line, sizeof line);
+    }
+    const uint64_t centre = bits == 6 ? 0x2020202020202020ull : 0x1010101010101010ull;
+    for (int j = 0; (bits == 5 || bits == 6) && j < cols; j += SIX_BIT_COLS) {
+        uint64_t v[PACK_ROWS][2];
+        for (int lane = 0; lane < PACK_ROWS; lane++)
+            for (int h = 0; h < 2; h++) v[lane][h] = eight_values(q + lane * stride + j + 8 * h, centre);
+        for (int h = 0; h < 2; h++, block += 64) {
+            for (int lane = 0; lane < PACK_ROWS; lane++) line[lane] = nibble_unit(v[lane][h]);
+            memcpy(block, line, sizeof line);
+        }
+        if (bits == 6) {
+            for (int lane = 0; lane < PACK_ROWS; lane++) {
+                const uint64_t t0 = v[lane][0] >> 4 & 0x0303030303030303ull, t1 = v[lane][1] >> 4 & 0x0303030303030303ull;
+                line[lane] = (uint32_t)t0 | (uint32_t)(t0 >> 32) << 2 | (uint32_t)t1 << 4 | (uint32_t)(t1 >> 32) << 6;
+            }
+            memcpy(block, line, sizeof line);
+            block += 64;
+            continue;
+        }
+        uint64_t masks[4] = {0, 0, 0, 0};
+        for (int lane = 0; lane < PACK_ROWS; lane++)
+            for (int step = 0; step < 4; step++) {
+                const uint32_t t = (uint32_t)(v[lane][step / 2] >> (32 * (step % 2) + 4)) & 0x01010101u; /* the top bit of each byte, then as 4 bits */
+                masks[step] |= (uint64_t)((t | t >> 7 | t >> 14 | t >> 21) & 15u) << (4 * lane);
+            }
+        memcpy(block, masks, 32);
+        block += 32;
     }
 }
 
@@ -3821,12 +3842,11 @@ static void stored_row(const Matrix *W, size_t r, PackRow *row) {
     }
 }
 
-/* Row `row` into lane `lane` of its packed block (values at p, scales and
-   offsets at ws), in W's forms: a group's scale (or k and, once a run, d)
-   at group g's lane, then its offset (or m, and once a run dmin). */
-static void pack_row(const Matrix *W, uint8_t *p, uint8_t *ws, size_t lane, const PackRow *row) {
-    const int cols = W->cols, groups = cols / W->group_size, runs = W->scale_run > 1 ? groups / W->scale_run : groups;
-    pack_values(p, row->q, cols, lane, W->packed_bits);
+/* Row `row`'s scales and offsets into lane `lane` of its packed block's (at
+   ws), in W's forms: a group's scale (or k and, once a run, d) at group g's
+   lane, then its offset (or m, and once a run dmin). */
+static void pack_row_scales(const Matrix *W, uint8_t *ws, size_t lane, const PackRow *row) {
+    const int groups = W->cols / W->group_size, runs = W->scale_run > 1 ? groups / W->scale_run : groups;
     uint8_t *wo = ws + scale_part_bytes(W), *d_at = ws + (size_t)groups * PACK_ROWS, *dmin_at = wo + (size_t)groups * PACK_ROWS;
     for (int g = 0; W->scale_form == SCALES_F32 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 4, &row->s[g], 4);
     for (int g = 0; W->scale_form == SCALES_F16 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 2, &row->d[g], 2);
@@ -3839,12 +3859,13 @@ static void pack_row(const Matrix *W, uint8_t *p, uint8_t *ws, size_t lane, cons
 
 /* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned,
    zeroed), a block of rows at a time, each thread with a PackRow of its
-   own. */
+   own and the int8 values of a block's rows (PACK_ROWS x stride). */
 static void matrix_pack(Matrix *W, void *memory) {
     if (!matrix_packs(W)) return;
     const int cols = W->cols, groups = cols / W->group_size, threads = max_threads();
     const size_t block = packed_block_bytes(W), scale_bytes = packed_scale_bytes(W), blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
-    const size_t row_bytes = ((size_t)cols + (size_t)groups * (2 * sizeof(float) + 2 + 2 * sizeof(uint16_t)) + 63) / 64 * 64;
+    const size_t stride = ((size_t)cols + 7) / 8 * 8;
+    const size_t row_bytes = ((size_t)groups * (2 * sizeof(float) + 2 + 2 * sizeof(uint16_t)) + PACK_ROWS * stride + 63) / 64 * 64;
     char *buffers = xcalloc((size_t)threads, row_bytes);
     PackRow *rows = xcalloc((size_t)threads, sizeof(PackRow));
     for (int t = 0; t < threads; t++) {
@@ -3853,18 +3874,22 @@ static void matrix_pack(Matrix *W, void *memory) {
         rows[t].o = rows[t].s + groups;
         rows[t].d = (uint16_t *)(rows[t].o + groups);
         rows[t].dmin = rows[t].d + groups;
-        rows[t].q = (int8_t *)(rows[t].dmin + groups);
-        rows[t].k = rows[t].q + cols;
+        rows[t].k = (int8_t *)(rows[t].dmin + groups);
         rows[t].m = (uint8_t *)rows[t].k + groups;
+        rows[t].q = (int8_t *)rows[t].m + groups; /* the block's values, each row stored_row's q in turn */
     }
     uint8_t *p = memory, *ps = p + blocks * block;
     PARALLEL_FOR_IF(blocks >= 4)
     for (size_t b = 0; b < blocks; b++) {
-        PackRow *row = &rows[thread_id()];
-        for (size_t r = b * PACK_ROWS; r < (b + 1) * PACK_ROWS && r < (size_t)W->rows; r++) {
-            stored_row(W, r, row);
-            pack_row(W, p + b * block, ps + b * scale_bytes, r % PACK_ROWS, row);
+        PackRow row = rows[thread_id()];
+        int8_t *values = row.q;
+        memset(values, packed_zero(W->packed_bits), PACK_ROWS * stride);
+        for (size_t lane = 0; lane < PACK_ROWS && b * PACK_ROWS + lane < (size_t)W->rows; lane++) {
+            row.q = values + lane * stride;
+            stored_row(W, b * PACK_ROWS + lane, &row);
+            pack_row_scales(W, ps + b * scale_bytes, lane, &row);
         }
+        pack_values(p + b * block, values, cols, stride, W->packed_bits);
     }
     free(rows);
     free(buffers);
@@ -3915,11 +3940,10 @@ static void pack_weights(Transformer *t) {
     for (int m = 0; m < n; m++) bytes += each[m] = matrix_packed_bytes(all[m]);
     if (bytes > 0) {
         t->packing = alloc_pages(bytes, "weights", 0);
+
         t->packing_bytes = bytes;
         char *at = t->packing;
         for (int m = 0; m < n; m++) {
-            /* a GGUF matrix's blocks mapped in one call, not page by page */
-            if (each[m] && all[m]->blocks) populate((void *)(uintptr_t)all[m]->blocks, stored_block_bytes(all[m]));
             matrix_pack(all[m], at);
             at += each[m];
             /* at once: the peak of memory is the packed copy and one matrix
