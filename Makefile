@@ -149,7 +149,7 @@ clean: clean-fuzz
 clean-fuzz:
 	rm -rf tests/fuzz/.out
 
-test: $(RUN) runomp tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/llama3_dump_native tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
+test: $(RUN) runomp build/bench/peak build/bench/bandwidth tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/llama3_dump_native tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
 	MODELS_DIR=$(MODELS_DIR) PYTHON=$(TEST_PYTHON) RUN=$(RUN) bash tests/run_tests.sh
 
 # the streaming-read probe, then bench/bench.py with the fastest build; the

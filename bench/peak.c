@@ -59,7 +59,7 @@ static double matmul_rate(int gs) {
         /* int8: the float array doubles as the scales; packed as at load where this build packs */
         Matrix m = {.w = gs ? NULL : w, .q = gs ? q : NULL, .scales = gs ? (const char *)w : NULL, .rows = rows, .cols = cols, .group_size = gs};
         size_t packed = matrix_packed_bytes(&m);
-        void *packing = packed ? alloc_pages(packed, "weights") : NULL;
+        void *packing = packed ? alloc_pages(packed, "weights", 0) : NULL;
         if (packing) matrix_pack(&m, packing);
         double best = 1e9;
         for (int k = 0; k < 30; k++) {
