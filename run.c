@@ -6685,12 +6685,8 @@ static Fragment *split_user_tokens(const Tokenizer *t, const char *text, size_t 
 static int gpt2_byte_of(int cp) {
     if ((cp >= 0x21 && cp <= 0x7E) || (cp >= 0xA1 && cp <= 0xAC) || (cp >= 0xAE && cp <= 0xFF)) return cp;
     if (cp < 0x100 || cp > 0x143) return -1;
-    int k = cp - 0x100; /* the k-th byte outside those ranges */
-    for (int b = 0; b < 256; b++) {
-        int own = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-        if (!own && k-- == 0) return b;
-    }
-    return -1;
+    int k = cp - 0x100; /* the k-th byte outside those ranges: 0x00..0x20, 0x7F..0xA0, 0xAD */
+    return k < 33 ? k : k < 67 ? 0x7F + (k - 33) : 0xAD;
 }
 
 /* Writes the bytes that GPT-2-alphabet text s (len bytes) stands for to out
