@@ -3618,12 +3618,12 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
 /* ---- Packing ---------------------------------------------------------------
    VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
    the checkpoint is loaded: for each block of PACK_ROWS rows (the last one
-   padded with zero rows), for each 4 columns, each row's 4 values (int8:
-   wq + 128; 4-bit: its 2 bytes as stored; 5 and 6 bits: in runs of
-   SIX_BIT_COLS columns); then each block's scales and offsets, group by
-   group, a row a lane. The rows come from section 1's arrays (run.c's own
-   checkpoints) or straight from a GGUF matrix's blocks (stored_row), a
-   block of rows per thread. The copy takes the place of the stored matrix,
+   padded with zero rows), 64-byte lines of a 4-byte word a row (int8: 4
+   columns, wq + 128; 4-bit: a unit of 8 columns; 5 and 6 bits: runs of
+   SIX_BIT_COLS columns; pack_values); then each block's scales and
+   offsets, group by group, a row a lane. The rows come from section 1's
+   arrays (run.c's own checkpoints) or straight from a GGUF matrix's
+   blocks (stored_row), a block of rows per thread. The copy takes the place of the stored matrix,
    whose pages are given back to the system (only the lookups of the token
    embedding read it again): the weights are in memory once. */
 
@@ -3943,7 +3943,6 @@ static void pack_weights(Transformer *t) {
     for (int m = 0; m < n; m++) bytes += each[m] = matrix_packed_bytes(all[m]);
     if (bytes > 0) {
         t->packing = alloc_pages(bytes, "weights", 0);
-
         t->packing_bytes = bytes;
         char *at = t->packing;
         for (int m = 0; m < n; m++) {
