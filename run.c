@@ -3852,15 +3852,18 @@ static void stored_row(const Matrix *W, size_t r, PackRow *row) {
    ws), in W's forms: a group's scale (or k and, once a run, d) at group g's
    lane, then its offset (or m, and once a run dmin). */
 static void pack_row_scales(const Matrix *W, uint8_t *ws, size_t lane, const PackRow *row) {
+    /* the forms read once: the byte stores below may alias W, which the
+       compiler would otherwise read again at every store */
     const int groups = W->cols / W->group_size, runs = W->scale_run > 1 ? groups / W->scale_run : groups;
+    const int scale_form = W->scale_form, offset_form = W->offset_form;
     uint8_t *wo = ws + scale_part_bytes(W), *d_at = ws + (size_t)groups * PACK_ROWS, *dmin_at = wo + (size_t)groups * PACK_ROWS;
-    for (int g = 0; W->scale_form == SCALES_F32 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 4, &row->s[g], 4);
-    for (int g = 0; W->scale_form == SCALES_F16 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 2, &row->d[g], 2);
-    for (int g = 0; W->scale_form == SCALES_SHARED && g < groups; g++) ws[(size_t)g * PACK_ROWS + lane] = (uint8_t)row->k[g];
-    for (int r = 0; W->scale_form == SCALES_SHARED && r < runs; r++) memcpy(d_at + ((size_t)r * PACK_ROWS + lane) * 2, &row->d[r], 2);
-    for (int g = 0; W->offset_form == OFFSETS_F32 && g < groups; g++) memcpy(wo + ((size_t)g * PACK_ROWS + lane) * 4, &row->o[g], 4);
-    for (int g = 0; W->offset_form == OFFSETS_MIN && g < groups; g++) wo[(size_t)g * PACK_ROWS + lane] = row->m[g];
-    for (int r = 0; W->offset_form == OFFSETS_MIN && r < runs; r++) memcpy(dmin_at + ((size_t)r * PACK_ROWS + lane) * 2, &row->dmin[r], 2);
+    for (int g = 0; scale_form == SCALES_F32 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 4, &row->s[g], 4);
+    for (int g = 0; scale_form == SCALES_F16 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 2, &row->d[g], 2);
+    for (int g = 0; scale_form == SCALES_SHARED && g < groups; g++) ws[(size_t)g * PACK_ROWS + lane] = (uint8_t)row->k[g];
+    for (int r = 0; scale_form == SCALES_SHARED && r < runs; r++) memcpy(d_at + ((size_t)r * PACK_ROWS + lane) * 2, &row->d[r], 2);
+    for (int g = 0; offset_form == OFFSETS_F32 && g < groups; g++) memcpy(wo + ((size_t)g * PACK_ROWS + lane) * 4, &row->o[g], 4);
+    for (int g = 0; offset_form == OFFSETS_MIN && g < groups; g++) wo[(size_t)g * PACK_ROWS + lane] = row->m[g];
+    for (int r = 0; offset_form == OFFSETS_MIN && r < runs; r++) memcpy(dmin_at + ((size_t)r * PACK_ROWS + lane) * 2, &row->dmin[r], 2);
 }
 
 /* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned,
