@@ -98,12 +98,23 @@
    thread when `cond` is false (too little work) */
 #define PRAGMA(text) _Pragma(#text)
 #define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
+/* a region that every thread runs (one thread when `cond` is false), the
+   loops inside it shared out by SHARED_LOOP (a range at a time, to
+   whichever thread is free; no thread waits for the others at its end),
+   and a read-and-update of one variable (ATOMIC_CAPTURE) that no other
+   thread interleaves with */
+#define PARALLEL_REGION_IF(cond) PRAGMA(omp parallel if (cond))
+#define SHARED_LOOP PRAGMA(omp for schedule(dynamic) nowait)
+#define ATOMIC_CAPTURE PRAGMA(omp atomic capture)
 static int max_threads(void) { return omp_get_max_threads(); }
 static int thread_id(void) { return omp_get_thread_num(); }
 #else
 /* no threads: the loop runs as written (the condition is only evaluated, so
    that the variables it reads count as used) */
 #define PARALLEL_FOR_IF(cond) if ((void)(cond), 1)
+#define PARALLEL_REGION_IF(cond) if ((void)(cond), 1)
+#define SHARED_LOOP
+#define ATOMIC_CAPTURE
 static int max_threads(void) { return 1; }
 static int thread_id(void) { return 0; }
 #endif
@@ -746,7 +757,7 @@ typedef struct {
     int group_size;     /* 0 for float32 */
     const uint8_t *q4;  /* 4-bit: (rows, cols / 2) bytes, two values each (see section 2) */
     /* VNNI builds, int8 and 4-bit: the values and scales as the kernel reads
-       them (matrix_pack, section 3); NULL: read as stored */
+       them (pack_matrices, section 3); NULL: read as stored */
     const uint8_t *packed;        /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values) */
     const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form, then its offsets) */
     int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31), 5 (in -16..15) or 4 */
@@ -2017,15 +2028,17 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
 }
 
 /* section 3: the matrices as the kernels read them, and their memory freed */
-static void pack_weights(Transformer *t);
+static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg);
 static void populate_in_place(Transformer *t);
 static void unpack_weights(Transformer *t);
 
 static int is_gguf(const void *data, size_t size) { return size >= 4 && memcmp(data, "GGUF", 4) == 0; }
 
 /* Loads a checkpoint: run.c's own formats (section 2) or GGUF (2.1, 2.2),
-   told apart by their content. */
-static void load_checkpoint(Transformer *t, const char *path) {
+   told apart by their content; `meanwhile` (NULL: nothing) runs on one
+   thread while the others pack the weights (pack_weights), once the file
+   is parsed. */
+static void load_checkpoint_while(Transformer *t, const char *path, void (*meanwhile)(Transformer *t, void *arg), void *arg) {
     memset(t, 0, sizeof(*t));
     t->mapping = map_file(path, &t->file_size, "checkpoint");
     if (is_gguf(t->mapping, t->file_size)) {
@@ -2039,9 +2052,11 @@ static void load_checkpoint(Transformer *t, const char *path) {
         /* only now: a header's head size is bounded by the file once its weights fit */
         if (t->version == 4) t->rope_freq = rope_frequencies(&t->config);
     }
-    pack_weights(t);
+    pack_weights(t, meanwhile, arg);
     populate_in_place(t);
 }
+
+static void load_checkpoint(Transformer *t, const char *path) { load_checkpoint_while(t, path, NULL, NULL); }
 
 static void free_transformer(Transformer *t) {
     Weights *w = &t->weights;
@@ -2486,7 +2501,7 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
 
 /* ---- Packed weights --------------------------------------------------------
    VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
-   the checkpoint is loaded (matrix_pack, after the matrix multiplications):
+   the checkpoint is loaded (pack_matrices, after the matrix multiplications):
    blocks of PACK_ROWS rows. */
 #define PACK_ROWS 16
 static size_t packed_block_bytes(const Matrix *W) {
@@ -2495,7 +2510,7 @@ static size_t packed_block_bytes(const Matrix *W) {
 }
 #define SIX_BIT_COLS 16 /* the columns of a run of 5- or 6-bit values (packed_weights) */
 
-/* A block's scales, in one of three forms (matrix_pack picks the smallest
+/* A block's scales, in one of three forms (pack_matrices picks the smallest
    that holds every scale exactly):
      SCALES_F32     float32 (groups, PACK_ROWS)
      SCALES_F16     f16 (groups, PACK_ROWS): the GGUF types of one scale
@@ -2750,7 +2765,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    their stored nibbles are q + 8, unsigned already, and the group sums
    start at -8 * sum xq.
 
-   The kernel reads the weights as matrix_pack lays them out when the
+   The kernel reads the weights as pack_matrices lays them out when the
    checkpoint is loaded: PACK_ROWS rows at a time, columns 4 at a time, each
    row's 4 weights one int32 lane (int8: 4 bytes wq + 128; 4-bit: its 2
    bytes as stored). One vector load gives 4 columns of 16 rows, and one
@@ -3809,7 +3824,7 @@ static size_t matrix_packed_bytes(Matrix *W) {
     return (blocks * (packed_block_bytes(W) + packed_scale_bytes(W)) + 63) / 64 * 64;
 }
 
-/* One row of W as matrix_pack takes it, whatever W's source: its values in
+/* One row of W as pack_block takes it, whatever W's source: its values in
    int8 and its scales and offsets as section 1 holds them, with the
    factors of the forms that store them so (k, d for SCALES_SHARED, d alone
    for SCALES_F16: each group's scale; m, dmin for OFFSETS_MIN). */
@@ -3866,45 +3881,55 @@ static void pack_row_scales(const Matrix *W, uint8_t *ws, size_t lane, const Pac
     for (int r = 0; offset_form == OFFSETS_MIN && r < runs; r++) memcpy(dmin_at + ((size_t)r * PACK_ROWS + lane) * 2, &row->dmin[r], 2);
 }
 
-/* Packs W into `memory` (matrix_packed_bytes of it, 64-byte aligned,
-   zeroed), a block of rows at a time, each thread with a PackRow of its
-   own and the int8 values of a block's rows (PACK_ROWS x stride). */
-static void matrix_pack(Matrix *W, void *memory) {
-    if (!matrix_packs(W)) return;
-    const int cols = W->cols, groups = cols / W->group_size, threads = max_threads();
-    const size_t block = packed_block_bytes(W), scale_bytes = packed_scale_bytes(W), blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
-    const size_t stride = ((size_t)cols + 7) / 8 * 8;
-    const size_t row_bytes = ((size_t)groups * (2 * sizeof(float) + 2 + 2 * sizeof(uint16_t)) + PACK_ROWS * stride + 63) / 64 * 64;
-    char *buffers = xcalloc((size_t)threads, row_bytes);
-    PackRow *rows = xcalloc((size_t)threads, sizeof(PackRow));
+/* Each thread's buffers for packing matrices of up to `cols` columns and
+   `groups` groups a row: a PackRow and the int8 values of a block's rows
+   (PACK_ROWS x stride, each row stored_row's q in turn). */
+typedef struct {
+    char *memory;
+    PackRow *rows; /* (threads) */
+} PackBuffers;
+
+static size_t pack_stride(int cols) { return ((size_t)cols + 7) / 8 * 8; }
+
+static PackBuffers pack_buffers(int cols, int groups) {
+    const int threads = max_threads();
+    const size_t row_bytes = ((size_t)groups * (2 * sizeof(float) + 2 + 2 * sizeof(uint16_t)) + PACK_ROWS * pack_stride(cols) + 63) / 64 * 64;
+    PackBuffers pb = {xcalloc((size_t)threads, row_bytes), xcalloc((size_t)threads, sizeof(PackRow))};
     for (int t = 0; t < threads; t++) {
-        char *b = buffers + (size_t)t * row_bytes;
-        rows[t].s = (float *)b;
-        rows[t].o = rows[t].s + groups;
-        rows[t].d = (uint16_t *)(rows[t].o + groups);
-        rows[t].dmin = rows[t].d + groups;
-        rows[t].k = (int8_t *)(rows[t].dmin + groups);
-        rows[t].m = (uint8_t *)rows[t].k + groups;
-        rows[t].q = (int8_t *)rows[t].m + groups; /* the block's values, each row stored_row's q in turn */
+        PackRow *r = &pb.rows[t];
+        char *b = pb.memory + (size_t)t * row_bytes;
+        r->s = (float *)b;
+        r->o = r->s + groups;
+        r->d = (uint16_t *)(r->o + groups);
+        r->dmin = r->d + groups;
+        r->k = (int8_t *)(r->dmin + groups);
+        r->m = (uint8_t *)r->k + groups;
+        r->q = (int8_t *)r->m + groups;
     }
-    uint8_t *p = memory, *ps = p + blocks * block;
-    PARALLEL_FOR_IF(blocks >= 4)
-    for (size_t b = 0; b < blocks; b++) {
-        PackRow row = rows[thread_id()];
-        int8_t *values = row.q;
-        memset(values, packed_zero(W->packed_bits), PACK_ROWS * stride);
-        for (size_t lane = 0; lane < PACK_ROWS && b * PACK_ROWS + lane < (size_t)W->rows; lane++) {
-            row.q = values + lane * stride;
-            stored_row(W, b * PACK_ROWS + lane, &row);
-            pack_row_scales(W, ps + b * scale_bytes, lane, &row);
-        }
-        pack_values(p + b * block, values, cols, stride, W->packed_bits);
-    }
-    free(rows);
-    free(buffers);
-    W->packed = p;
-    W->packed_scales = ps;
+    return pb;
 }
+
+static void free_pack_buffers(PackBuffers *pb) {
+    free(pb->rows);
+    free(pb->memory);
+}
+
+/* Block b of W (PACK_ROWS rows from b * PACK_ROWS) into its place in the
+   packed values p and scales ps, with the calling thread's buffers. */
+static void pack_block(const Matrix *W, size_t b, uint8_t *p, uint8_t *ps, const PackBuffers *pb) {
+    const size_t stride = pack_stride(W->cols);
+    PackRow row = pb->rows[thread_id()];
+    int8_t *values = row.q;
+    memset(values, packed_zero(W->packed_bits), PACK_ROWS * stride);
+    for (size_t lane = 0; lane < PACK_ROWS && b * PACK_ROWS + lane < (size_t)W->rows; lane++) {
+        row.q = values + lane * stride;
+        stored_row(W, b * PACK_ROWS + lane, &row);
+        pack_row_scales(W, ps + b * packed_scale_bytes(W), lane, &row);
+    }
+    pack_values(p + b * packed_block_bytes(W), values, W->cols, stride, W->packed_bits);
+}
+
+static size_t packed_blocks(const Matrix *W) { return ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS; }
 
 /* The bytes of W's GGUF blocks. */
 static size_t stored_block_bytes(const Matrix *W) {
@@ -3938,29 +3963,71 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
     return n;
 }
 
+/* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
+   one's matrix_packed_bytes in turn, its values then its scales), a block
+   of rows at a time. All the threads take blocks in one region, matrix
+   after matrix, none waiting for the others at a matrix's end; `release`:
+   each matrix's pages as stored are given back once its last block is
+   packed. `meanwhile` (NULL: nothing) runs first on thread 0, which then
+   joins the others (t and arg are its arguments). */
+static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, void (*meanwhile)(Transformer *t, void *arg), Transformer *t,
+                          void *arg) {
+    int cols = 1, groups = 1;
+    size_t *left = xcalloc((size_t)n, sizeof(size_t)), total = 0; /* the blocks of each still to pack, of all */
+    uint8_t **at = xcalloc((size_t)n, sizeof(uint8_t *));
+    for (int m = 0; m < n; m++) {
+        at[m] = m == 0 ? memory : at[m - 1] + matrix_packed_bytes(all[m - 1]);
+        if (!matrix_packs(all[m])) continue;
+        total += left[m] = packed_blocks(all[m]);
+        if (all[m]->cols > cols) cols = all[m]->cols;
+        if (all[m]->cols / all[m]->group_size > groups) groups = all[m]->cols / all[m]->group_size;
+    }
+    PackBuffers pb = pack_buffers(cols, groups);
+    PARALLEL_REGION_IF(total >= 4)
+    {
+        if (meanwhile && thread_id() == 0) meanwhile(t, arg);
+        for (int m = 0; m < n; m++) {
+            Matrix *W = all[m];
+            const size_t blocks = matrix_packs(W) ? packed_blocks(W) : 0;
+            uint8_t *p = at[m], *ps = blocks > 0 ? p + blocks * packed_block_bytes(W) : p;
+            SHARED_LOOP
+            for (size_t b = 0; b < blocks; b++) {
+                pack_block(W, b, p, ps, &pb);
+                size_t still;
+                ATOMIC_CAPTURE
+                still = --left[m];
+                if (still == 0) { /* the matrix's last block */
+                    W->packed_scales = ps;
+                    W->packed = p;
+                    if (release) matrix_release_stored(W);
+                }
+            }
+        }
+    }
+    free_pack_buffers(&pb);
+    free(at);
+    free(left);
+}
+
 /* Packs every matrix that a matmul reads, all in one allocation (so that
    the system can give it 2 MB pages), and gives back the pages of each as
-   stored (the classifier's too when it is the token embedding: lookups map
-   them again). */
-static void pack_weights(Transformer *t) {
+   stored once it is packed (the classifier's too when it is the token
+   embedding: lookups map them again): the peak of memory is the packed
+   copy and the matrices being packed (a GGUF embedding is never a
+   converted copy: gguf_embedding). `meanwhile` runs beside the packing
+   (pack_matrices): the loading of a GGUF vocabulary, 35 ms of one thread
+   for Llama 3's, overlaps the packing of a 1B model's weights. */
+static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg) {
     Matrix **all = xcalloc((size_t)t->config.n_layers * 7 + 1, sizeof(Matrix *));
     int n = matmul_matrices(t, all);
-    size_t bytes = 0, *each = xcalloc((size_t)n, sizeof(size_t));
-    for (int m = 0; m < n; m++) bytes += each[m] = matrix_packed_bytes(all[m]);
+    size_t bytes = 0;
+    for (int m = 0; m < n; m++) bytes += matrix_packed_bytes(all[m]);
     if (bytes > 0) {
         t->packing = alloc_pages(bytes, "weights", 0);
         t->packing_bytes = bytes;
-        char *at = t->packing;
-        for (int m = 0; m < n; m++) {
-            matrix_pack(all[m], at);
-            at += each[m];
-            /* at once: the peak of memory is the packed copy and one matrix
-               (a GGUF embedding is never a converted copy: gguf_embedding) */
-            matrix_release_stored(all[m]);
-        }
-        advise_huge_pages(t->packing, bytes);
     }
-    free(each);
+    pack_matrices(all, n, t->packing, 1, meanwhile, t, arg);
+    if (bytes > 0) advise_huge_pages(t->packing, bytes);
     free(all);
 }
 
@@ -13500,6 +13567,12 @@ static int tokenize_vocabulary_file(const Options *o) {
 }
 
 #ifndef TESTING
+/* The vocabulary of a GGUF model file into the Tokenizer at tok (run.c's
+   own checkpoints have none: tokenizer.bin, loaded after). */
+static void own_vocabulary(Transformer *t, void *tok) {
+    if (t->gguf) load_gguf_vocabulary(tok, t->gguf);
+}
+
 int main(int argc, char **argv) {
     platform_setup(&argc, &argv);
     Options o = parse_options(argc, argv);
@@ -13518,7 +13591,9 @@ int main(int argc, char **argv) {
         return 0;
     }
     Transformer t;
-    load_checkpoint(&t, o.checkpoint);
+    Tokenizer tok;
+    /* a GGUF file's own vocabulary (-z overrides it) loads as the weights pack */
+    load_checkpoint_while(&t, o.checkpoint, o.tokenizer ? NULL : own_vocabulary, &tok);
     limit_context(&t.config, o.ctx_size);
     const Config *p = &t.config;
     if (o.beams > p->vocab_size)
@@ -13532,9 +13607,7 @@ int main(int argc, char **argv) {
     int positions = o.keep >= 0 ? run_positions(&o, p->seq_len) : resolve_steps(o.steps, p->seq_len);
     if (o.controls.min_new_tokens > positions)
         usage_error("--min-new-tokens %d is more than the %d positions to run (-n)", o.controls.min_new_tokens, positions);
-    Tokenizer tok;
-    if (t.gguf && !o.tokenizer) load_gguf_vocabulary(&tok, t.gguf); /* -z overrides the file's own */
-    else load_tokenizer(&tok, o.tokenizer ? o.tokenizer : "tokenizer.bin", p->vocab_size);
+    if (!t.gguf || o.tokenizer) load_tokenizer(&tok, o.tokenizer ? o.tokenizer : "tokenizer.bin", p->vocab_size);
     if (o.chat_template >= 0) tok.chat_template = o.chat_template;
     Transformer draft;
     Speculator *spec = NULL;

@@ -60,7 +60,8 @@ static double matmul_rate(int gs) {
         Matrix m = {.w = gs ? NULL : w, .q = gs ? q : NULL, .scales = gs ? (const char *)w : NULL, .rows = rows, .cols = cols, .group_size = gs};
         size_t packed = matrix_packed_bytes(&m);
         void *packing = packed ? alloc_pages(packed, "weights", 0) : NULL;
-        if (packing) matrix_pack(&m, packing);
+        Matrix *one = &m;
+        if (packing) pack_matrices(&one, 1, packing, 0, NULL, NULL, NULL);
         double best = 1e9;
         for (int k = 0; k < 30; k++) {
             double t0 = now();
