@@ -98,6 +98,11 @@
    thread when `cond` is false (too little work) */
 #define PRAGMA(text) _Pragma(#text)
 #define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
+/* the same in shares that shrink as the loop runs out (guided): each
+   thread starts on a large share and then takes smaller ones as it is
+   free, so that a thread slowed by the other's memory traffic does not
+   keep it waiting at the end */
+#define PARALLEL_GUIDED_IF(cond) PRAGMA(omp parallel for schedule(guided) if (cond))
 /* a region that every thread runs (one thread when `cond` is false), the
    loops inside it shared out by SHARED_LOOP (a range at a time, to
    whichever thread is free; no thread waits for the others at its end),
@@ -112,6 +117,7 @@ static int thread_id(void) { return omp_get_thread_num(); }
 /* no threads: the loop runs as written (the condition is only evaluated, so
    that the variables it reads count as used) */
 #define PARALLEL_FOR_IF(cond) if ((void)(cond), 1)
+#define PARALLEL_GUIDED_IF(cond) if ((void)(cond), 1)
 #define PARALLEL_REGION_IF(cond) if ((void)(cond), 1)
 #define SHARED_LOOP
 #define ATOMIC_CAPTURE
@@ -3513,8 +3519,13 @@ static const void *matrix_weights(const Matrix *W, int i) {
 }
 
 /* The blocks of rows of `count` matrices of one kind, all in one parallel
-   region split between threads; in each block, all input rows, while the
-   block's weights stay in the L1 cache. */
+   region shared between threads in guided shares (decode in one process,
+   runs of 16 tokens alternating with equal shares, 2 threads: Llama 3.2 1B
+   shape F16 +4%, BF16 +13%, Q8_0 +11%, Q4_0 +2%, Q4_K_M +2%, Q5_K_M +5%,
+   Q6_K +8%; stories110M shape F16 +10%, Q8_0 +7%, Q4_0 -1% to +5%;
+   128-token prompts +1-5%); in each block, all input rows, while the
+   block's weights stay in the L1 cache. A block is one thread's whole:
+   the results do not depend on the shares. */
 static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, const Inputs *in) {
     const int per_block = block_rows(in);
     int first[MATMUL_SHARED_MAX + 1] = {0};
@@ -3527,7 +3538,7 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
 #ifdef AMX
     if (in->n >= AMX_INPUTS && in->kind >= KERNEL_Q8_SIMD) amx_usable();
 #endif
-    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
+    PARALLEL_GUIDED_IF(work >= PARALLEL_MIN_WORK)
     for (int t = 0; t < first[count]; t++) {
         int m = 0;
         while (t >= first[m + 1]) m++;
