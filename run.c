@@ -3985,9 +3985,9 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
                           void *arg) {
     int cols = 1, groups = 1;
     size_t *left = xcalloc((size_t)n, sizeof(size_t)), total = 0; /* the blocks of each still to pack, of all */
-    uint8_t **at = xcalloc((size_t)n, sizeof(uint8_t *));
+    size_t *at = xcalloc((size_t)n, sizeof(size_t)); /* where each begins in memory (NULL when none packs) */
     for (int m = 0; m < n; m++) {
-        at[m] = m == 0 ? memory : at[m - 1] + matrix_packed_bytes(all[m - 1]);
+        at[m] = m == 0 ? 0 : at[m - 1] + matrix_packed_bytes(all[m - 1]);
         if (!matrix_packs(all[m])) continue;
         total += left[m] = packed_blocks(all[m]);
         if (all[m]->cols > cols) cols = all[m]->cols;
@@ -4000,7 +4000,7 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
         for (int m = 0; m < n; m++) {
             Matrix *W = all[m];
             const size_t blocks = matrix_packs(W) ? packed_blocks(W) : 0;
-            uint8_t *p = at[m], *ps = blocks > 0 ? p + blocks * packed_block_bytes(W) : p;
+            uint8_t *p = blocks > 0 ? memory + at[m] : NULL, *ps = blocks > 0 ? p + blocks * packed_block_bytes(W) : NULL;
             SHARED_LOOP
             for (size_t b = 0; b < blocks; b++) {
                 pack_block(W, b, p, ps, &pb);
