@@ -3813,6 +3813,15 @@ static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t stride
     }
 }
 
+static size_t packed_blocks(const Matrix *W) { return ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS; }
+
+/* The bytes of W packed in the forms that matrix_packed_bytes chose for it
+   (0: W does not pack). */
+static size_t packed_bytes(const Matrix *W) {
+    if (!matrix_packs(W)) return 0;
+    return (packed_blocks(W) * (packed_block_bytes(W) + packed_scale_bytes(W)) + 63) / 64 * 64;
+}
+
 /* The bytes of W packed (0: W is read as stored), a multiple of 64;
    chooses its bits and the forms of its scales and offsets: for GGUF
    blocks, the ones their type stores (values of 5 or 6 bits as 6, scales
@@ -3831,8 +3840,7 @@ static size_t matrix_packed_bytes(Matrix *W) {
         W->scale_form = scale_form_of(W);
         W->offset_form = W->offsets ? OFFSETS_F32 : OFFSETS_NONE;
     }
-    const size_t blocks = ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS;
-    return (blocks * (packed_block_bytes(W) + packed_scale_bytes(W)) + 63) / 64 * 64;
+    return packed_bytes(W);
 }
 
 /* One row of W as pack_block takes it, whatever W's source: its values in
@@ -3940,8 +3948,6 @@ static void pack_block(const Matrix *W, size_t b, uint8_t *p, uint8_t *ps, const
     pack_values(p + b * packed_block_bytes(W), values, W->cols, stride, W->packed_bits);
 }
 
-static size_t packed_blocks(const Matrix *W) { return ((size_t)W->rows + PACK_ROWS - 1) / PACK_ROWS; }
-
 /* The bytes of W's GGUF blocks. */
 static size_t stored_block_bytes(const Matrix *W) {
     const GGMLType *type = &ggml_types[W->block_type];
@@ -3975,7 +3981,8 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
 }
 
 /* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
-   one's matrix_packed_bytes in turn, its values then its scales), a block
+   one's matrix_packed_bytes in turn, its values then its scales; that call
+   chose its forms), a block
    of rows at a time. All the threads take blocks in one region, matrix
    after matrix, none waiting for the others at a matrix's end; `release`:
    each matrix's pages as stored are given back once its last block is
@@ -3985,9 +3992,9 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
                           void *arg) {
     int cols = 1, groups = 1;
     size_t *left = xcalloc((size_t)n, sizeof(size_t)), total = 0; /* the blocks of each still to pack, of all */
-    size_t *at = xcalloc((size_t)n, sizeof(size_t)); /* where each begins in memory (NULL when none packs) */
+    size_t *at = xcalloc((size_t)n, sizeof(size_t)); /* where each begins in memory */
     for (int m = 0; m < n; m++) {
-        at[m] = m == 0 ? 0 : at[m - 1] + matrix_packed_bytes(all[m - 1]);
+        at[m] = m == 0 ? 0 : at[m - 1] + packed_bytes(all[m - 1]);
         if (!matrix_packs(all[m])) continue;
         total += left[m] = packed_blocks(all[m]);
         if (all[m]->cols > cols) cols = all[m]->cols;
@@ -5938,12 +5945,14 @@ static uint32_t merge_hash(int left, int right) {
     return ((uint32_t)left * 2654435761u) ^ ((uint32_t)right * 2246822519u);
 }
 
-/* FNV-1a of len bytes */
-static uint32_t bytes_hash(const char *b, int len) {
-    uint32_t h = 2166136261u;
+/* FNV-1a of len bytes, carried on from h (FNV_START: from nothing) */
+#define FNV_START 2166136261u
+static uint32_t bytes_hash_from(uint32_t h, const char *b, int len) {
     for (int i = 0; i < len; i++) h = (h ^ (uint8_t)b[i]) * 16777619u;
     return h;
 }
+
+static uint32_t bytes_hash(const char *b, int len) { return bytes_hash_from(FNV_START, b, len); }
 
 /* The slot of the text of these bytes, or the empty slot where it would go. */
 static uint32_t text_slot(const TextIndex *x, const char *bytes, int len) {
@@ -5959,9 +5968,7 @@ static int text_id(const TextIndex *x, const char *bytes, int len) { return x->s
 /* The id of the text a (la bytes) followed by b (lb bytes), or -1: text_id
    of the two joined, without joining them. */
 static int text_id_joined(const TextIndex *x, const char *a, int la, const char *b, int lb) {
-    uint32_t h = bytes_hash(a, la);
-    for (int i = 0; i < lb; i++) h = (h ^ (uint8_t)b[i]) * 16777619u; /* bytes_hash, carried on */
-    for (uint32_t i = h & x->mask;; i = (i + 1) & x->mask) {
+    for (uint32_t i = bytes_hash_from(bytes_hash(a, la), b, lb) & x->mask;; i = (i + 1) & x->mask) {
         const int id = x->slot[i];
         if (id < 0 || (x->len[id] == la + lb && memcmp(x->text[id], a, (size_t)la) == 0 && memcmp(x->text[id] + la, b, (size_t)lb) == 0))
             return id;
