@@ -1823,10 +1823,18 @@ def vocab_bpe(path, cfg_dir):
     # a post-processor that puts BOS first adds it (Llama 3's TemplateProcessing)
     tcfg = os.path.join(cfg_dir, "tokenizer_config.json")
     said = os.path.isfile(tcfg) and isinstance(_read_json(tcfg).get("add_bos_token"), bool)
-    if not said and "bos" in v["ids"]:
-        first = _first_template_token(tj.get("post_processor"))
-        if first is not None:
-            v["add_bos"] = first == tokens[v["ids"]["bos"]].decode("utf-8", "replace")
+    first = _first_template_token(tj.get("post_processor"))
+    if "bos" not in v["ids"] and first and first.encode("utf-8") in tokens:
+        # no configuration names a BOS: the token the post-processor puts
+        # first is the one (Llama 3's tokenizer.json alone)
+        v["ids"]["bos"] = tokens.index(first.encode("utf-8"))
+    if not said and "bos" in v["ids"] and first is not None:
+        v["add_bos"] = first == tokens[v["ids"]["bos"]].decode("utf-8", "replace")
+    if v["add_bos"] and "bos" not in v["ids"]:
+        # a file that adds a BOS it does not name is refused by run.c
+        print("export.py: warning: %s: no BOS token named (no tokenizer_config.json beside it): "
+              "the file adds none" % path, file=sys.stderr)
+        v["add_bos"] = False
     return v
 
 

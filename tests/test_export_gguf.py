@@ -394,9 +394,9 @@ def test_vocab_qwen_json():
     assert md["tokenizer.ggml.add_bos_token"] is False, "Qwen adds no BOS"
 
 
-def tiny_bpe_json(d, pre_tokenizer, added=()):
+def tiny_bpe_json(d, pre_tokenizer, added=(), post_processor=None):
     """A small byte-level BPE tokenizer.json: the 256 byte tokens in GPT-2's
-    printable alphabet, two merges, the added tokens given."""
+    printable alphabet, two merges, the added tokens and post-processor given."""
     keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     chars, extra = [], 0
     for b in range(256):
@@ -406,7 +406,8 @@ def tiny_bpe_json(d, pre_tokenizer, added=()):
     vocab["ab"], vocab["abc"] = 256, 257
     tj = {"version": "1.0", "model": {"type": "BPE", "vocab": vocab, "merges": ["a b", "ab c"]},
           "added_tokens": [{"id": 258 + i, "content": t, "special": True} for i, t in enumerate(added)],
-          "pre_tokenizer": pre_tokenizer, "normalizer": None, "decoder": {"type": "ByteLevel"}}
+          "pre_tokenizer": pre_tokenizer, "normalizer": None, "decoder": {"type": "ByteLevel"},
+          "post_processor": post_processor}
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(tj, f)
@@ -435,6 +436,32 @@ def test_vocab_pre_tokenizers():
                                                   "behavior": "Isolated", "invert": False}, bl]}
     src = tiny_bpe_json(p("pre_odd"), odd)
     expect_error(["tokenizer", src, p("odd.gguf")], ["\\\\w+|\\\\d", "pre-tokenizer"], p("odd.gguf"))
+
+
+# the Split regex of Meta's Llama 3 tokenizer.json
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_vocab_bos_without_config():
+    """A Llama 3 tokenizer.json with no tokenizer_config.json beside it: the
+    BOS is the token its TemplateProcessing puts first (as transformers
+    adds it); with no such post-processor nothing names a BOS, and the file
+    adds none (with a warning) rather than one run.c must refuse."""
+    llama3 = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    template = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                                                         {"Sequence": {"id": "A", "type_id": 0}}]}
+    for name, post, bos in (("tmpl", {"type": "Sequence", "processors": [{"type": "ByteLevel"}, template]}, 259),
+                            ("bytelevel", {"type": "ByteLevel"}, None)):
+        src = tiny_bpe_json(p("bos_" + name), llama3, added=["<|end_of_text|>", "<|begin_of_text|>"], post_processor=post)
+        r = export_ok("tokenizer", src, p("bos.gguf"))
+        md = gguf_ref.read_gguf(p("bos.gguf")).metadata
+        assert md["tokenizer.ggml.pre"] == "llama-bpe", "pre %r" % md["tokenizer.ggml.pre"]
+        assert md.get("tokenizer.ggml.bos_token_id") == bos, "%s: bos %r" % (name, md.get("tokenizer.ggml.bos_token_id"))
+        assert md["tokenizer.ggml.add_bos_token"] is (bos is not None), "%s: add_bos" % name
+        assert ("no BOS token named" in r.stderr) is (bos is None), "%s: warning %r" % (name, r.stderr)
 
 
 def test_vocab_from_model_dir_padded():
@@ -530,6 +557,7 @@ def main():
     case("gguf_vocab_llama3_json", test_vocab_llama3_json)
     case("gguf_vocab_qwen_json", test_vocab_qwen_json)
     case("gguf_vocab_pre_tokenizers", test_vocab_pre_tokenizers)
+    case("gguf_vocab_bos_without_config", test_vocab_bos_without_config)
     case("gguf_vocab_from_model_dir_padded", test_vocab_from_model_dir_padded)
     case("bin_version_chosen", test_bin_version_chosen)
     case("bin_v4_q4", test_bin_v4_q4)
