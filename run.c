@@ -9432,7 +9432,7 @@ static void sequence_init(Sequence *s, const int *tokens, int n, int cap) {
     memset(s, 0, sizeof(*s));
     s->cap = cap > n ? cap : n;
     s->tokens = xcalloc((size_t)s->cap, sizeof(int));
-    memcpy(s->tokens, tokens, (size_t)n * sizeof(int));
+    if (n > 0) memcpy(s->tokens, tokens, (size_t)n * sizeof(int)); /* tokens may be NULL when n is 0 */
     s->n_tokens = n;
 }
 
