@@ -803,6 +803,7 @@ typedef struct {
    holds a block table (section 4). A block has, for every layer, the key and
    the value of each of its positions. */
 #define KV_BLOCK 16
+#define KV_RUN 8 /* blocks stored together, layer by layer (kv_block_offset) */
 
 /* The element type of the cache (--kv-type): float32; IEEE half precision;
    or q8_0, a row's values in groups of 32 as int8 q with one float32 scale
@@ -815,8 +816,8 @@ typedef struct {
     int n_blocks, n_layers, kv_dim;
     int type;            /* KV_F32, KV_F16 or KV_Q8_0 */
     size_t row_bytes;    /* one position's key (or value) of one layer */
-    unsigned char *key;    /* (n_layers, n_blocks, KV_BLOCK) rows of row_bytes */
-    unsigned char *value;  /* (n_layers, n_blocks, KV_BLOCK) rows of row_bytes */
+    unsigned char *key;    /* (n_blocks / KV_RUN rounded up, n_layers, KV_RUN, KV_BLOCK) rows of row_bytes */
+    unsigned char *value;  /* (n_blocks / KV_RUN rounded up, n_layers, KV_RUN, KV_BLOCK) rows of row_bytes */
     int held, peak_held;   /* blocks held by some table now, and at most */
     int *ref;      /* (n_blocks) block tables holding the block */
     /* free blocks (ref 0) in two lists, oldest first, linked through
@@ -4230,7 +4231,10 @@ static size_t kv_row_bytes(int type, int kv_dim) {
 }
 
 /* Bytes of c->key, and of c->value. */
-static size_t kv_array_bytes(const KVCache *c) { return (size_t)c->n_layers * c->n_blocks * KV_BLOCK * c->row_bytes; }
+static size_t kv_array_bytes(const KVCache *c) {
+    size_t runs = ((size_t)c->n_blocks + KV_RUN - 1) / KV_RUN; /* the last run whole */
+    return runs * KV_RUN * c->n_layers * KV_BLOCK * c->row_bytes;
+}
 
 /* A cache of n_blocks blocks of `type`, all free. */
 static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
@@ -4430,13 +4434,25 @@ static void table_drop_oldest(BlockTable *t) {
     t->dropped++;
 }
 
+/* Where layer `layer` of block `block` starts in the keys (or the values),
+   in bytes. Blocks go in runs of KV_RUN, each run holding its blocks' rows
+   layer by layer: a layer's rows of a run are contiguous (attention streams
+   them), and a short prompt's rows of all the layers lie in a few 2 MB
+   pages, whose first touch costs milliseconds (it may compact memory
+   first): in layer-major order a 128-token prompt touched a 2 MB page for
+   each layer. */
+static size_t kv_block_offset(const KVCache *c, int layer, int block) {
+    size_t run = (size_t)block / KV_RUN, in_run = (size_t)block % KV_RUN;
+    return ((run * c->n_layers + layer) * KV_RUN + in_run) * KV_BLOCK * c->row_bytes;
+}
+
 /* Where position pos of layer `layer` of block table t lives in `base` (the
    keys or the values), in bytes: the one place that maps a position to the
    cache. */
 static size_t kv_offset(const KVCache *c, int layer, const BlockTable *t, int pos) {
     int slot = kv_slot(t, pos);
     size_t block = (size_t)t->ids[slot / KV_BLOCK];
-    return (((size_t)layer * c->n_blocks + block) * KV_BLOCK + slot % KV_BLOCK) * c->row_bytes;
+    return kv_block_offset(c, layer, block) + (size_t)(slot % KV_BLOCK) * c->row_bytes;
 }
 
 /* ---- The cache's element types ---------------------------------------------
@@ -4641,7 +4657,7 @@ static void table_prepare_write(KVCache *c, BlockTable *t, int pos) {
     int fresh = block_take(c);
     size_t bytes = (size_t)(ring ? KV_BLOCK : slot % KV_BLOCK) * c->row_bytes;
     for (int l = 0; l < c->n_layers; l++) {
-        size_t from = ((size_t)l * c->n_blocks + old) * KV_BLOCK * c->row_bytes, to = ((size_t)l * c->n_blocks + fresh) * KV_BLOCK * c->row_bytes;
+        size_t from = kv_block_offset(c, l, old), to = kv_block_offset(c, l, fresh);
         memcpy(c->key + to, c->key + from, bytes);
         memcpy(c->value + to, c->value + from, bytes);
     }

@@ -1675,7 +1675,7 @@ static const char *allocator_broken(const KVCache *c, BlockTable *tables, const 
         if (c->state[b] != BLOCK_PLAIN) {
             const int *tokens = c->tokens + (size_t)b * KV_BLOCK;
             for (int j = 0; j < KV_BLOCK; j++) { /* an indexed block holds what it was indexed with (stamps as tokens) */
-                float k = ((const float *)(c->key + (((size_t)c->n_blocks + b) * KV_BLOCK + j) * c->row_bytes))[0];
+                float k = ((const float *)(c->key + kv_block_offset(c, 1, b) + (size_t)j * c->row_bytes))[0]; /* layer 1 */
                 if (k != (float)tokens[j]) { snprintf(why, cap, "indexed block %d row %d holds %g, indexed as %d", b, j, k, tokens[j]); return why; }
             }
             if (prefix_find(c, c->parent[b], tokens) != b && c->parent_generation[b] == (c->parent[b] >= 0 ? c->generation[c->parent[b]] : 0)) {
