@@ -1823,35 +1823,53 @@ def vocab_bpe(path, cfg_dir):
     # a post-processor that puts BOS first adds it (Llama 3's TemplateProcessing)
     tcfg = os.path.join(cfg_dir, "tokenizer_config.json")
     said = os.path.isfile(tcfg) and isinstance(_read_json(tcfg).get("add_bos_token"), bool)
-    first = _first_template_token(tj.get("post_processor"))
-    if "bos" not in v["ids"] and first and first.encode("utf-8") in tokens:
+    template = _template_processing(tj.get("post_processor"))
+    first = _first_template_token(template)
+    if "bos" not in v["ids"] and first:
         # no configuration names a BOS: the token the post-processor puts
         # first is the one (Llama 3's tokenizer.json alone)
-        v["ids"]["bos"] = tokens.index(first.encode("utf-8"))
+        bos = _template_token_id(template, first, tokens)
+        if bos is not None:
+            v["ids"]["bos"] = bos
     if not said and "bos" in v["ids"] and first is not None:
         v["add_bos"] = first == tokens[v["ids"]["bos"]].decode("utf-8", "replace")
     if v["add_bos"] and "bos" not in v["ids"]:
         # a file that adds a BOS it does not name is refused by run.c
-        print("export.py: warning: %s: no BOS token named (no tokenizer_config.json beside it): "
-              "the file adds none" % path, file=sys.stderr)
+        print("export.py: warning: %s: neither tokenizer_config.json, config.json nor a TemplateProcessing "
+              "names a BOS token: the file adds none" % path, file=sys.stderr)
         v["add_bos"] = False
     return v
 
 
-def _first_template_token(pp):
-    """The special token a TemplateProcessing post-processor puts before a
-    single sequence (alone or in a Sequence), "" when it puts none, or None
-    when there is no such post-processor."""
+def _template_processing(pp):
+    """The TemplateProcessing post-processor of a tokenizer.json (alone or in
+    a Sequence), or None."""
     if not isinstance(pp, dict):
         return None
-    items = pp.get("processors", []) if pp.get("type") == "Sequence" else [pp]
-    for p in items:
-        if isinstance(p, dict) and p.get("type") == "TemplateProcessing":
-            single = p.get("single") or []
-            if single and isinstance(single[0], dict) and "SpecialToken" in single[0]:
-                return single[0]["SpecialToken"].get("id")
-            return ""
-    return None
+    items = (pp.get("processors") or []) if pp.get("type") == "Sequence" else [pp]
+    return next((p for p in items if isinstance(p, dict) and p.get("type") == "TemplateProcessing"), None)
+
+
+def _first_template_token(template):
+    """The special token a TemplateProcessing puts before a single sequence,
+    "" when it puts none, or None when there is no TemplateProcessing."""
+    if template is None:
+        return None
+    single = template.get("single") or []
+    if single and isinstance(single[0], dict) and isinstance(single[0].get("SpecialToken"), dict):
+        text = single[0]["SpecialToken"].get("id")
+        return text if isinstance(text, str) else ""
+    return ""
+
+
+def _template_token_id(template, text, tokens):
+    """The id of a TemplateProcessing's special token: its special_tokens
+    entry's id, else the first token of that text; None if neither."""
+    entry = (template.get("special_tokens") or {}).get(text)
+    ids = entry.get("ids") if isinstance(entry, dict) else None
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int) and 0 <= ids[0] < len(tokens):
+        return ids[0]
+    return tokens.index(text.encode("utf-8")) if text.encode("utf-8") in tokens else None
 
 
 def read_vocab(path, cfg_dir=None):

@@ -14,7 +14,7 @@ alternates from round to round):
   run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt
              pp128: prompt tok/s of a 128-token prompt (both greedy; 2 threads
              unless --threads says)
-  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1 (likewise): avg_ts of pp128, tg128
+  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1 (-t as --threads): avg_ts of pp128, tg128
 then the ratios (each the median of the rounds' ratios: the machine's speed
 drifts by more than the differences measured), the bytes one token reads (every matrix once: the layers'
 and the classifier's tensor bytes as stored in the file), run.c's tg128 x
@@ -126,6 +126,8 @@ def main():
                     "e.g. Llama 3's tokenizer.json)")
     args = ap.parse_args()
     types = args.types.split(",")
+    if args.threads < 1:
+        sys.exit("bench: --threads must be at least 1")
     if set(types) - set(EXPORTED + QUANTIZED):
         sys.exit("bench: --types: unknown %s" % ", ".join(sorted(set(types) - set(EXPORTED + QUANTIZED))))
     runbin = os.environ.get("RUN", "./runomp")

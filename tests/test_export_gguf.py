@@ -453,15 +453,22 @@ def test_vocab_bos_without_config():
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
     template = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
                                                          {"Sequence": {"id": "A", "type_id": 0}}]}
+    # special_tokens gives the id where the text is not unique (here the
+    # later of two tokens of that text)
+    by_ids = dict(template, special_tokens={"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [260],
+                                                                  "tokens": ["<|begin_of_text|>"]}})
     for name, post, bos in (("tmpl", {"type": "Sequence", "processors": [{"type": "ByteLevel"}, template]}, 259),
-                            ("bytelevel", {"type": "ByteLevel"}, None)):
-        src = tiny_bpe_json(p("bos_" + name), llama3, added=["<|end_of_text|>", "<|begin_of_text|>"], post_processor=post)
+                            ("ids", by_ids, 260),
+                            ("bytelevel", {"type": "ByteLevel"}, None),
+                            ("null", {"type": "Sequence", "processors": None}, None)):
+        src = tiny_bpe_json(p("bos_" + name), llama3, added=["<|end_of_text|>", "<|begin_of_text|>", "<|begin_of_text|>"],
+                            post_processor=post)
         r = export_ok("tokenizer", src, p("bos.gguf"))
         md = gguf_ref.read_gguf(p("bos.gguf")).metadata
         assert md["tokenizer.ggml.pre"] == "llama-bpe", "pre %r" % md["tokenizer.ggml.pre"]
         assert md.get("tokenizer.ggml.bos_token_id") == bos, "%s: bos %r" % (name, md.get("tokenizer.ggml.bos_token_id"))
         assert md["tokenizer.ggml.add_bos_token"] is (bos is not None), "%s: add_bos" % name
-        assert ("no BOS token named" in r.stderr) is (bos is None), "%s: warning %r" % (name, r.stderr)
+        assert ("names a BOS token" in r.stderr) is (bos is None), "%s: warning %r" % (name, r.stderr)
 
 
 def test_vocab_from_model_dir_padded():
