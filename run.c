@@ -3983,11 +3983,10 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
 
 /* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
    one's matrix_packed_bytes in turn, its values then its scales; that call
-   chose its forms), a block
-   of rows at a time. All the threads take blocks in one region, matrix
-   after matrix, none waiting for the others at a matrix's end; `release`:
-   each matrix's pages as stored are given back once its last block is
-   packed. `meanwhile` (NULL: nothing) runs first on thread 0, which then
+   chose its forms), a block of rows at a time. All the threads take blocks
+   in one region, matrix after matrix, none waiting for the others at a
+   matrix's end; `release`: each matrix's pages as stored are given back
+   once its last block is packed. `meanwhile` (NULL: nothing) runs first on thread 0, which then
    joins the others (t and arg are its arguments). */
 static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, void (*meanwhile)(Transformer *t, void *arg), Transformer *t,
                           void *arg) {
@@ -4230,11 +4229,11 @@ static size_t kv_row_bytes(int type, int kv_dim) {
     return (size_t)kv_dim * sizeof(float);
 }
 
+/* n_blocks rounded up to whole runs of KV_RUN: the blocks laid out. */
+static size_t kv_padded_blocks(int n_blocks) { return ((size_t)n_blocks + KV_RUN - 1) / KV_RUN * KV_RUN; }
+
 /* Bytes of c->key, and of c->value. */
-static size_t kv_array_bytes(const KVCache *c) {
-    size_t runs = ((size_t)c->n_blocks + KV_RUN - 1) / KV_RUN; /* the last run whole */
-    return runs * KV_RUN * c->n_layers * KV_BLOCK * c->row_bytes;
-}
+static size_t kv_array_bytes(const KVCache *c) { return kv_padded_blocks(c->n_blocks) * c->n_layers * KV_BLOCK * c->row_bytes; }
 
 /* A cache of n_blocks blocks of `type`, all free. */
 static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
@@ -4242,7 +4241,7 @@ static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
     if (type == KV_Q8_0 && kv_dim % KV_GROUP != 0)
         die(EXIT_USAGE, "--kv-type q8_0 needs a key/value dimension that is a multiple of %d; this model's is %d", KV_GROUP, kv_dim);
     size_t row_bytes = kv_row_bytes(type, kv_dim);
-    double bytes = 2.0 * row_bytes * p->n_layers * (double)n_blocks * KV_BLOCK;
+    double bytes = 2.0 * row_bytes * p->n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
     if (bytes > (double)(SIZE_MAX / 4))
         die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", bytes);
     memset(c, 0, sizeof(*c));
