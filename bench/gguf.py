@@ -17,7 +17,9 @@ alternates from round to round):
   llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1 (-t as --threads): avg_ts of pp128, tg128
 then the ratios (each the median of the rounds' ratios: the machine's speed
 drifts by more than the differences measured), the bytes one token reads (every matrix once: the layers'
-and the classifier's tensor bytes as stored in the file), run.c's tg128 x
+and the classifier's tensor bytes as stored in the file; BF16 matrices of a multiple of 128 columns as
+run.c reads them when its build has bfloat16 dot products: in 12 bits, 0.75 of the file's bytes, their
+few exceptions not counted), run.c's tg128 x
 those bytes as a fraction of the streaming-read probe (bench/bandwidth.c,
 as many threads, one probe per round), run.c's peak RSS against the file, and
 its load time (the first prompt token's wall time is not separated: the
@@ -83,16 +85,18 @@ def make_files(python, cache, tok, llama, shape, types):
     return {t: paths[t] for t in types if t in paths}
 
 
-def bytes_per_token(path):
+def bytes_per_token(path, split):
     """The bytes of the matrices one token reads: every 2-D tensor but the
     token embedding (of which a token reads one row), or the embedding
-    itself when it is also the classifier (tied). Read in a child process:
-    the reader holds the tensors' bytes, and children forked from a large
-    process would count its pages in their peak RSS."""
+    itself when it is also the classifier (tied); `split`: BF16 ones of a
+    multiple of 128 columns in 12 bits (run.c's builds with bfloat16 dot
+    products). Read in a child process: the reader holds the tensors'
+    bytes, and children forked from a large process would count its pages
+    in their peak RSS."""
     code = ("import sys; sys.path.insert(0, %r); from gguf_ref import read_gguf; g = read_gguf(%r); "
-            "s = {n: len(r) for n, (_t, ne, r) in g.tensors.items() if len(ne) == 2}; "
+            "s = {n: len(r) * (3 if %r and t == 'BF16' and ne[0] %% 128 == 0 else 4) // 4 for n, (t, ne, r) in g.tensors.items() if len(ne) == 2}; "
             "print(sum(b for n, b in s.items() if n != 'token_embd.weight' or 'output.weight' not in s))") % (
-                os.path.join(ROOT, "tests"), path)
+                os.path.join(ROOT, "tests"), path, split)
     return int(subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE).stdout)
 
 
@@ -140,7 +144,8 @@ def main():
     if lbench and not os.path.exists(lbench):
         sys.exit("bench: %s not found (LLAMA_CPP names a llama.cpp build directory)" % lbench)
     paths = make_files(python, args.cache, tok, llama, args.shape, types)
-    per_token = {t: bytes_per_token(path) for t, path in paths.items()}
+    split = b"BF16 dot products" in subprocess.run([runbin, "--version"], stdout=subprocess.PIPE).stdout
+    per_token = {t: bytes_per_token(path, split) for t, path in paths.items()}
     fastest = min(paths.values(), key=os.path.getsize)
     p16, p128 = make_prompt(runbin, fastest, fastest, 16), make_prompt(runbin, fastest, fastest, 128)  # the file's vocabulary
 

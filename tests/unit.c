@@ -1634,6 +1634,87 @@ static void test_matmul_half(void) {
 #endif
 }
 
+#ifdef BF16_SPLIT
+/* bfloat16 in 12 bits (section 3): a matrix whose values take 15 high
+   bytes and zero, with planted values of other high bytes (exceptions:
+   large, small, -0.0, in the first and last columns, two in one row, in
+   the partial last block). Every output, n = 1..N, has the bits of the
+   matrix read in place (KERNEL_BF16_DOT) with the exceptions as zeros plus
+   each exception's product with its input in bfloat16, added in column
+   order; and is within float32 rounding of the double sums of all the
+   values. A matrix with too many exceptions stays as stored. */
+static float bf16_input(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0x7FFFu + (u >> 16 & 1u)) & 0xFFFF0000u; /* to nearest, ties to even */
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static void test_matmul_bf16_split(void) {
+    enum { R = 29, C = 384, N = 23, E = 7 };
+    static uint16_t h[R * C], z[R * C];
+    static float x[N * C], out[N * R], want[N * R], one[R];
+    static const struct { int row, col; uint16_t bits; } planted[E] = {
+        {0, 0, 0x4A12}, {3, 200, 0xC9F0}, {3, 383, 0x3000}, {11, 64, 0x8000}, {17, 127, 0xD280}, {28, 5, 0x5F00}, {28, 300, 0x0B01}};
+    uint64_t state = 0x5b1f16ULL;
+    begin("matmul BF16 in 12 bits (%s): the bits of the stored matrix read in place with its %d exceptions added; double sums; n = 1..%d",
+          KERNEL_NAME, E, N);
+    for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    for (int i = 0; i < R * C; i++) { /* high bytes 0x3B..0x42 and 0xBB..0xC1 (exponents 118..133): a full table; 1 in 16 zero */
+        const int k = draw_below(&state, 15);
+        h[i] = draw_below(&state, 16) == 0 ? 0 : (uint16_t)((k < 8 ? 0x3B + k : 0xBB + k - 8) << 8 | draw_below(&state, 256));
+    }
+    memcpy(z, h, sizeof(h));
+    for (int e = 0; e < E; e++) {
+        h[planted[e].row * C + planted[e].col] = planted[e].bits;
+        z[planted[e].row * C + planted[e].col] = 0;
+    }
+    Matrix m = {.half = h, .bf16 = 1, .rows = R, .cols = C}, stored = {.half = z, .bf16 = 1, .rows = R, .cols = C};
+    void *memory = pack_for_kernels(&m);
+    expect(kernel_of(&m) == KERNEL_BF16_SPLIT, "not packed in 12 bits");
+    expect(m.n_exceptions == E, "%zu exceptions, not %d", m.n_exceptions, E);
+    expect(kernel_of(&stored) == KERNEL_BF16_DOT, "the reference is not read in place");
+    for (int n = 1; n <= N && !case_failed; n++) {
+        matmul(out, x, &m, n);
+        matmul(want, x, &stored, n);
+        for (int b = 0; b < n; b++)
+            for (int e = 0; e < E; e++)
+                want[(size_t)b * R + planted[e].row] += bf16_value(planted[e].bits) * bf16_input(x[(size_t)b * C + planted[e].col]);
+        for (int k = 0; k < n * R; k++)
+            if (!expect(memcmp(&out[k], &want[k], sizeof(float)) == 0, "n %d output %d: %.9g, wanted %.9g", n, k, out[k], want[k])) break;
+        for (int b = 0; b < n && !case_failed; b++) {
+            matmul(one, x + (size_t)b * C, &m, 1);
+            expect(memcmp(one, out + (size_t)b * R, sizeof(one)) == 0, "n %d: row %d differs alone", n, b);
+            for (int i = 0; i < R && !case_failed; i++) {
+                double ref = 0, mag = 0;
+                for (int j = 0; j < C; j++) {
+                    const double p = (double)bf16_value(h[i * C + j]) * bf16_input(x[(size_t)b * C + j]);
+                    ref += p;
+                    mag += fabs(p);
+                }
+                expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-6 * mag, "n %d row %d output %d: %.9g vs %.9g", n, b, i, out[(size_t)b * R + i], ref);
+            }
+        }
+    }
+    free(memory);
+    /* every value its own high byte, spread over 256 of them: stays as stored */
+    for (int i = 0; i < R * C; i++) h[i] = (uint16_t)((i % 256) << 8 | 0x40);
+    Matrix spread = {.half = h, .bf16 = 1, .rows = R, .cols = C};
+    memory = pack_for_kernels(&spread);
+    expect(memory == NULL && kernel_of(&spread) == KERNEL_BF16_DOT, "a matrix of %zu exceptions was packed", spread.n_exceptions);
+    free(memory);
+    end();
+}
+#endif
+
 /* ------------------------------------------------------------------------ */
 /* The paged cache's block allocator against a plain model of it            */
 /* ------------------------------------------------------------------------ */
@@ -2974,6 +3055,9 @@ int main(void) {
     test_matmul_vector_shapes();
     test_matmul_slices();
     test_matmul_half();
+#ifdef BF16_SPLIT
+    test_matmul_bf16_split();
+#endif
     test_block_allocator();
     test_attention_tiles();
     test_kv_f16();
