@@ -773,7 +773,8 @@ typedef struct {
        them (pack_matrices, section 3); NULL: read as stored */
     const uint8_t *packed;        /* (rows / PACK_ROWS rounded up, cols / 4, PACK_ROWS, 4 values);
                                      bfloat16: (rows / SPLIT_ROWS rounded up, cols / SPLIT_COLS,
-                                     SPLIT_ROWS, a unit of SPLIT_UNIT_BYTES), then the exceptions */
+                                     SPLIT_ROWS, a unit of SPLIT_UNIT_BYTES), then exception_first
+                                     and the exceptions */
     const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form, then its offsets) */
     int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31), 5 (in -16..15) or 4;
                                      12: bfloat16 in 12 bits (BF16_SPLIT builds) */
@@ -3618,7 +3619,8 @@ static float input_bf16(const Inputs *in, int k, int j) {
     const uint16_t *xb = (const uint16_t *)in->xf;
     if (in->n == 1) return bf16_to_float(xb[j]);
     const size_t b0 = (size_t)k / MB_INPUTS * MB_INPUTS;
-    return bf16_to_float(xb[b0 * in->cols + (size_t)j / 32 * 32 * MB_INPUTS + (size_t)(k % MB_INPUTS) * 32 + (size_t)j % 32]);
+    const size_t step = 2 * SIMD_WIDTH; /* columns a vector */
+    return bf16_to_float(xb[b0 * in->cols + (size_t)j / step * step * MB_INPUTS + (size_t)(k % MB_INPUTS) * step + (size_t)j % step]);
 }
 
 /* out (in->n, W.rows) += the exceptions of the block of rows i.. times
@@ -4055,6 +4057,7 @@ static int split_plan(Matrix *W) {
 #ifdef BF16_SPLIT
     const size_t cols = (size_t)W->cols, count = (size_t)W->rows * cols;
     uint64_t total[256] = {0};
+    populate(W->half, count * sizeof(uint16_t));
     for (size_t r = 0; r < (size_t)W->rows; r += SPLIT_SAMPLE)
         for (size_t j = 0; j < cols; j++) total[W->half[r * cols + j] >> 8]++;
     memset(W->split_table, 0, sizeof(W->split_table));
@@ -4068,7 +4071,6 @@ static int split_plan(Matrix *W) {
         if (best < 0) break; /* fewer than 16 high bytes: the rest of the table 0x00 */
         W->split_table[k] = (uint8_t)best;
     }
-    populate(W->half, count * sizeof(uint16_t));
     size_t misses[SPLIT_SHARES] = {0};
     PARALLEL_FOR_IF(W->rows >= SPLIT_SHARES)
     for (int share = 0; share < SPLIT_SHARES; share++)
@@ -4112,7 +4114,10 @@ static void pack_split_block(const Matrix *W, size_t b, uint8_t *p, SplitExcepti
                     size_t e;
                     ATOMIC_CAPTURE
                     e = (*written)++;
-                    exceptions[e] = (SplitException){(uint32_t)row, (uint32_t)(u * SPLIT_COLS + (size_t)c), bf16_to_float(v[c])};
+                    if (e >= W->n_exceptions) die(EXIT_BAD_FILE, "a bfloat16 matrix changed while it was packed (was the file rewritten?)");
+                    /* a subnormal as zero, as vdpbf16ps takes the stored ones */
+                    const float value = (v[c] & 0x7F80) == 0 ? 0.0f : bf16_to_float(v[c]);
+                    exceptions[e] = (SplitException){(uint32_t)row, (uint32_t)(u * SPLIT_COLS + (size_t)c), value};
                 }
         }
     }
@@ -4306,8 +4311,9 @@ static int matmul_matrices(Transformer *t, Matrix **all) {
 }
 
 /* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
-   one's matrix_packed_bytes in turn, its values then its scales; that call
-   chose its forms), a block of rows at a time. All the threads take blocks
+   one's matrix_packed_bytes in turn, its values then its scales, or a
+   bfloat16 matrix's blocks then its exceptions; that call chose its
+   forms), a block of rows at a time. All the threads take blocks
    in one region, matrix after matrix, none waiting for the others at a
    matrix's end; `release`: each matrix's pages as stored are given back
    once its last block is packed. `meanwhile` (NULL: nothing) runs first on thread 0, which then
@@ -4341,14 +4347,17 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
                 ATOMIC_CAPTURE
                 still = --left[m];
                 if (still == 0) { /* the matrix's last block */
-                    if (W->packed_bits == SPLIT_BITS) split_finish(W, p);
-                    else W->packed_scales = ps;
+                    if (W->packed_bits != SPLIT_BITS) W->packed_scales = ps;
                     W->packed = p;
                     if (release) matrix_release_stored(W);
                 }
             }
         }
     }
+    /* after the region's barrier, which makes every thread's exceptions
+       visible to this one */
+    for (int m = 0; m < n; m++)
+        if (all[m]->packed_bits == SPLIT_BITS) split_finish(all[m], memory + at[m]);
     free_pack_buffers(&pb);
     free(written);
     free(at);
@@ -4360,7 +4369,8 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
    stored once it is packed (the classifier's too when it is the token
    embedding: lookups map them again): the peak of memory is the packed
    copy and the matrices being packed (a GGUF embedding is never a
-   converted copy: gguf_embedding). `meanwhile` runs beside the packing
+   converted copy: gguf_embedding), or, with bfloat16 matrices in 12 bits,
+   the file: split_plan reads each whole before any is packed. `meanwhile` runs beside the packing
    (pack_matrices): the loading of a GGUF vocabulary, 35 ms of one thread
    for Llama 3's, overlaps the packing of a 1B model's weights. */
 static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg) {

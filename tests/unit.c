@@ -1658,29 +1658,24 @@ static float bf16_value(uint16_t h) {
     return v;
 }
 
-static void test_matmul_bf16_split(void) {
-    enum { R = 29, C = 384, N = 23, E = 7 };
-    static uint16_t h[R * C], z[R * C];
-    static float x[N * C], out[N * R], want[N * R], one[R];
-    static const struct { int row, col; uint16_t bits; } planted[E] = {
-        {0, 0, 0x4A12}, {3, 200, 0xC9F0}, {3, 383, 0x3000}, {11, 64, 0x8000}, {17, 127, 0xD280}, {28, 5, 0x5F00}, {28, 300, 0x0B01}};
-    uint64_t state = 0x5b1f16ULL;
-    begin("matmul BF16 in 12 bits (%s): the bits of the stored matrix read in place with its %d exceptions added; double sums; n = 1..%d",
-          KERNEL_NAME, E, N);
-    for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
-    for (int i = 0; i < R * C; i++) { /* high bytes 0x3B..0x42 and 0xBB..0xC1 (exponents 118..133): a full table; 1 in 16 zero */
-        const int k = draw_below(&state, 15);
-        h[i] = draw_below(&state, 16) == 0 ? 0 : (uint16_t)((k < 8 ? 0x3B + k : 0xBB + k - 8) << 8 | draw_below(&state, 256));
-    }
-    memcpy(z, h, sizeof(h));
-    for (int e = 0; e < E; e++) {
-        h[planted[e].row * C + planted[e].col] = planted[e].bits;
-        z[planted[e].row * C + planted[e].col] = 0;
-    }
+typedef struct {
+    int row, col;
+    uint16_t bits;
+} Planted;
+
+/* Packs h (R x C; the values at `planted` are its E exceptions, sorted by
+   row and column) and checks it against z (h with those values zero) read
+   in place, for n = 1..N inputs x. */
+enum { SPLIT_R = 29, SPLIT_C = 384, SPLIT_N = 23 };
+static void check_split(uint16_t *h, uint16_t *z, const Planted *planted, int E, const float *x) {
+    enum { R = SPLIT_R, C = SPLIT_C, N = SPLIT_N };
+    static float out[N * R], want[N * R], one[R];
+    memcpy(z, h, sizeof(uint16_t) * R * C);
+    for (int e = 0; e < E; e++) z[planted[e].row * C + planted[e].col] = 0;
     Matrix m = {.half = h, .bf16 = 1, .rows = R, .cols = C}, stored = {.half = z, .bf16 = 1, .rows = R, .cols = C};
     void *memory = pack_for_kernels(&m);
     expect(kernel_of(&m) == KERNEL_BF16_SPLIT, "not packed in 12 bits");
-    expect(m.n_exceptions == E, "%zu exceptions, not %d", m.n_exceptions, E);
+    expect(m.n_exceptions == (size_t)E, "%zu exceptions, not %d", m.n_exceptions, E);
     expect(kernel_of(&stored) == KERNEL_BF16_DOT, "the reference is not read in place");
     for (int n = 1; n <= N && !case_failed; n++) {
         matmul(out, x, &m, n);
@@ -1705,10 +1700,36 @@ static void test_matmul_bf16_split(void) {
         }
     }
     free(memory);
-    /* every value its own high byte, spread over 256 of them: stays as stored */
+}
+
+static void test_matmul_bf16_split(void) {
+    enum { R = SPLIT_R, C = SPLIT_C, N = SPLIT_N, E = 7 };
+    static uint16_t h[R * C], z[R * C];
+    static float x[N * C];
+    static const Planted planted[E] = {{0, 0, 0x4A12}, {3, 200, 0xC9F0}, {3, 383, 0x3000}, {11, 64, 0x8000},
+                                       {17, 127, 0xD280}, {28, 5, 0x5F00}, {28, 300, 0x0B01}};
+    uint64_t state = 0x5b1f16ULL;
+    begin("matmul BF16 in 12 bits (%s): the bits of the stored matrix read in place with its %d exceptions added; double sums; n = 1..%d",
+          KERNEL_NAME, E, N);
+    for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    for (int i = 0; i < R * C; i++) { /* high bytes 0x3B..0x42 and 0xBB..0xC1 (exponents 118..133): a full table; 1 in 16 zero */
+        const int k = draw_below(&state, 15);
+        h[i] = draw_below(&state, 16) == 0 ? 0 : (uint16_t)((k < 8 ? 0x3B + k : 0xBB + k - 8) << 8 | draw_below(&state, 256));
+    }
+    for (int e = 0; e < E; e++) h[planted[e].row * C + planted[e].col] = planted[e].bits;
+    check_split(h, z, planted, E, x);
+    end();
+    /* the exception in row 1, which the table's count passes over (every SPLIT_SAMPLE-th row) */
+    begin("matmul BF16 in 12 bits (%s): 3 high bytes, the table's other 12 codes 0x00; one exception", KERNEL_NAME);
+    static const Planted lone[1] = {{1, 129, 0x4180}};
+    for (int i = 0; i < R * C; i++) h[i] = (uint16_t)((0x3C + draw_below(&state, 3)) << 8 | draw_below(&state, 256));
+    h[lone[0].row * C + lone[0].col] = lone[0].bits;
+    check_split(h, z, lone, 1, x);
+    end();
+    begin("matmul BF16 in 12 bits (%s): a matrix spread over 256 high bytes stays as stored", KERNEL_NAME);
     for (int i = 0; i < R * C; i++) h[i] = (uint16_t)((i % 256) << 8 | 0x40);
     Matrix spread = {.half = h, .bf16 = 1, .rows = R, .cols = C};
-    memory = pack_for_kernels(&spread);
+    void *memory = pack_for_kernels(&spread);
     expect(memory == NULL && kernel_of(&spread) == KERNEL_BF16_DOT, "a matrix of %zu exceptions was packed", spread.n_exceptions);
     free(memory);
     end();
