@@ -3427,6 +3427,17 @@ static void group_sums(float *sums, const float *x, int n, int cols, int gs) {
     }
 }
 
+#ifdef BF16_DOT
+/* Where column j of input row k lies in the inputs in bfloat16 that
+   prepare_inputs lays out for n rows of `cols` (in->xf): the row as it is
+   for n = 1, else (n / MB_INPUTS rounded up, cols / (2 x SIMD_WIDTH),
+   MB_INPUTS, 2 x SIMD_WIDTH). */
+static size_t bf16_input_at(int n, int cols, size_t k, int j) {
+    const size_t per = n == 1 ? 1 : MB_INPUTS, step = 2 * SIMD_WIDTH;
+    return k / per * per * (size_t)cols + (size_t)j / step * step * per + k % per * step + (size_t)j % step;
+}
+#endif
+
 /* Quantises or packs x (n, W.cols) for the kernel of W; with_sums: the
    group sums too, for packed matrices with offsets. */
 static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_sums) {
@@ -3459,7 +3470,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
                 for (int b = 0; b < per; b++) {
                     const float *src = x + (b0 + b) * W->cols + j;
                     const vfloat v = b0 + b < (size_t)n ? vf_bf16_pairs(vf_load(src), vf_load(src + SIMD_WIDTH)) : vf_zero();
-                    vf_store((float *)(xb + b0 * W->cols + (size_t)j * per + b * step), v);
+                    vf_store((float *)(xb + bf16_input_at(n, W->cols, b0 + b, j)), v);
                 }
         return in;
     }
@@ -3616,11 +3627,7 @@ static void split_unpack(uint16_t *dst, const uint8_t *p, const uint8_t *table, 
 
 /* Input k's column j in bfloat16, from in->xf as prepare_inputs lays it out. */
 static float input_bf16(const Inputs *in, int k, int j) {
-    const uint16_t *xb = (const uint16_t *)in->xf;
-    if (in->n == 1) return bf16_to_float(xb[j]);
-    const size_t b0 = (size_t)k / MB_INPUTS * MB_INPUTS;
-    const size_t step = 2 * SIMD_WIDTH; /* columns a vector */
-    return bf16_to_float(xb[b0 * in->cols + (size_t)j / step * step * MB_INPUTS + (size_t)(k % MB_INPUTS) * step + (size_t)j % step]);
+    return bf16_to_float(((const uint16_t *)in->xf)[bf16_input_at(in->n, in->cols, (size_t)k, j)]);
 }
 
 /* out (in->n, W.rows) += the exceptions of the block of rows i.. times
@@ -3673,14 +3680,15 @@ static void matmul_split_block(float *out, const Matrix *W, int i, const void *n
 /* Rows i.. (a block) of W times all the input rows; `next`: the weights of
    the next block (NULL: none). */
 static void matmul_block(float *out, const Matrix *W, int i, const void *next, const Inputs *in) {
+    const void *w = matrix_weights(W, i);
     if (in->kind == KERNEL_F32_SIMD) {
-        if (W->w) matmul_float_block(out, W, i, matrix_weights(W, i), next, in, LOAD_F32);
-        else if (W->bf16) matmul_float_block(out, W, i, matrix_weights(W, i), next, in, LOAD_BF16);
-        else matmul_float_block(out, W, i, matrix_weights(W, i), next, in, LOAD_F16);
+        if (W->w) matmul_float_block(out, W, i, w, next, in, LOAD_F32);
+        else if (W->bf16) matmul_float_block(out, W, i, w, next, in, LOAD_BF16);
+        else matmul_float_block(out, W, i, w, next, in, LOAD_F16);
         return;
     }
     if (in->kind == KERNEL_BF16_DOT) {
-        matmul_float_block(out, W, i, matrix_weights(W, i), next, in, DOT_BF16);
+        matmul_float_block(out, W, i, w, next, in, DOT_BF16);
         return;
     }
 #ifdef BF16_SPLIT
@@ -4031,9 +4039,10 @@ static void pack_values(uint8_t *block, const int8_t *q, int cols, size_t stride
 
 static size_t packed_blocks(const Matrix *W) { return ((size_t)W->rows + packed_rows(W) - 1) / packed_rows(W); }
 
-/* A bfloat16 matrix in 12 bits: after its blocks, exception_first (blocks
-   + 1 of them), then the exceptions from this offset. */
-static size_t split_exceptions_at(const Matrix *W) { return packed_blocks(W) * packed_block_bytes(W) + (packed_blocks(W) + 1) * sizeof(uint32_t); }
+/* A bfloat16 matrix in 12 bits: after its blocks (from this offset),
+   exception_first (blocks + 1 of them), then the exceptions. */
+static size_t split_first_at(const Matrix *W) { return packed_blocks(W) * packed_block_bytes(W); }
+static size_t split_exceptions_at(const Matrix *W) { return split_first_at(W) + (packed_blocks(W) + 1) * sizeof(uint32_t); }
 
 /* The bytes of W packed in the forms that matrix_packed_bytes chose for it
    (0: W does not pack). */
@@ -4135,7 +4144,7 @@ static int exception_order(const void *a, const void *b) {
 /* Once every block of W is packed at p: its exceptions sorted, and where
    each block's begin. */
 static void split_finish(Matrix *W, uint8_t *p) {
-    uint32_t *first = (uint32_t *)(p + packed_blocks(W) * packed_block_bytes(W));
+    uint32_t *first = (uint32_t *)(p + split_first_at(W));
     SplitException *exceptions = (SplitException *)(p + split_exceptions_at(W));
     qsort(exceptions, W->n_exceptions, sizeof(SplitException), exception_order);
     size_t e = 0;
