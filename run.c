@@ -2895,6 +2895,7 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    lanes first: with 4 input rows that took 2.5 times as long (stories110M
    shape, 2 threads, weights in the third-level cache). */
 #define PACK_INPUTS 8 /* the input rows the kernel takes at once, at most */
+#define PACK_FEW 4     /* up to this many, a kernel of their own; more take PACK_INPUTS's */
 /* Decoding an int8 matrix (one input row), the next block is prefetched
    only when it is at most this big: the 32 KB blocks of 2048 columns (Llama
    3.2 1B shape, Q8_0) streamed faster with the hardware's prefetchers
@@ -2903,7 +2904,6 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    blocks of 768 columns (stories110M shape) ran 3% slower without it, and
    the 4-, 5- and 6-bit kernels, with more work a byte, lost up to 20%. */
 #define INT8_PREFETCH_MAX 16384
-#define PACK_FEW 4     /* up to this many, a kernel of their own; more take PACK_INPUTS's */
 
 /* 4-bit values in units of 8 columns: 64 bytes, row r's 4 bytes at 4r,
    byte k holding column k of the unit in its low nibble and column 4 + k
@@ -4317,15 +4317,16 @@ static void matrix_release_stored(const Matrix *W) {
     if (W->offsets) release_pages(W->offsets, count / W->group_size * sizeof(float));
 }
 
-/* The matrices of t that a matmul reads: n_layers x 7, then the classifier. */
+/* The matrices of t that a matmul reads: the classifier (packed first:
+   pack_weights), then n_layers x 7. */
 static int matmul_matrices(Transformer *t, Matrix **all) {
     Weights *w = &t->weights;
     int n = 0;
+    all[n++] = &w->wcls;
     for (int l = 0; w->wq && l < t->config.n_layers; l++) {
         Matrix *layer[] = {&w->wq[l], &w->wk[l], &w->wv[l], &w->wo[l], &w->w1[l], &w->w2[l], &w->w3[l]};
         for (int m = 0; m < 7; m++) all[n++] = layer[m];
     }
-    all[n++] = &w->wcls;
     return n;
 }
 
@@ -4389,18 +4390,15 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
    embedding: lookups map them again): the peak of memory is the packed
    copy and the matrices being packed (a GGUF embedding is never a
    converted copy: gguf_embedding). The classifier, the largest matrix of
-   a model with a large vocabulary, goes first: packed last, its pages as
-   stored were all mapped beside the whole packed copy at the end (peak
-   RSS loading the Llama 3.2 1B shape: Q4_K_M 1.04 -> 0.84 GB, BF16 2.47
-   -> 1.88 GB; the file 0.81 and 2.48 GB). `meanwhile` runs beside the packing
+   a model with a large vocabulary, goes first (matmul_matrices): packed
+   last, its pages as stored were all mapped beside the whole packed copy
+   at the end (peak RSS loading the Llama 3.2 1B shape: Q4_K_M 1.04 ->
+   0.84 GB, BF16 2.47 -> 1.88 GB; the file 0.81 and 2.48 GB). `meanwhile` runs beside the packing
    (pack_matrices): the loading of a GGUF vocabulary, 35 ms of one thread
    for Llama 3's, overlaps the packing of a 1B model's weights. */
 static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg) {
     Matrix **all = xcalloc((size_t)t->config.n_layers * 7 + 1, sizeof(Matrix *));
     int n = matmul_matrices(t, all);
-    Matrix *classifier = all[n - 1]; /* packed first (see above) */
-    memmove(all + 1, all, (size_t)(n - 1) * sizeof(Matrix *));
-    all[0] = classifier;
     size_t bytes = 0;
     for (int m = 0; m < n; m++) {
         bytes += matrix_packed_bytes(all[m]);
