@@ -9,7 +9,9 @@
 #                                                         NEON sdot, 2 threads
 # For each: built without a warning, `--version` names its kernels, and the
 # golden, reference (tests/test_reference.py, which applies to ./runfast the
-# checks it applies to every vector build) and unit suites pass, run whole.
+# checks it applies to every vector build), GGUF (tests/test_gguf.py: every
+# type's logits against its references through the build's kernels, NEON's
+# 4-bit one included) and unit suites pass, run whole.
 # SKIPs when the cross-compiler or qemu is absent (Debian: gcc-aarch64-linux-gnu,
 # libgomp1-arm64-cross, qemu-user).
 set -u
@@ -81,6 +83,7 @@ check() {
     suite "$label golden" env RUN="$run" bash tests/test_golden.sh
     suite "$label unit" env TEST_TMP="$dir" "$dir/bin/unit"
     suite "$label reference" env RUN="$run" TEST_TMP="$dir" "$PYTHON" tests/test_reference.py
+    suite "$label gguf" env RUN="$run" TEST_TMP="$dir" "$PYTHON" tests/test_gguf.py
     echo "aarch64 $label: golden, unit and reference suites in $(elapsed "$t0")"
 }
 

@@ -1314,6 +1314,10 @@ static void test_quantised_matmul(void) {
 #ifdef VNNI
                     expect((kernel_of(&m) == KERNEL_Q4_SIMD || kernel_of(&m) == KERNEL_Q8_SIMD) == (gs % 4 == 0),
                            "C %d gs %d: the VNNI kernel where the group size is a multiple of 4, and only there", C, gs);
+#elif defined(HAVE_Q4_SIMD)
+                    if (bits == 4)
+                        expect((kernel_of(&m) == KERNEL_Q4_SIMD) == (gs % VI_COLS == 0),
+                               "C %d gs %d: the 4-bit vector kernel where the group size is a multiple of %d, and only there", C, gs, VI_COLS);
 #endif
                     cases++;
                     for (int i = 0; i < R; i++) {
