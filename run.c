@@ -3596,16 +3596,18 @@ KERNEL void matmul_float_block(float *out, const Matrix *W, int i, const void *w
     const int rows = W->rows, cols = W->cols, n = in->n;
     const size_t size = kind == LOAD_F32 ? sizeof(float) : sizeof(uint16_t);
     const int pack = kind == DOT_BF16 ? 2 : 1; /* input columns a float of in->xf */
-    if (n == 1 && kind == LOAD_F16) {
-        /* F16 decoding, a row at a time, each prefetching its row of the
-           next block: the rows of a block are read one after the other, as
-           one stream, not as MM_ROWS streams side by side (each row's sum
-           is the same: one accumulator, in column order). Llama 3.2 1B
-           shape, 2 threads, a token's matrices in one process alternating
-           with the MM_ROWS-row kernel, 100 tokens: 41.2 -> 47.7 GB/s
-           (1.16x at the higher memory speed, 1.05x at the lower); the
-           stories110M shape 29.4 -> 32.8 (1.11x). float32 rows so read
-           ran 2-6% slower. */
+    if (n == 1 && kind == LOAD_F16 && SIMD_WIDTH == 16) {
+        /* F16 decoding with AVX-512, a row at a time, each prefetching its
+           row of the next block: the rows of a block are read one after
+           the other, as one stream, not as MM_ROWS streams side by side
+           (each row's sum is the same: one accumulator, in column order).
+           Llama 3.2 1B shape, 2 threads, a token's matrices in one process
+           alternating with the MM_ROWS-row kernel, 100 tokens: 41.2 -> 47.7
+           GB/s (1.16x at the higher memory speed, 1.05x at the lower); the
+           stories110M shape 29.4 -> 32.8 (1.11x). float32 rows so read ran
+           2-6% slower; so did an AVX2 build's F16 ones at the 1B shape
+           (0.95x; 110M 1.00x): a row's one chain of multiply-adds takes 32
+           bytes of F16 a latency with 16 lanes, half that with 8. */
         for (int r = 0; r < MM_ROWS && i + r < rows; r++)
             block_f32(out + i + r, (size_t)rows, (const char *)w + (size_t)r * cols * size, (size_t)cols, 1,
                       next && i + MM_ROWS + r < rows ? (const char *)next + (size_t)r * cols * size : NULL, 1, in->x, 1, cols, NULL, NULL, 1,
