@@ -84,7 +84,7 @@ check() {
     suite "$label unit" env TEST_TMP="$dir" "$dir/bin/unit"
     suite "$label reference" env RUN="$run" TEST_TMP="$dir" "$PYTHON" tests/test_reference.py
     suite "$label gguf" env RUN="$run" TEST_TMP="$dir" "$PYTHON" tests/test_gguf.py
-    echo "aarch64 $label: golden, unit and reference suites in $(elapsed "$t0")"
+    echo "aarch64 $label: golden, unit, reference and GGUF suites in $(elapsed "$t0")"
 }
 
 start=$(date +%s)
