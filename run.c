@@ -9038,13 +9038,19 @@ typedef enum { STEP_FAIL, STEP_TAKEN, STEP_DONE, STEP_DONE_BEFORE, STEP_OPEN, ST
    complete and the byte is the parent's; STEP_OPEN: the byte opened a child
    value (pushed); STEP_OPEN_BEFORE: a child value starts with the byte */
 
+/* Whether f's object may take another key: not when it is closed
+   (additionalProperties: false) and every property is seen, or it has none. */
+static int keys_left(const SchemaNode *nd, const Frame *f) {
+    return !nd->closed || f->seen != (nd->n_props == 64 ? ~0ull : (1ull << nd->n_props) - 1);
+}
+
 static StepResult object_step(const JsonSchema *s, Frame *f, int ch) {
     const SchemaNode *nd = &s->nodes[f->node];
     switch (f->phase) {
     case O_FIRST:
     case O_NEXT:
         if (ch == '}' && f->phase == O_FIRST) return (f->seen & nd->required) == nd->required ? STEP_DONE : STEP_FAIL;
-        if (ch != '"') return STEP_FAIL;
+        if (ch != '"' || !keys_left(nd, f)) return STEP_FAIL;
         f->phase = O_KEY;
         f->a = 0, f->b = nd->n_props, f->c = 0, f->x = !nd->closed;
         return STEP_TAKEN;
@@ -9083,8 +9089,7 @@ static StepResult object_step(const JsonSchema *s, Frame *f, int ch) {
         return STEP_OPEN;
     case O_AFTER:
         if (ch == '}') return (f->seen & nd->required) == nd->required ? STEP_DONE : STEP_FAIL;
-        if (ch != ',') return STEP_FAIL;
-        if (nd->closed && f->seen == (nd->n_props == 64 ? ~0ull : (1ull << nd->n_props) - 1)) return STEP_FAIL;
+        if (ch != ',' || !keys_left(nd, f)) return STEP_FAIL;
         f->phase = O_NEXT;
         return STEP_TAKEN;
     }
