@@ -9,8 +9,9 @@
    from the descriptor 0 as the bytes arrive: both get it). The arguments go through
    parse_options(), then run_program() as main() in run.c calls it, except
    that the clock seed is 1, more than 8 beams or --parallel are skipped
-   (slow, not different), as are --keep runs of more than 2000 positions,
-   and so is -m serve (it would listen for ever). Errors that
+   (slow, not different), as are --keep runs of more than 2000 positions
+   and --kv-mb above 1024 (libFuzzer stops at a 2 GB malloc; a larger cache
+   only holds more of the same blocks), and so is -m serve (it would listen for ever). Errors that
    main() would report (a prompt beyond the context, a byte without a token)
    are caught. Set FUZZ_CORPUS to the corpus directory when not running from
    the repository root. */
@@ -19,6 +20,7 @@
 #define MAX_ARGS 64
 #define MAX_BEAMS 8
 #define MAX_KEEP_POSITIONS 2000 /* --keep runs as long as -n says: longer ones are skipped (slow, not different) */
+#define MAX_KV_MB 1024         /* the cache's metadata for --kv-mb 14444 on the dim-4 model is a 7.5 GB malloc */
 
 static Transformer model;
 static Tokenizer tok;
@@ -121,7 +123,8 @@ static int run_input(const uint8_t *data, size_t size) {
         /* prompt lookup runs; a draft file is not read (the input names no files) */
         if (o.lookup) spec = speculator_new(o.lookup, o.draft_max, NULL);
         /* -m serve would listen for ever: tests/fuzz/fuzz_http.c covers the server's input */
-        if (o.beams <= MAX_BEAMS && o.parallel <= MAX_BEAMS && !o.draft_file && strcmp(o.mode, "serve") != 0 &&
+        if (o.beams <= MAX_BEAMS && o.parallel <= MAX_BEAMS && o.kv_mb <= MAX_KV_MB && !o.draft_file &&
+            strcmp(o.mode, "serve") != 0 &&
             (o.keep < 0 || run_positions(&o, model.config.seq_len) <= MAX_KEEP_POSITIONS))
             run_program(&engine, &model, &tok, &o, 1, spec);
         ok = 1;
