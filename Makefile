@@ -95,6 +95,15 @@ tests/.bin/unit_native: tests/unit.c run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) $(FASTFLAGS) -march=native -mtune=generic -fopenmp -o $@ tests/unit.c -lm
 
+# the same tests on the AVX2 kernels, as ./runomp builds them on an x86-64
+# machine with AVX2 but neither AVX-512 nor VNNI (the packed GGUF
+# kernel's AVX2 form); x86-64 only, run where the machine has AVX2,
+# FMA and F16C (tests/test_unit.sh)
+UNIT_AVX2 = $(if $(filter x86_64 amd64,$(shell uname -m)),tests/.bin/unit_avx2)
+tests/.bin/unit_avx2: tests/unit.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(FASTFLAGS) -march=haswell -mtune=generic -fopenmp -o $@ tests/unit.c -lm
+
 # Sanitizer builds (tests/test_sanitize.sh): AddressSanitizer with its leak
 # checker, and UndefinedBehaviorSanitizer; every report is fatal
 SANFLAGS = -fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1
@@ -149,7 +158,7 @@ clean: clean-fuzz
 clean-fuzz:
 	rm -rf tests/fuzz/.out
 
-test: $(RUN) runomp build/bench/peak build/bench/bandwidth tests/.bin/unit tests/.bin/unit_native tests/.bin/llama3_dump tests/.bin/llama3_dump_native tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
+test: $(RUN) runomp build/bench/peak build/bench/bandwidth tests/.bin/unit tests/.bin/unit_native $(UNIT_AVX2) tests/.bin/llama3_dump tests/.bin/llama3_dump_native tests/.bin/gguf_vocab_dump tests/.bin/json_mask_dump $(SANITIZE_BINS) fuzz-build
 	MODELS_DIR=$(MODELS_DIR) PYTHON=$(TEST_PYTHON) RUN=$(RUN) bash tests/run_tests.sh
 
 # the streaming-read probe, then bench/bench.py with the fastest build; the
