@@ -2576,21 +2576,24 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
 #define KERNEL_NAME "plain C"
 #endif
 /* Builds whose kernels read GGUF blocks packed at load (section 3's packed
-   weights): VNNI ones, and AVX2 ones without VNNI (x86 machines before
-   AVX-512, and AVX-512 ones without VNNI) by vpmaddubsw (packed_q8 in its
-   AVX2 form; F16C for the f16 scales). */
+   weights): VNNI ones; AVX2 ones without VNNI (x86 machines before
+   AVX-512, and AVX-512 ones without VNNI), by vpmaddubsw (packed_q8 in its
+   AVX2 form; F16C for the f16 scales); NEON ones with dotprod, by sdot. */
 #if !defined(VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PACKED_AVX2 1
 #endif
-#if defined(VNNI) || defined(PACKED_AVX2)
+#if defined(SIMD_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define PACKED_NEON 1
+#endif
+#if defined(VNNI) || defined(PACKED_AVX2) || defined(PACKED_NEON)
 #define PACKED_Q 1
 #endif
 
 /* ---- Packed weights --------------------------------------------------------
    VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
    the checkpoint is loaded (pack_matrices, after the matrix multiplications):
-   blocks of PACK_ROWS rows; AVX2 builds (PACKED_AVX2) the GGUF matrices,
-   in the same layout. */
+   blocks of PACK_ROWS rows; AVX2 and NEON dotprod builds (PACKED_AVX2,
+   PACKED_NEON) the GGUF matrices, in the same layout. */
 #define PACK_ROWS 16
 /* BF16_SPLIT builds (AVX-512 with BF16) also pack bfloat16 matrices, in 12
    bits a weight: decoding reads every weight once a token, so three
@@ -2689,13 +2692,13 @@ static int split_candidate(const Matrix *W) {
 
 /* Whether this build packs GGUF matrices of this block type straight
    from their blocks (gguf_matrix leaves them as stored): VNNI builds all;
-   AVX2 ones those whose groups are whole runs of SIX_BIT_COLS columns
-   (every type's). */
+   AVX2 and NEON dotprod ones those whose groups are whole runs of
+   SIX_BIT_COLS columns (every type's). */
 static int packs_blocks(const GGMLType *type) {
 #if defined(VNNI)
     (void)type;
     return 1;
-#elif defined(PACKED_AVX2)
+#elif defined(PACKED_Q)
     return type->group % SIX_BIT_COLS == 0;
 #else
     (void)type;
@@ -3244,11 +3247,11 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
    sum itself, from 0 rather than from the start. Each group then ends as
    packed_q8's VNNI form ends it, the same float operations lane by lane:
    from the same prepared inputs, a row's result is bit for bit the one a
-   VNNI build gives it, whatever its batch (checked by hand: an AVX-512
-   build without VNNI, which runs this kernel, gave the VNNI build's
-   outputs for all 8 types; a Haswell build those without offsets, its
-   inputs' group sums vectorised 8 wide by -Ofast differing in the last
-   bits). Before, the blocks were unpacked at load to int8 or 4-bit values
+   VNNI build gives it, whatever its batch (checked by hand on a 37 x 1024
+   matrix of each of the 8 types, n = 1..9: the outputs of an AVX-512
+   build without VNNI, which runs this kernel, were the VNNI build's; a
+   Haswell build's too where the inputs' group sums were exact, which
+   -Ofast vectorises by the build's width). Before, the blocks were unpacked at load to int8 or 4-bit values
    with float32 scales (Q4_K 6 bits a weight, Q6_K 10, against the file's
    4.5 and 6.6) and read a row at a time, each weight widened to int16.
    Llama 3.2 1B shape, -march=haswell, 2 threads on the Zen 4 machine, 3
@@ -3369,6 +3372,132 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         float rows[PACK_ROWS];
         _mm256_storeu_ps(rows, acc[m][0]);
         _mm256_storeu_ps(rows + 8, acc[m][1]);
+        memcpy(out + (size_t)m * stride, rows, (size_t)n_rows * sizeof(float));
+    }
+}
+#endif
+
+/* ---- Packed weights with NEON dotprod ----
+   aarch64 builds with sdot (ARMv8.2 dotprod) read the same packed blocks a
+   quarter of a 64-byte line at a time: 4 rows' 4 columns, lane r row r's,
+   as 16 bytes. sdot multiplies signed bytes: values of 4 to 6 bits (0..63)
+   are their own signed bytes, so sdot with the input's 4 bytes (lane s of
+   the run's 16 input bytes, vdotq_laneq_s32) adds what vpdpbusd adds, from
+   the same start; 8-bit values (q + 128) get their sign bit flipped back
+   to q, summed from 0 as the AVX2 form does. Each group ends with the
+   same float operations lane by lane as packed_q8's other forms (vfmaq_f32
+   and vfmsq_f32 fused as the x86 ones): under qemu, a 37 x 1024 matrix of
+   each of the 8 types gave the VNNI build's outputs bit for bit, n = 1..9,
+   where the inputs' group sums were exact. Before, the blocks were
+   unpacked at load (Q4_K to 6 bits a weight, Q5_K and Q6_K to 10, against
+   4.5, 5.5 and 6.6 in the file). No ARM machine here to time it: counted
+   under qemu, instructions executed a weight and input row (a 512 x 2048
+   matrix, its inputs' preparation included), one input row then 8, before
+   -> now: Q4_0 0.99 -> 0.37, 0.67 -> 0.26; Q8_0 0.60 -> 0.41, 0.45 ->
+   0.27; Q4_K 1.20 -> 0.60, 0.70 -> 0.33; Q6_K 0.91 -> 0.87, 0.70 -> 0.45;
+   Q5_K 0.81 -> 1.00 (its fifth bits spread from masks, 4 instructions a
+   sdot), 0.48 -> 0.42, for 55% of the bytes. */
+#ifdef PACKED_NEON
+#define PACK_INPUTS 4 /* the input rows the kernel takes at once, at most */
+#define PACK_FEW 4
+
+/* Columns 4 step .. 4 step + 3 of quarter k (rows 4k..4k+3) of a run of
+   packed values (as packed_weights reads them), as bytes. */
+static inline int8x16_t run_quarter(const uint8_t *run, int k, const int step, const int bits) {
+    if (bits == 8) return vreinterpretq_s8_u8(veorq_u8(vld1q_u8(run + 64 * step + 16 * k), vdupq_n_u8(0x80)));
+    const uint8x16_t unit = vld1q_u8(run + 64 * (step / 2) + 16 * k);
+    uint8x16_t v = step % 2 ? vshrq_n_u8(unit, 4) : vandq_u8(unit, vdupq_n_u8(15));
+    if (bits == 6) {
+        const uint32x4_t tops = vld1q_u32((const uint32_t *)(const void *)(run + 128 + 16 * k));
+        const uint32x4_t t = step == 0 ? vshlq_n_u32(tops, 4) : step == 1 ? vshlq_n_u32(tops, 2) : step == 2 ? tops : vshrq_n_u32(tops, 2);
+        v = vorrq_u8(v, vandq_u8(vreinterpretq_u8_u32(t), vdupq_n_u8(0x30)));
+    }
+    if (bits == 5) { /* byte i of the quarter: bit i of its 2 bytes of the step's mask (each byte 8 times, by vqtbl1q) */
+        const uint8x8_t mask = vld1_u8(run + 128 + 8 * step);
+        const uint8x16_t pick = vcombine_u8(vdup_n_u8((uint8_t)(2 * k)), vdup_n_u8((uint8_t)(2 * k + 1)));
+        const uint8x16_t byte = vqtbl1q_u8(vcombine_u8(mask, mask), pick);
+        const uint8x16_t bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull));
+        v = vorrq_u8(v, vandq_u8(vtstq_u8(byte, bit), vdupq_n_u8(16)));
+    }
+    return vreinterpretq_s8_u8(v);
+}
+
+/* f16 values at p (4 of them) as floats. */
+static inline float32x4_t halves4(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p))); }
+
+/* Quarter k of group g's scales, as packed_scale. */
+static inline float32x4_t packed_scale4(const Matrix *W, const PackedSide *side, int g, int k) {
+    const size_t at = (size_t)g * PACK_ROWS + 4 * (size_t)k;
+    if (W->scale_form == SCALES_F32) return vld1q_f32((const float *)(const void *)side->scales + at);
+    if (W->scale_form == SCALES_F16) return halves4(side->scales + at * 2);
+    const float32x4_t d = halves4(side->d + ((size_t)(g >> side->shift) * PACK_ROWS + 4 * (size_t)k) * 2);
+    int32_t four;
+    memcpy(&four, side->scales + at, 4);
+    const int32x4_t m = vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)))));
+    return vmulq_f32(vcvtq_f32_s32(m), d);
+}
+
+/* Quarter k of group g's offsets, as packed_offset. */
+static inline float32x4_t packed_offset4(const Matrix *W, const PackedSide *side, float32x4_t wsg, int g, int k) {
+    const size_t at = (size_t)g * PACK_ROWS + 4 * (size_t)k;
+    if (W->offset_form == OFFSETS_F32) return vld1q_f32((const float *)(const void *)side->offsets + at);
+    const float32x4_t dmin = halves4(side->dmin + ((size_t)(g >> side->shift) * PACK_ROWS + 4 * (size_t)k) * 2);
+    uint32_t four;
+    memcpy(&four, side->offsets + at, 4);
+    const uint32x4_t m = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four)))));
+    return vfmsq_f32(vmulq_f32(vdupq_n_f32(W->offset_centre), wsg), dmin, vcvtq_f32_u32(m));
+}
+
+/* packed_q8 (the same arguments and results). */
+KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
+                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
+    const int cols = W->cols, gs = W->group_size, groups = cols / gs;
+    const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
+    const size_t scale_bytes = packed_scale_bytes(W);
+    const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
+    const PackedSide side = packed_side(W, ws);
+    if (next) prefetch_far(ws + scale_bytes, scale_bytes);
+    float32x4_t acc[PACK_INPUTS][4];
+    for (int m = 0; m < N; m++)
+        for (int k = 0; k < 4; k++) acc[m][k] = vdupq_n_f32(0.0f);
+    for (int g = 0; g < groups; g++) {
+        const int j0 = g * gs, j1 = j0 + gs;
+        if (next) prefetch_far(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
+        int32x4_t sum[PACK_INPUTS][4];
+        for (int m = 0; m < N; m++)
+            for (int k = 0; k < 4; k++) sum[m][k] = vdupq_n_s32(bits == 8 ? 0 : c[(size_t)m * groups + g]);
+        for (int j = j0; j < j1; j += SIX_BIT_COLS) {
+            const uint8_t *run = p + (size_t)j * PACK_ROWS * bits / 8;
+            int8x16_t xv[PACK_INPUTS]; /* the run's 16 input bytes: step s in lane s */
+            for (int m = 0; m < N; m++) xv[m] = vld1q_s8(x + (size_t)m * cols + j);
+#if defined(__GNUC__)
+#pragma GCC unroll 4
+#endif
+            for (int step = 0; step < 4; step++)
+                for (int k = 0; k < 4; k++) {
+                    const int8x16_t w = run_quarter(run, k, step, bits);
+                    for (int m = 0; m < N; m++) {
+                        switch (step) { /* the lane must be a constant */
+                        case 0: sum[m][k] = vdotq_laneq_s32(sum[m][k], w, xv[m], 0); break;
+                        case 1: sum[m][k] = vdotq_laneq_s32(sum[m][k], w, xv[m], 1); break;
+                        case 2: sum[m][k] = vdotq_laneq_s32(sum[m][k], w, xv[m], 2); break;
+                        default: sum[m][k] = vdotq_laneq_s32(sum[m][k], w, xv[m], 3);
+                        }
+                    }
+                }
+        }
+        for (int k = 0; k < 4; k++) {
+            const float32x4_t wsg = packed_scale4(W, &side, g, k);
+            for (int m = 0; m < N; m++) acc[m][k] = vfmaq_f32(acc[m][k], vcvtq_f32_s32(sum[m][k]), vmulq_f32(wsg, vdupq_n_f32(s[(size_t)m * groups + g])));
+            if (W->offset_form) {
+                const float32x4_t off = packed_offset4(W, &side, wsg, g, k);
+                for (int m = 0; m < N; m++) acc[m][k] = vfmaq_f32(acc[m][k], off, vdupq_n_f32(xsum[(size_t)m * groups + g]));
+            }
+        }
+    }
+    for (int m = 0; m < n_in; m++) {
+        float rows[PACK_ROWS];
+        for (int k = 0; k < 4; k++) vst1q_f32(rows + 4 * k, acc[m][k]);
         memcpy(out + (size_t)m * stride, rows, (size_t)n_rows * sizeof(float));
     }
 }
@@ -3917,7 +4046,7 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
     else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6);
     else matmul_packed(out, W, i, next, in, 8);
 #else
-#ifdef PACKED_AVX2
+#ifdef PACKED_Q /* AVX2, NEON dotprod */
     if (W->packed) {
         if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
         else if (in->kind == KERNEL_Q5_SIMD) matmul_packed(out, W, i, next, in, 5);
@@ -3958,7 +4087,7 @@ static int block_rows(const Inputs *in) {
 #ifdef VNNI
     return PACK_ROWS;
 #else
-    if (in->x8) return PACK_ROWS; /* packed (AVX2) */
+    if (in->x8) return PACK_ROWS; /* packed (AVX2, NEON dotprod) */
     if (in->kind == KERNEL_Q4_SIMD) return MM_ROWS;
     return in->n == 1 ? Q8_ONE_ROWS : Q8_BLOCK_ROWS;
 #endif
@@ -4093,7 +4222,7 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
 
 /* ---- Packing ---------------------------------------------------------------
    VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
-   the checkpoint is loaded (AVX2 builds: the GGUF matrices): for each block of PACK_ROWS rows (the last one
+   the checkpoint is loaded (AVX2 and NEON dotprod builds: the GGUF matrices): for each block of PACK_ROWS rows (the last one
    padded with zero rows), 64-byte lines of a 4-byte word a row (int8: 4
    columns, wq + 128; 4-bit: a unit of 8 columns; 5 and 6 bits: runs of
    SIX_BIT_COLS columns; pack_values); then each block's scales and
