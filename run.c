@@ -3251,9 +3251,10 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
    matrix of each of the 8 types, n = 1..9: the outputs of an AVX-512
    build without VNNI, which runs this kernel, were the VNNI build's; a
    Haswell build's too where the inputs' group sums were exact, which
-   -Ofast vectorises by the build's width). Before, the blocks were unpacked at load to int8 or 4-bit values
-   with float32 scales (Q4_K 6 bits a weight, Q6_K 10, against the file's
-   4.5 and 6.6) and read a row at a time, each weight widened to int16.
+   -Ofast vectorises by the build's width). Before, the blocks were
+   unpacked at load to int8 or 4-bit values with float32 scales (Q4_K 6
+   bits a weight, Q6_K 10, against the file's 4.5 and 6.6) and read a row
+   at a time, each weight widened to int16.
    Llama 3.2 1B shape, -march=haswell, 2 threads on the Zen 4 machine, 3
    alternating rounds (tok/s, decode then 128-token prompt): Q4_0 25.9 ->
    46.4, 49.8 -> 104.1; Q4_K_M 17.3 -> 41.6, 45.9 -> 91.3; Q5_K_M 18.3 ->
@@ -3308,7 +3309,7 @@ static inline __m256 packed_offset8(const Matrix *W, const PackedSide *side, __m
     return _mm256_fnmadd_ps(dmin, m, _mm256_mul_ps(_mm256_set1_ps(W->offset_centre), wsg));
 }
 
-/* packed_q8 (the same arguments and results) for values of 4, 5 or 6 bits. */
+/* packed_q8 (the same arguments and results). */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
                       const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, flush = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;
