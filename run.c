@@ -4041,14 +4041,8 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
         return;
     }
 #endif
-#ifdef VNNI
-    if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
-    else if (in->kind == KERNEL_Q5_SIMD) matmul_packed(out, W, i, next, in, 5);
-    else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6);
-    else matmul_packed(out, W, i, next, in, 8);
-#else
-#ifdef PACKED_Q /* AVX2, NEON dotprod */
-    if (W->packed) {
+#ifdef PACKED_Q
+    if (W->packed) { /* VNNI builds: every int8 or 4-bit matrix */
         if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
         else if (in->kind == KERNEL_Q5_SIMD) matmul_packed(out, W, i, next, in, 5);
         else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6);
@@ -4056,6 +4050,7 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
         return;
     }
 #endif
+#ifndef VNNI
     const int rows = W->rows, cols = W->cols, n = in->n, groups = cols / W->group_size;
 #ifdef HAVE_Q4_SIMD
     if (in->kind == KERNEL_Q4_SIMD) {
@@ -4223,9 +4218,10 @@ static void matmul(float *out, const float *x, const Matrix *W, int n) {
 
 /* ---- Packing ---------------------------------------------------------------
    VNNI builds lay out each int8 or 4-bit matrix as packed_q8 reads it when
-   the checkpoint is loaded (AVX2 and NEON dotprod builds: the GGUF matrices): for each block of PACK_ROWS rows (the last one
-   padded with zero rows), 64-byte lines of a 4-byte word a row (int8: 4
-   columns, wq + 128; 4-bit: a unit of 8 columns; 5 and 6 bits: runs of
+   the checkpoint is loaded (AVX2 and NEON dotprod builds: the GGUF
+   matrices): for each block of PACK_ROWS rows (the last one padded with
+   zero rows), 64-byte lines of a 4-byte word a row (int8: 4 columns,
+   wq + 128; 4-bit: a unit of 8 columns; 5 and 6 bits: runs of
    SIX_BIT_COLS columns; pack_values); then each block's scales and
    offsets, group by group, a row a lane. The rows come from section 1's
    arrays (run.c's own checkpoints) or straight from a GGUF matrix's
