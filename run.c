@@ -4110,7 +4110,9 @@ static int block_rows(const Inputs *in) {
 static int chunk_blocks(const Matrix *W, const Inputs *in) {
     if (in->kind != KERNEL_F32_SIMD || in->n == 1 || !W->half) return 1;
     const int blocks = CHUNK_BYTES / (MB_ROWS * W->cols * (int)sizeof(uint16_t));
-    return blocks > 1 ? blocks : 1;
+    const int spread = W->rows / (MB_ROWS * 4 * max_threads()); /* at least 4 chunks a thread */
+    const int chunk = blocks < spread ? blocks : spread;
+    return chunk > 1 ? chunk : 1;
 }
 
 /* Rows i..i + chunk_rows - 1 of a 16-bit matrix W times all the input
