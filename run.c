@@ -2690,16 +2690,21 @@ static int split_candidate(const Matrix *W) {
 #endif
 }
 
+/* AVX2 builds: the columns of a group of packed values of `bits` bits,
+   a constant that packed_q8 unrolls (Q6_K's 16, every other type's 32). */
+#define AVX2_GROUP(bits) ((bits) == 6 ? 16 : 32)
+
 /* Whether this build packs GGUF matrices of this block type straight
    from their blocks (gguf_matrix leaves them as stored): VNNI builds all;
-   AVX2 and NEON dotprod ones those whose groups are whole runs of
+   AVX2 ones those whose groups are AVX2_GROUP of their bits (every
+   type's); NEON dotprod ones those whose groups are whole runs of
    SIX_BIT_COLS columns (every type's). */
 static int packs_blocks(const GGMLType *type) {
 #if defined(VNNI)
     (void)type;
     return 1;
 #elif defined(PACKED_AVX2)
-    return type->group == (type->value_bits == 6 ? 16 : 32); /* packed_q8 knows a group's columns from its bits */
+    return type->group == AVX2_GROUP(type->value_bits);
 #elif defined(PACKED_Q)
     return type->group % SIX_BIT_COLS == 0;
 #else
@@ -3333,11 +3338,11 @@ static inline __attribute__((always_inline)) void in_register(__m256i *v) {
 }
 
 /* packed_q8 (the same arguments and results). A group's columns are a
-   constant of the value bits (packs_blocks), so that its steps unroll
-   whole and each flush into the int32 sums falls where it is known. */
+   constant of the value bits (AVX2_GROUP), so that its steps unroll whole
+   and each flush into the int32 sums falls where it is known. */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
                       const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
-    const int G = bits == 6 ? 16 : 32, cols = W->cols, groups = cols / G, flush = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;
+    const int G = AVX2_GROUP(bits), cols = W->cols, groups = cols / G, flush = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     const size_t scale_bytes = packed_scale_bytes(W);
     const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
@@ -3399,7 +3404,6 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         memcpy(out + (size_t)m * stride, rows, (size_t)n_rows * sizeof(float));
     }
 }
-
 #endif
 
 /* ---- Packed weights with NEON dotprod ----

@@ -1368,6 +1368,83 @@ static uint16_t random_half(float lo, float hi, int signed_) {
 }
 #endif
 
+#ifdef PACKED_Q
+/* One type (ggml number) of test_gguf_packing: its random blocks, or
+   (extreme) its extremes; R rows, C columns, input rows n = 1..N. */
+static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
+    const GGMLType *type = &ggml_types[number];
+    const int per_row = C / type->block, groups = C / type->group;
+    const size_t bytes = (size_t)R * per_row * type->block_bytes;
+    uint8_t *blocks = xcalloc(bytes, 1);
+    for (size_t i = 0; i < bytes; i++) blocks[i] = extreme ? (number == 8 ? 0x80 : 0xFF) : (uint8_t)rand_below(256);
+    for (int b = 0; b < R * per_row; b++) { /* the f16 fields: d (and dmin, or Q4_1's m) */
+        uint8_t *at = blocks + (size_t)b * type->block_bytes;
+        uint16_t d = random_half(0.0005f, 0.004f, number == 8 || number == 14), second = random_half(0.0005f, 0.004f, number == 3);
+        memcpy(at + (number == 14 ? 208 : 0), &d, 2);
+        if (type->offsets) memcpy(at + 2, &second, 2);
+    }
+    Matrix blockwise = {.rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
+                        .blocks = blocks, .block_type = number};
+    void *packing = pack_for_kernels(&blockwise);
+    expect(blockwise.packed != NULL, "not packed");
+    expect(blockwise.packed_bits == type->value_bits, "values packed as %d bits", blockwise.packed_bits);
+    expect(blockwise.scale_form == (type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d", blockwise.scale_form);
+    expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
+           "offsets in form %d", blockwise.offset_form);
+    /* the same matrix unpacked, as non-VNNI builds hold it */
+    int8_t *q = xcalloc((size_t)R * C, 1);
+    float *scales = xcalloc((size_t)R * groups, sizeof(float)), *offsets = xcalloc((size_t)R * groups, sizeof(float));
+    GGUFTensor tensor = {.n_dims = 2, .ne = {C, R, 1, 1}, .type = (uint32_t)number, .data = (const char *)blocks, .bytes = bytes};
+    unpack_tensor(&tensor, type, q, scales, type->offsets ? offsets : NULL);
+    int8_t *values = xcalloc((size_t)R * C, 1); /* section 1's int8 values (4-bit types: unpacked from the nibbles) */
+    for (int i = 0; i < R * C; i++)
+        values[i] = type->bits == 4 ? (int8_t)((((uint8_t *)q)[i / 2] >> (i % 2 * 4) & 15) - 8) : q[i];
+    Matrix unpacked = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
+                       .offsets = type->offsets ? offsets : NULL};
+    if (type->bits == 4) unpacked.q4 = (const uint8_t *)q;
+    else unpacked.q = q;
+    void *packing2 = pack_for_kernels(&unpacked);
+    float *x = xcalloc((size_t)N * C, sizeof(float)), *out = xcalloc((size_t)N * R, sizeof(float));
+    float *ref_out = xcalloc((size_t)N * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
+    for (int i = 0; i < N * C; i++) x[i] = extreme ? 1.0f : rand_uniform(-3, 3) * (i % 11 == 0 ? 8 : 1);
+    for (int n = 1; n <= N && !case_failed; n++) {
+        matmul(out, x, &blockwise, n);
+#ifdef VNNI
+        matmul(ref_out, x, &unpacked, n);
+        if (memcmp(out, ref_out, (size_t)n * R * sizeof(float)) != 0) {
+            int i = 0;
+            while (out[i] == ref_out[i]) i++;
+            expect(0, "n %d, output %d: from the blocks %.9g, unpacked %.9g", n, i, out[i], ref_out[i]);
+        }
+#endif
+        for (int b = 0; b < n && !case_failed; b++) {
+            matmul(one, x + (size_t)b * C, &blockwise, 1);
+            expect(memcmp(one, out + (size_t)b * R, R * sizeof(float)) == 0, "n %d: row %d differs alone", n, b);
+        }
+    }
+    int16_t *xq = xcalloc((size_t)N * C, sizeof(int16_t));
+    float *xs = xcalloc((size_t)N * groups, sizeof(float));
+    quantize_groups(xq, xs, x, (size_t)N * C, type->group);
+    for (int b = 0; b < N && !case_failed; b++)
+        for (int i = 0; i < R && !case_failed; i++) {
+            double ref = 0, mag = 0;
+            for (int g = 0; g < groups; g++) {
+                double isum = 0, xsum = 0;
+                for (int j = g * type->group; j < (g + 1) * type->group; j++) {
+                    isum += (double)values[(size_t)i * C + j] * xq[(size_t)b * C + j];
+                    xsum += x[(size_t)b * C + j];
+                }
+                const double t = isum * scales[(size_t)i * groups + g] * xs[(size_t)b * groups + g];
+                const double o = type->offsets ? (double)offsets[(size_t)g * R + i] * xsum : 0.0;
+                ref += t + o, mag += fabs(t) + fabs(o);
+            }
+            expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
+        }
+    free(xq); free(xs); free(x); free(out); free(ref_out); free(one); free(values);
+    free(q); free(scales); free(offsets); free(blocks); free(packing); free(packing2);
+}
+#endif
+
 /* GGUF matrices of every block type that the build packs, packed straight
    from their blocks (as VNNI and AVX2 builds load them): each form the type stores is chosen (values of 4, 5, 6 or 8
    bits as such, f16 or shared scales, K-quants' offsets as minimums);
@@ -1392,77 +1469,7 @@ static void test_gguf_packing(void) {
 #else
         begin("GGUF %s packed from its blocks (%s) vs double reference; rows alone, n = 1..%d", type->name, KERNEL_NAME, N);
 #endif
-        for (int extreme = 0; extreme < 2 && !case_failed; extreme++) {
-            const int per_row = C / type->block, groups = C / type->group;
-            const size_t bytes = (size_t)R * per_row * type->block_bytes;
-            uint8_t *blocks = xcalloc(bytes, 1);
-            for (size_t i = 0; i < bytes; i++) blocks[i] = extreme ? (types[ti] == 8 ? 0x80 : 0xFF) : (uint8_t)rand_below(256);
-            for (int b = 0; b < R * per_row; b++) { /* the f16 fields: d (and dmin, or Q4_1's m) */
-                uint8_t *at = blocks + (size_t)b * type->block_bytes;
-                uint16_t d = random_half(0.0005f, 0.004f, types[ti] == 8 || types[ti] == 14), second = random_half(0.0005f, 0.004f, types[ti] == 3);
-                memcpy(at + (types[ti] == 14 ? 208 : 0), &d, 2);
-                if (type->offsets) memcpy(at + 2, &second, 2);
-            }
-            Matrix blockwise = {.rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
-                                .blocks = blocks, .block_type = types[ti]};
-            void *packing = pack_for_kernels(&blockwise);
-            expect(blockwise.packed != NULL, "not packed");
-            expect(blockwise.packed_bits == type->value_bits, "values packed as %d bits", blockwise.packed_bits);
-            expect(blockwise.scale_form == (type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d", blockwise.scale_form);
-            expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
-                   "offsets in form %d", blockwise.offset_form);
-            /* the same matrix unpacked, as non-VNNI builds hold it */
-            int8_t *q = xcalloc((size_t)R * C, 1);
-            float *scales = xcalloc((size_t)R * groups, sizeof(float)), *offsets = xcalloc((size_t)R * groups, sizeof(float));
-            GGUFTensor tensor = {.n_dims = 2, .ne = {C, R, 1, 1}, .type = (uint32_t)types[ti], .data = (const char *)blocks, .bytes = bytes};
-            unpack_tensor(&tensor, type, q, scales, type->offsets ? offsets : NULL);
-            int8_t *values = xcalloc((size_t)R * C, 1); /* section 1's int8 values (4-bit types: unpacked from the nibbles) */
-            for (int i = 0; i < R * C; i++)
-                values[i] = type->bits == 4 ? (int8_t)((((uint8_t *)q)[i / 2] >> (i % 2 * 4) & 15) - 8) : q[i];
-            Matrix unpacked = {.scales = (const char *)scales, .rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
-                               .offsets = type->offsets ? offsets : NULL};
-            if (type->bits == 4) unpacked.q4 = (const uint8_t *)q;
-            else unpacked.q = q;
-            void *packing2 = pack_for_kernels(&unpacked);
-            float *x = xcalloc((size_t)N * C, sizeof(float)), *out = xcalloc((size_t)N * R, sizeof(float));
-            float *ref_out = xcalloc((size_t)N * R, sizeof(float)), *one = xcalloc(R, sizeof(float));
-            for (int i = 0; i < N * C; i++) x[i] = extreme ? 1.0f : rand_uniform(-3, 3) * (i % 11 == 0 ? 8 : 1);
-            for (int n = 1; n <= N && !case_failed; n++) {
-                matmul(out, x, &blockwise, n);
-    #ifdef VNNI
-                matmul(ref_out, x, &unpacked, n);
-                if (memcmp(out, ref_out, (size_t)n * R * sizeof(float)) != 0) {
-                    int i = 0;
-                    while (out[i] == ref_out[i]) i++;
-                    expect(0, "n %d, output %d: from the blocks %.9g, unpacked %.9g", n, i, out[i], ref_out[i]);
-                }
-    #endif
-                for (int b = 0; b < n && !case_failed; b++) {
-                    matmul(one, x + (size_t)b * C, &blockwise, 1);
-                    expect(memcmp(one, out + (size_t)b * R, R * sizeof(float)) == 0, "n %d: row %d differs alone", n, b);
-                }
-            }
-            int16_t *xq = xcalloc((size_t)N * C, sizeof(int16_t));
-            float *xs = xcalloc((size_t)N * groups, sizeof(float));
-            quantize_groups(xq, xs, x, (size_t)N * C, type->group);
-            for (int b = 0; b < N && !case_failed; b++)
-                for (int i = 0; i < R && !case_failed; i++) {
-                    double ref = 0, mag = 0;
-                    for (int g = 0; g < groups; g++) {
-                        double isum = 0, xsum = 0;
-                        for (int j = g * type->group; j < (g + 1) * type->group; j++) {
-                            isum += (double)values[(size_t)i * C + j] * xq[(size_t)b * C + j];
-                            xsum += x[(size_t)b * C + j];
-                        }
-                        const double t = isum * scales[(size_t)i * groups + g] * xs[(size_t)b * groups + g];
-                        const double o = type->offsets ? (double)offsets[(size_t)g * R + i] * xsum : 0.0;
-                        ref += t + o, mag += fabs(t) + fabs(o);
-                    }
-                    expect(fabs(out[(size_t)b * R + i] - ref) <= 1e-5 * mag + 1e-6, "row %d output %d: %.9g vs %.9g", b, i, out[(size_t)b * R + i], ref);
-                }
-            free(xq); free(xs); free(x); free(out); free(ref_out); free(one); free(values);
-            free(q); free(scales); free(offsets); free(blocks); free(packing); free(packing2);
-        }
+        for (int extreme = 0; extreme < 2 && !case_failed; extreme++) check_gguf_packing(types[ti], extreme, R, C, N);
         end();
     }
 #endif
