@@ -12413,6 +12413,14 @@ static long long integer_field(const JsonCursor *j, const char *name, JsonKind k
     return v;
 }
 
+/* Field "stop" replaces the command line's stop strings, as every field
+   given replaces its default: the line's list starts empty. (The line owns
+   only the strings it read.) */
+static void free_batch_stops(BatchLine *line) {
+    for (int k = 0; k < line->o.controls.n_stops; k++) free(line->stops[k]);
+    line->o.controls.n_stops = 0;
+}
+
 /* One more stop string of a batch line (field "stop"). */
 static void add_batch_stop(const JsonCursor *j, BatchLine *line, const char *text) {
     Controls *c = &line->o.controls;
@@ -12451,6 +12459,7 @@ static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, 
         if (!(o->controls.repetition_penalty > 0.0f)) json_fail(j, "field 'repetition_penalty': must be above 0");
     } else if (strcmp(name, "stop") == 0) {
         if (kind != JSON_STRING) json_fail(j, "field 'stop': must be a string or a list of strings");
+        free_batch_stops(line);
         add_batch_stop(j, line, text);
     }
     else if (strcmp(name, "early_stopping") == 0) {
@@ -12468,6 +12477,7 @@ static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, 
 static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
     j->p++; /* [ */
     json_space(j);
+    free_batch_stops(line);
     for (int first = 1; json_next_item(j, ']', &first, "field 'stop': expected ',' or ']' in the list");) {
         if (j->p >= j->end || *j->p != '"') json_fail(j, "field 'stop': must be a string or a list of strings");
         j->p++;
@@ -12668,11 +12678,6 @@ typedef struct {
     int vocab, seq_len, max_beams;
 } BatchLimits;
 
-static void free_batch_stops(BatchLine *line) {
-    for (int k = 0; k < line->o.controls.n_stops; k++) free(line->stops[k]);
-    line->o.controls.n_stops = 0;
-}
-
 /* Parses line `text` (n bytes, named `where` in errors) into *line, over the
    defaults in line->o. Returns 1 for a request, 0 for a blank line (spaces
    only), -1 for a refused one: its message went to stderr and is in
@@ -12845,6 +12850,8 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     const char *why;
     int *prompt = line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
+    for (int k = 0; k < line->o.controls.n_stops; k++) /* the request frees them all: the command line's are copied */
+        if (!line->stops[k]) line->o.controls.stops[k] = line->stops[k] = strdup(line->o.controls.stops[k]);
     Decoding d = decoding_of(&line->o, b->clock_seed);
     d.format = FORMAT_JSON;
     Request *r = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0, b->tok->eos_ends_generate, &d);

@@ -136,6 +136,29 @@ def suite_real():
         assert len(out.splitlines()) == 3, out
     case('batch_real_stdin', stdin_batch)
 
+    def stops_from_command_line():
+        # --stop on the command line is each line's default, and a line's
+        # "stop" (a string or a list) replaces it, as any field given does;
+        # each request equals its solo run with its own stop strings (a
+        # refused line and a blank one between them take nothing with them)
+        lines = [({'prompt': 'Once upon a time', 'temperature': 0}, ['--stop', 'the']),
+                 ({'prompt': 'Once upon a time', 'temperature': 0, 'stop': 'girl', 'id': 'own'}, ['--stop', 'girl']),
+                 ({'prompt': 'Lily and Tom', 'temperature': 1.0, 'seed': 5, 'stop': ['.', 'was'], 'id': 'list'},
+                  ['--stop', '.', '--stop', 'was'])]
+        want = {}
+        for i, (req, stops) in enumerate(lines):
+            want.update(expected_lines(model, tok, [dict(req, id=req.get('id', 1))], {}, ['-n', '100'] + stops))
+        path = os.path.join(WORK, 'stops.jsonl')
+        with open(path, 'w') as f:
+            f.write(json.dumps(lines[0][0]) + '\n{"prompt":"x","stop":"y","stop":"z"}\n  \n')
+            f.write(''.join(json.dumps(req) + '\n' for req, _ in lines[1:]))
+        code, out, err = run([model, '-z', tok, '-n', '100', '--stop', 'the', '--batch', path, '--ordered'])
+        assert code == 1, 'exit %d (a line was refused: want 1): %s' % (code, err.strip()[-300:])
+        got = out.splitlines()
+        assert json.loads(got[1]) == {'line': 2, 'error': json.loads(got[1])['error']} and 'twice' in got[1], got[1]
+        assert [got[0]] + got[2:] == [line for lines_of in want.values() for line in lines_of], (got, want)
+    case('batch_stop_from_command_line', stops_from_command_line)
+
     # prefix sharing: a long common preamble, different endings
     preamble = STORY + ' ' + STORY.replace('Lily', 'Anna')
     endings = ['Then', 'Later that day', 'The ball', 'Anna said', 'Suddenly', 'The sun', 'Tom', 'At night']

@@ -434,6 +434,22 @@ def test_api_key():
         assert srv.stop() == 0
 
 
+def test_stop_default():
+    """--stop is the default of every request; a request's "stop" replaces it."""
+    srv = Server('--stop', 'the')
+    try:
+        for req, stops in (({'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0}, ['--stop', 'the']),
+                           ({'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0, 'stop': 'girl'}, ['--stop', 'girl']),
+                           ({'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0, 'stop': ['.', 'girl']},
+                            ['--stop', '.', '--stop', 'girl'])):
+            status, out = srv.post('/v1/completions', req)
+            assert status == 200, out
+            want = cli(['-i', req['prompt'], '--max-new-tokens', '60', '-t', '0'] + stops)['text']
+            assert out['choices'][0]['text'] == want, (req, out['choices'][0]['text'], want)
+    finally:
+        assert srv.stop() == 0
+
+
 def test_sigterm():
     srv = Server()
     srv.post('/v1/completions', {'prompt': 'x', 'max_tokens': 2})
@@ -463,6 +479,7 @@ def main():
     case('serve_sigterm_exit_0', lambda: (test_sigterm(), None)[1])
     case('serve_first_server_exit_0', lambda: (_ for _ in ()).throw(AssertionError('exit %r' % code)) if code != 0 else None)
     case('serve_api_key', test_api_key)
+    case('serve_stop_default_replaced', test_stop_default)
 
 
 if __name__ == '__main__':
