@@ -2841,11 +2841,10 @@ KERNEL void block_f32(float *out, size_t stride, const void *w, size_t ld, int n
     for (int r = 0; r < NR; r++)
         for (int b = 0; b < NB; b++) acc[r * NB + b] = from ? from[r * NB + b] : vf_zero();
     const size_t ahead = (size_t)NR * step * size / (size_t)share; /* bytes of `next` prefetched a step */
-    const char *pre = next;
-    for (int j = 0; j < cols; j += step, pre += ahead) {
+    for (int j = 0; j < cols; j += step) {
         vfloat xv[MB_MAX_INPUTS];
         for (int b = 0; b < NB; b++) xv[b] = vf_load(xp + (size_t)(j / pack) * NB + b * SIMD_WIDTH);
-        if (pre) prefetch_far(pre, ahead);
+        if (next) prefetch_far((const char *)next + (size_t)(j / step) * ahead, ahead);
         for (int r = 0; r < NR; r++) {
             vfloat wv = vf_load_weights(wr[r], j, kind);
             for (int b = 0; b < NB; b++) acc[r * NB + b] = weight_products(acc[r * NB + b], wv, xv[b], kind);
