@@ -12412,9 +12412,10 @@ static long long integer_field(const JsonCursor *j, const char *name, JsonKind k
     return v;
 }
 
-/* Field "stop" replaces the command line's stop strings, as every field
-   given replaces its default: the line's list starts empty. (The line owns
-   only the strings it read.) */
+/* Empties the line's stop strings, freeing those it read (the command
+   line's, which it inherits, are only pointed to: their line->stops are
+   NULL). Field "stop" calls it first, so that a line's stop strings
+   replace the command line's, as every field given replaces its default. */
 static void free_batch_stops(BatchLine *line) {
     for (int k = 0; k < line->o.controls.n_stops; k++) free(line->stops[k]);
     line->o.controls.n_stops = 0;

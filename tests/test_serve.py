@@ -438,10 +438,10 @@ def test_stop_default():
     """--stop is the default of every request; a request's "stop" replaces it."""
     srv = Server('--stop', 'the')
     try:
-        for req, stops in (({'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0}, ['--stop', 'the']),
-                           ({'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0, 'stop': 'girl'}, ['--stop', 'girl']),
-                           ({'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0, 'stop': ['.', 'girl']},
-                            ['--stop', '.', '--stop', 'girl'])):
+        base = {'prompt': 'Once upon a time', 'max_tokens': 60, 'temperature': 0}
+        for given, stops in (({}, ['--stop', 'the']), ({'stop': 'girl'}, ['--stop', 'girl']),
+                             ({'stop': ['.', 'girl']}, ['--stop', '.', '--stop', 'girl'])):
+            req = dict(base, **given)
             status, out = srv.post('/v1/completions', req)
             assert status == 200, out
             want = cli(['-i', req['prompt'], '--max-new-tokens', '60', '-t', '0'] + stops)['text']
