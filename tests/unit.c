@@ -1657,6 +1657,49 @@ static void test_matmul_half(void) {
 #endif
 }
 
+/* Three 16-bit matrices of one call (as wq, wk and wv), tall enough for
+   AVX2 builds to take them in chunks of rows shared between threads, of
+   row counts that split into items unevenly (the first not a multiple of
+   a block): every output has the bits of the float32 matrices they widen
+   to, each multiplied alone, for n = 2..9 input rows. */
+static void test_matmul_shared_half(void) {
+    enum { C = 256, N = 9 };
+    const int rows[3] = {203, 72, 72};
+    static uint16_t h[3][203 * C];
+    static float w[3][203 * C], x[N * C], out[3][N * 203], want[N * 203];
+    uint64_t state = 0x5a4ed16ULL;
+    for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    for (int bf16 = 0; bf16 <= 1; bf16++) {
+        begin("matmul_shared %s (%s), 3 matrices of %d, %d and %d rows: the bits of the float32 matrices, n = 2..%d", bf16 ? "BF16" : "F16",
+              KERNEL_NAME, rows[0], rows[1], rows[2], N);
+        Matrix m16[3], m32[3];
+        for (int m = 0; m < 3; m++) {
+            for (int i = 0; i < rows[m] * C; i++) {
+                h[m][i] = (uint16_t)(draw_below(&state, 2) << 15 | (bf16 ? (120 + (int)draw_below(&state, 9)) << 7 | (int)draw_below(&state, 128)
+                                                                        : (1 + (int)draw_below(&state, 16)) << 10 | (int)draw_below(&state, 1024)));
+                uint32_t bits = (uint32_t)h[m][i] << 16;
+                if (bf16) memcpy(&w[m][i], &bits, sizeof(float));
+                else w[m][i] = half_by_definition(h[m][i]);
+            }
+            m16[m] = (Matrix){.half = h[m], .bf16 = bf16, .rows = rows[m], .cols = C};
+            m32[m] = (Matrix){.w = w[m], .rows = rows[m], .cols = C};
+        }
+        const Matrix *Ws[3] = {&m16[0], &m16[1], &m16[2]};
+        float *const outs[3] = {out[0], out[1], out[2]};
+        for (int n = 2; n <= N && !case_failed; n++) {
+            matmul_shared(Ws, outs, 3, x, n);
+            for (int m = 0; m < 3 && !case_failed; m++) {
+                matmul(want, x, &m32[m], n);
+                for (int k = 0; k < n * rows[m]; k++)
+                    if (!expect(memcmp(&out[m][k], &want[k], sizeof(float)) == 0, "n %d matrix %d output %d: %.9g, float32 %.9g", n, m, k,
+                                out[m][k], want[k]))
+                        break;
+            }
+        }
+        end();
+    }
+}
+
 #ifdef BF16_SPLIT
 /* bfloat16 in 12 bits (section 3): a matrix whose values take 15 high
    bytes and zero, with planted values of other high bytes (exceptions:
@@ -3102,6 +3145,7 @@ int main(void) {
     test_matmul_vector_shapes();
     test_matmul_slices();
     test_matmul_half();
+    test_matmul_shared_half();
 #ifdef BF16_SPLIT
     test_matmul_bf16_split();
 #endif
