@@ -4217,8 +4217,8 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
         int m = 0;
         while (t >= first[m + 1]) m++;
         const Matrix *W = Ws[m];
-        const int rows = block_rows(in), blocks = (W->rows + rows - 1) / rows, items = first[m + 1] - first[m], k = t - first[m];
-        const int i = rows * (int)((long long)blocks * k / items), end = rows * (int)((long long)blocks * (k + 1) / items);
+        const int height = block_rows(in), blocks = (W->rows + height - 1) / height, items = first[m + 1] - first[m], k = t - first[m];
+        const int i = height * (int)((long long)blocks * k / items), end = height * (int)((long long)blocks * (k + 1) / items); /* rows i..end-1 */
         const void *next = end < W->rows ? matrix_weights(W, end) : NULL;
 #if SIMD_WIDTH == 8 && defined(VF_HALF_LOADS)
         if (chunk[m] > 1) {
