@@ -4144,7 +4144,7 @@ static int block_rows(const Inputs *in) {
 static int takes_chunks(const Matrix *W) { return kernel_of(W) == KERNEL_F32_SIMD && W->half; }
 
 static int chunk_blocks(const Matrix *W, const Inputs *in) {
-    if (in->kind != KERNEL_F32_SIMD || in->n == 1 || !W->half) return 1;
+    if (in->n == 1 || !takes_chunks(W)) return 1;
     const int blocks = CHUNK_BYTES / (MB_ROWS * W->cols * (int)sizeof(uint16_t));
     const int spread = W->rows / (MB_ROWS * 4 * max_threads()); /* at least 4 chunks a thread */
     const int chunk = blocks < spread ? blocks : spread;
@@ -4197,6 +4197,8 @@ static int chunk_blocks(const Matrix *W, const Inputs *in) {
    was) 175 in both. */
 static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, const Inputs *in) {
     int first[MATMUL_SHARED_MAX + 1] = {0}, chunk[MATMUL_SHARED_MAX], least = 0; /* blocks a work item, at most */
+    int blocks[MATMUL_SHARED_MAX];
+    const int height = block_rows(in);
     double work = 0;
     for (int m = 0; m < count; m++) {
         chunk[m] = chunk_blocks(Ws[m], in);
@@ -4204,8 +4206,8 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
     }
     for (int m = 0; m < count; m++) {
         if (chunk[m] > 1) chunk[m] = least;
-        const int blocks = (Ws[m]->rows + block_rows(in) - 1) / block_rows(in);
-        first[m + 1] = first[m] + (blocks + chunk[m] - 1) / chunk[m];
+        blocks[m] = (Ws[m]->rows + height - 1) / height;
+        first[m + 1] = first[m] + (blocks[m] + chunk[m] - 1) / chunk[m];
         work += (double)Ws[m]->rows * Ws[m]->cols * in->n;
     }
     (void)work; /* read only by OpenMP */
@@ -4217,8 +4219,8 @@ static void matmul_simd(const Matrix *const *Ws, float *const *outs, int count, 
         int m = 0;
         while (t >= first[m + 1]) m++;
         const Matrix *W = Ws[m];
-        const int height = block_rows(in), blocks = (W->rows + height - 1) / height, items = first[m + 1] - first[m], k = t - first[m];
-        const int i = height * (int)((long long)blocks * k / items), end = height * (int)((long long)blocks * (k + 1) / items); /* rows i..end-1 */
+        const int items = first[m + 1] - first[m], k = t - first[m];
+        const int i = height * (int)((long long)blocks[m] * k / items), end = height * (int)((long long)blocks[m] * (k + 1) / items); /* rows i..end-1 */
         const void *next = end < W->rows ? matrix_weights(W, end) : NULL;
 #if SIMD_WIDTH == 8 && defined(VF_HALF_LOADS)
         if (chunk[m] > 1) {
@@ -11795,10 +11797,10 @@ typedef struct {
    of prefill_rows rows at positions 0..n-2 of a block table of its own,
    with the logits of every row: the row at position p predicts window[p + 1]. */
 static void score_window(Transformer *t, const int *window, int n, Score *sc) {
-    const int vocab = t->config.vocab_size;
+    const int vocab = t->config.vocab_size, step = prefill_rows(t);
     BlockTable table = {0};
     for (int done = 0; done < n - 1;) {
-        int rows = n - 1 - done < prefill_rows(t) ? n - 1 - done : prefill_rows(t);
+        int rows = n - 1 - done < step ? n - 1 - done : step;
         const float *logits = forward_rows(t, &table, window + done, rows, done, 1);
         for (int r = 0; r < rows; r++) sc->nll_sum -= log_prob(logits + (size_t)r * vocab, vocab, window[done + r + 1]);
         sc->tokens += rows;

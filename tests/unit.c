@@ -1580,6 +1580,22 @@ static float half_by_definition(uint16_t h) {
     return (float)(h & 0x8000 ? -v : v);
 }
 
+/* A random F16 (bf16 0) or BF16 value in *h, and in *w the float it
+   widens to (a half's by its definition), exponents kept small (|w| < 4):
+   a half's 1..16, a bfloat16's 120..128. */
+static void draw_half(uint64_t *state, int bf16, uint16_t *h, float *w) {
+    int e = bf16 ? 120 + (int)draw_below(state, 9) : 1 + (int)draw_below(state, 16);
+    uint16_t sign = (uint16_t)(draw_below(state, 2) << 15);
+    if (bf16) {
+        *h = (uint16_t)(sign | e << 7 | (int)draw_below(state, 128));
+        uint32_t bits = (uint32_t)*h << 16;
+        memcpy(w, &bits, sizeof(float));
+    } else {
+        *h = (uint16_t)(sign | e << 10 | (int)draw_below(state, 1024));
+        *w = half_by_definition(*h);
+    }
+}
+
 /* GGUF F16 and BF16 matrices, read in place and widened by the kernels as
    they load (section 2.2): every output, for n = 1..40 input rows and rows
    long enough for slices, has the same bits as the float32 matrix of the
@@ -1592,19 +1608,7 @@ static void test_matmul_half(void) {
     for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
     for (int bf16 = 0; bf16 <= 1; bf16++) {
         begin("matmul %s (%s): the bits of the float32 matrix it widens to, n = 1..%d", bf16 ? "BF16" : "F16", KERNEL_NAME, N);
-        for (int i = 0; i < R * C; i++) {
-            /* exponents kept small (|w| < 4): a half's 1..30, a bfloat16's 120..128 */
-            int e = bf16 ? 120 + (int)draw_below(&state, 9) : 1 + (int)draw_below(&state, 16);
-            uint16_t sign = (uint16_t)(draw_below(&state, 2) << 15);
-            if (bf16) {
-                h[i] = (uint16_t)(sign | e << 7 | (int)draw_below(&state, 128));
-                uint32_t bits = (uint32_t)h[i] << 16;
-                memcpy(&w[i], &bits, sizeof(float));
-            } else {
-                h[i] = (uint16_t)(sign | e << 10 | (int)draw_below(&state, 1024));
-                w[i] = half_by_definition(h[i]);
-            }
-        }
+        for (int i = 0; i < R * C; i++) draw_half(&state, bf16, &h[i], &w[i]);
         if (!bf16) h[5] = 0x0201, w[5] = half_by_definition(0x0201); /* a subnormal */
         Matrix m16 = {.half = h, .bf16 = bf16, .rows = R, .cols = C}, m32 = {.w = w, .rows = R, .cols = C};
         for (int n = 1; n <= N && !case_failed; n++) {
@@ -1674,13 +1678,7 @@ static void test_matmul_shared_half(void) {
               KERNEL_NAME, rows[0], rows[1], rows[2], N);
         Matrix m16[3], m32[3];
         for (int m = 0; m < 3; m++) {
-            for (int i = 0; i < rows[m] * C; i++) {
-                h[m][i] = (uint16_t)(draw_below(&state, 2) << 15 | (bf16 ? (120 + (int)draw_below(&state, 9)) << 7 | (int)draw_below(&state, 128)
-                                                                        : (1 + (int)draw_below(&state, 16)) << 10 | (int)draw_below(&state, 1024)));
-                uint32_t bits = (uint32_t)h[m][i] << 16;
-                if (bf16) memcpy(&w[m][i], &bits, sizeof(float));
-                else w[m][i] = half_by_definition(h[m][i]);
-            }
+            for (int i = 0; i < rows[m] * C; i++) draw_half(&state, bf16, &h[m][i], &w[m][i]);
             m16[m] = (Matrix){.half = h[m], .bf16 = bf16, .rows = rows[m], .cols = C};
             m32[m] = (Matrix){.w = w[m], .rows = rows[m], .cols = C};
         }
