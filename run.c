@@ -740,8 +740,58 @@ typedef struct {
     int rope_scaling;    /* ROPE_SCALING_NONE or ROPE_SCALING_LLAMA3 */
     float rope_factor, rope_low_freq_factor, rope_high_freq_factor; /* llama3 scaling */
     int rope_original_context; /* llama3 scaling: the context the model was trained with */
-    int rope_halves;     /* RoPE turns element i with i + head_size / 2 (GGUF qwen2), not adjacent pairs */
+    int rope_halves;     /* RoPE turns element i with i + rope_dims / 2 (GGUF qwen2 and most others), not adjacent pairs */
+    /* the width of a head and of the part RoPE turns: dim / n_heads for
+       run.c's own checkpoints; a GGUF file may set both apart (section 2.3) */
+    int head_size;
+    int rope_dims;
+    const struct Arch *arch; /* the architecture's row (section 2.3): what the forward pass adds to llama's */
+    int window;          /* the windowed layers' attention reaches the last `window` positions; 0: no windows */
+    float rope_theta_local;   /* RoPE base of the windowed layers */
+    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 1: none */
+    float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite) */
+    float residual_scale;     /* each block's output times this as it joins the residual (Granite) */
+    float att_multiplier;     /* attention scores times this; 0: divided by sqrt(head_size) */
+    float logit_scale;        /* the logits divided by this (Granite) */
+    float softcap;            /* logits = softcap * tanh(logits / softcap) (Gemma); 0: none */
 } Config;
+
+/* An architecture (GGUF's general.architecture): llama's forward pass and
+   which of a few optional steps it adds (section 4 names each where it
+   runs). run.c's own checkpoints are `llama`. */
+enum { ACT_SILU, ACT_GELU };
+typedef struct Arch {
+    const char *name;
+    int rope_halves;    /* RoPE pairs (i, i + rope_dims / 2) (llama.cpp's NEOX); 0: adjacent pairs
+                           (its NORM: the converter permuted q and k's rows to them) */
+    int qk_norm;        /* q and k RMS-normalised head by head (attn_q_norm, attn_k_norm), before RoPE */
+    int post_norms;     /* the attention's and the FFN's outputs RMS-normalised before they join the
+                           residual (post_attention_norm, post_ffw_norm) */
+    int activation;     /* the gated FFN's: ACT_SILU (SwiGLU) or ACT_GELU (GELU, tanh form) */
+    int embed_sqrt_dim; /* the embedding times sqrt(dim) */
+    int window_period;  /* where the file gives a sliding window: layer l attends to all its past when
+                           l % period == period - 1, to the window otherwise */
+    int no_rope_period; /* layer l turns no RoPE when (l + 1) % period == 0; 0: all turn */
+    int fused;          /* attn_qkv may hold q, k and v's rows, ffn_up the gate's then the up's */
+    int scales;         /* the file's embedding, residual, attention and logit scales (Granite) */
+} Arch;
+
+static const Arch ARCHS[] = {
+    /* name      halves qk_norm post_norms activation sqrt(dim) window no_rope fused scales */
+    {"llama",    0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0},
+    {"qwen2",    1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0},
+    {"qwen3",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0},
+    {"gemma3",   1,     1,      1,         ACT_GELU,  1,        6,     0,      0,    0},
+    {"phi3",     1,     0,      0,         ACT_SILU,  0,        0,     0,      1,    0},
+    {"smollm3",  0,     0,      0,         ACT_SILU,  0,        0,     4,      0,    0},
+    {"granite",  0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    1},
+};
+#define N_ARCHS ((int)(sizeof(ARCHS) / sizeof(ARCHS[0])))
+#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite"
+
+/* Query and key/value widths of a row: heads x head_size. */
+static int q_dim(const Config *p) { return p->n_heads * p->head_size; }
+static int kv_dim_of(const Config *p) { return p->n_kv_heads * p->head_size; }
 
 enum { ROPE_SCALING_NONE, ROPE_SCALING_LLAMA3 };
 
@@ -817,6 +867,8 @@ typedef struct {
     const float *bq; /* GGUF qwen2: (n_layers, dim) biases of q; NULL: none */
     const float *bk; /* (n_layers, kv_dim) biases of k, or NULL */
     const float *bv; /* (n_layers, kv_dim) biases of v, or NULL */
+    const float *q_norm, *k_norm;     /* Arch qk_norm: (n_layers, head_size); NULL: none */
+    const float *post_att, *post_ffn; /* Arch post_norms: (n_layers, dim); NULL: none */
 } Weights;
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
@@ -865,16 +917,16 @@ typedef struct {
     int context;    /* the most positions a sequence may reach */
     float att_scale; /* what attention scores are divided by, or multiplied by: attention_scale */
     float *x;       /* (max_rows, dim) residual stream */
-    float *xb;      /* (max_rows, dim) normalised input / attention output */
+    float *xb;      /* (max_rows, dim) normalised input / (max_rows, q_dim) attention output */
     float *xb2;     /* (max_rows, dim) projection output */
     float *hb;      /* (max_rows, hidden_dim) FFN gate */
     float *hb2;     /* (max_rows, hidden_dim) FFN up */
-    float *q;       /* (max_rows, dim) queries */
-    float *q_turned; /* (max_rows, 2, dim) --keep: each query rotated for the ring's two stretches (kv_query_turn) */
+    float *q;       /* (max_rows, q_dim) queries */
+    float *q_turned; /* (max_rows, 2, q_dim) --keep: each query rotated for the ring's two stretches (kv_query_turn) */
     float *k;       /* (max_rows, kv_dim) keys of the rows, before caching */
     float *v;       /* (max_rows, kv_dim) values of the rows, before caching */
     float *att;     /* (threads, attention_floats) attention scores, queries, outputs and converted rows, per thread */
-    float *chunks;  /* (attention_chunks(context), dim) a lone row's values summed over each chunk of positions */
+    float *chunks;  /* (attention_chunks(context), q_dim) a lone row's values summed over each chunk of positions */
     int *tiles;     /* (max_rows + 1) the first row of each tile of attention, then the row count */
     int *groups;    /* (max_rows + 1) the first tile of each group of tiles, then the tile count */
     float *logits;  /* (max_rows, vocab_size) */
@@ -896,7 +948,10 @@ typedef struct {
     int version;      /* 0 legacy, 1 float32 "ak42", 2 int8 "ak42", 3 4-bit "ak42", 4 "ak42" with RoPE and norm
                          settings; VERSION_GGUF a GGUF file */
     int group_size;   /* versions 2, 3 (and 4 with int8 weights): quantised values per float32 scale */
-    float *rope_freq; /* version 4: (head_size / 2) RoPE inverse frequencies; NULL: 10000^(-d/head_size) */
+    float *rope_freq; /* version 4, GGUF: (rope_dims / 2) RoPE inverse frequencies; NULL: 10000^(-d/head_size) */
+    float *rope_freq_local; /* GGUF with a sliding window: the windowed layers' (rope_dims / 2); NULL: none */
+    float *rope_freq_other; /* GGUF with LongRoPE: the factors' table not in use (choose_rope_factors) */
+    int rope_long;          /* rope_freq has LongRoPE's long factors */
     Weights weights;
     RunState state;
     void *mapping;    /* the whole checkpoint file, mmap'ed read-only */
@@ -967,18 +1022,28 @@ static int32_t read_i32(const char *p) { int32_t v; memcpy(&v, p, 4); return v; 
 /* Checks the header fields. Every array in the file is the product of at most
    two positive int32 fields, so its float count is below 2^62 and its byte
    count below 2^64: sizes cannot wrap, and take_floats compares each one with
-   what is left of the file before it is used. */
-static void validate_config(const Config *p, const char *path) {
+   what is left of the file before it is used.
+   A head is dim / n_heads wide unless the file set head_size (GGUF); RoPE
+   turns all of it unless the file set rope_dims. */
+static void validate_config(Config *p, const char *path) {
     const int fields[] = {p->dim, p->hidden_dim, p->n_layers, p->n_heads, p->n_kv_heads, p->vocab_size, p->seq_len};
     const char *names[] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"};
     for (int i = 0; i < 7; i++)
         if (fields[i] <= 0) die(EXIT_BAD_FILE, "%s: bad header: %s is %d, must be positive", path, names[i], fields[i]);
-    if (p->dim % p->n_heads != 0)
+    if (p->head_size == 0 && p->dim % p->n_heads != 0)
         die(EXIT_BAD_FILE, "%s: bad header: dim %d is not divisible by n_heads %d", path, p->dim, p->n_heads);
     if (p->n_heads % p->n_kv_heads != 0)
         die(EXIT_BAD_FILE, "%s: bad header: n_heads %d is not divisible by n_kv_heads %d", path, p->n_heads, p->n_kv_heads);
-    if ((p->dim / p->n_heads) % 2 != 0)
-        die(EXIT_BAD_FILE, "%s: bad header: head size %d is odd (RoPE rotates pairs)", path, p->dim / p->n_heads);
+    if (!p->arch) p->arch = &ARCHS[0];
+    if (p->head_size == 0) p->head_size = p->dim / p->n_heads;
+    if (p->rope_dims == 0) p->rope_dims = p->head_size;
+    if (p->head_size % 2 != 0)
+        die(EXIT_BAD_FILE, "%s: bad header: head size %d is odd (RoPE rotates pairs)", path, p->head_size);
+    if (p->rope_dims % 2 != 0 || p->rope_dims > p->head_size)
+        die(EXIT_BAD_FILE, "%s: bad header: RoPE turns %d values of a head of %d (an even count, at most the head)", path, p->rope_dims,
+            p->head_size);
+    if ((long long)p->n_heads * p->head_size > INT_MAX / 4)
+        die(EXIT_BAD_FILE, "%s: bad header: %d heads of %d values are too wide", path, p->n_heads, p->head_size);
     if (p->vocab_size < 3)
         die(EXIT_BAD_FILE, "%s: bad header: vocab_size %d has no room for BOS (1) and EOS (2)", path, p->vocab_size);
 }
@@ -1191,7 +1256,7 @@ static int read_header(Transformer *t, FileCursor *c) {
         t->version = 0;
         c->offset = LEGACY_HEADER_BYTES;
     }
-    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6], 1e-5f, 10000.0f, ROPE_SCALING_NONE, 0, 0, 0, 0, 0};
+    t->config = (Config){h[0], h[1], h[2], h[3], h[4], h[5], h[6], 1e-5f, 10000.0f, ROPE_SCALING_NONE, 0, 0, 0, 0, 0, .arch = NULL};
     validate_config(&t->config, c->path);
     t->weight_bits = t->version == 3 ? 4 : 8;
     if (t->version == 4) read_header_v4(t, c);
@@ -1876,8 +1941,7 @@ static int packs_blocks(const GGMLType *type); /* section 3 */
    them: half the bytes of float32 to read per token); the block types
    left as they are for the builds that pack them straight from their
    blocks (pack_weights), or else unpacked. */
-static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int rows, int cols) {
-    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, (uint64_t)rows, 1);
+static Matrix gguf_matrix_of(Transformer *t, const GGUF *g, const GGUFTensor *x, const char *name, int rows, int cols) {
     const GGMLType *type = ggml_type(x->type);
     const size_t count = (size_t)rows * (size_t)cols;
     Matrix m = {.rows = rows, .cols = cols};
@@ -1911,6 +1975,22 @@ static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int r
     else m.q = (const int8_t *)memory;
     release_pages(x->data, (size_t)x->bytes); /* read once, never again */
     return m;
+}
+
+static Matrix gguf_matrix(Transformer *t, const GGUF *g, const char *name, int rows, int cols) {
+    return gguf_matrix_of(t, g, gguf_shaped(g, name, (uint64_t)cols, (uint64_t)rows, 1), name, rows, cols);
+}
+
+/* Rows first..first+rows-1 of the matrix tensor x as a tensor of their own
+   (a row is whole blocks, so they lie together): one of the matrices that
+   a fused tensor holds. */
+static GGUFTensor tensor_rows(const GGUFTensor *x, uint64_t first, uint64_t rows) {
+    GGUFTensor part = *x;
+    const uint64_t row_bytes = x->bytes / x->ne[1];
+    part.data = x->data + first * row_bytes;
+    part.ne[1] = rows;
+    part.bytes = rows * row_bytes;
+    return part;
 }
 
 /* The token embedding (rows, cols): of a block type, read in place, each
@@ -1951,11 +2031,31 @@ static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what
     return v;
 }
 
-/* The hyperparameters of a `llama` or `qwen2` file; returns whether RoPE
-   turns halves (qwen2). */
-static int gguf_config(Config *p, const GGUF *g, const char *arch) {
+/* The architecture named by the file: its row of ARCHS. Linear-attention and
+   recurrent hybrids are named as such. */
+static const Arch *gguf_arch(const GGUF *g, const char *arch) {
+    for (int i = 0; i < N_ARCHS; i++)
+        if (strcmp(arch, ARCHS[i].name) == 0) return &ARCHS[i];
+    const char *hybrid = strstr(arch, "mamba") || strstr(arch, "rwkv") || strstr(arch, "next") || strstr(arch, "hybrid") || strstr(arch, "jamba")
+                             ? " (a recurrent or linear-attention hybrid, which this program does not run)"
+                             : "";
+    die(EXIT_BAD_FILE, "%s: GGUF architecture '%s'%s is not one this program runs (" ARCH_NAMES ")", g->path, arch, hybrid);
+    return NULL;
+}
+
+/* A positive finite float metadata `key` of the architecture, or `absent`. */
+static float gguf_positive(const GGUF *g, const char *key, float absent) {
+    float v = gguf_float(g, key, absent);
+    if (!(v > 0.0f && isfinite(v)) && v != absent) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g, must be positive", g->path, key, v);
+    return v;
+}
+
+/* The hyperparameters of a file of architecture `arch` (its row: p->arch):
+   widths, heads, RoPE, the sliding window and the scales the row reads. */
+static void gguf_config(Config *p, const GGUF *g, const char *arch) {
     char key[128];
 #define ARCH_KEY(name) (snprintf(key, sizeof(key), "%s.%s", arch, name), key)
+    const Arch *a = p->arch;
     p->dim = gguf_int(g, ARCH_KEY("embedding_length"), -1, 1, INT_MAX);
     p->hidden_dim = gguf_int(g, ARCH_KEY("feed_forward_length"), -1, 1, INT_MAX);
     p->n_layers = gguf_int(g, ARCH_KEY("block_count"), -1, 1, 65536);
@@ -1965,56 +2065,144 @@ static int gguf_config(Config *p, const GGUF *g, const char *arch) {
     p->norm_eps = gguf_float(g, ARCH_KEY("attention.layer_norm_rms_epsilon"), 1e-5f);
     p->rope_theta = gguf_float(g, ARCH_KEY("rope.freq_base"), 10000.0f);
     p->rope_scaling = ROPE_SCALING_NONE;
+    p->rope_halves = a->rope_halves;
     const GGUFTensor *embedding = gguf_tensor(g, "token_embd.weight");
     if (!embedding) die(EXIT_BAD_FILE, "%s: GGUF tensor 'token_embd.weight' is missing", g->path);
     if (embedding->ne[1] > INT_MAX) die(EXIT_BAD_FILE, "%s: bad GGUF: %llu tokens", g->path, (unsigned long long)embedding->ne[1]);
     p->vocab_size = (int)embedding->ne[1];
+    /* a head's width: key_length where the file sets it (Qwen3, Gemma 3, Mistral Nemo), which values share */
+    const int heads = p->dim % p->n_heads == 0 ? p->dim / p->n_heads : 0;
+    p->head_size = gguf_int(g, ARCH_KEY("attention.key_length"), heads > 0 ? heads : -1, 2, 65536);
+    const int value_length = gguf_int(g, ARCH_KEY("attention.value_length"), p->head_size, 1, 65536);
+    if (value_length != p->head_size)
+        die(EXIT_BAD_FILE, "%s: %s is %d, not the key length %d (this program runs heads whose keys and values are alike)", g->path, key,
+            value_length, p->head_size);
+    p->rope_dims = gguf_int(g, ARCH_KEY("rope.dimension_count"), p->head_size, 2, p->head_size);
     validate_config(p, g->path);
     if (!(p->norm_eps >= 0.0f && p->norm_eps < 1.0f))
         die(EXIT_BAD_FILE, "%s: bad GGUF: rms epsilon %g is not in [0, 1)", g->path, p->norm_eps);
     if (!(p->rope_theta > 0.0f && isfinite(p->rope_theta)))
         die(EXIT_BAD_FILE, "%s: bad GGUF: rope.freq_base %g must be positive", g->path, p->rope_theta);
-    const int head_size = p->dim / p->n_heads;
-    const char *per_head[] = {"rope.dimension_count", "attention.key_length", "attention.value_length"};
-    for (int i = 0; i < 3; i++) {
-        int n = gguf_int(g, ARCH_KEY(per_head[i]), head_size, 0, INT_MAX);
-        if (n != head_size)
-            die(EXIT_BAD_FILE, "%s: %s is %d, not the head size %d (this program runs whole heads only)", g->path, key, n, head_size);
+    if (a->window_period) {
+        p->window = gguf_int(g, ARCH_KEY("attention.sliding_window"), 0, 0, INT_MAX);
+        p->rope_theta_local = gguf_positive(g, ARCH_KEY("rope.freq_base_swa"), 10000.0f);
+    }
+    p->rope_mscale = gguf_positive(g, ARCH_KEY("rope.scaling.attn_factor"), 1.0f);
+    p->softcap = gguf_positive(g, ARCH_KEY("final_logit_softcapping"), 0.0f);
+    if (a->embed_sqrt_dim) p->embed_scale = sqrtf((float)p->dim);
+    /* Gemma 3 scales queries by 1/sqrt(head_size) but for 27B (62 layers), by 1/sqrt(dim / n_heads) */
+    if (a->embed_sqrt_dim) p->att_multiplier = 1.0f / sqrtf((float)(p->n_layers == 62 ? p->dim / p->n_heads : p->head_size));
+    if (a->scales) {
+        p->embed_scale = gguf_positive(g, ARCH_KEY("embedding_scale"), 0.0f);
+        p->residual_scale = gguf_positive(g, ARCH_KEY("residual_scale"), 0.0f);
+        p->att_multiplier = gguf_positive(g, ARCH_KEY("attention.scale"), 0.0f);
+        p->logit_scale = gguf_positive(g, ARCH_KEY("logit_scale"), 0.0f);
+        if (p->logit_scale == 0.0f) die(EXIT_BAD_FILE, "%s: GGUF metadata '%s' is missing", g->path, key);
     }
     const GGUFValue *tokens = gguf_value(g, "tokenizer.ggml.tokens");
     if (tokens && (tokens->type != GGUF_ARRAY || tokens->count != (uint64_t)p->vocab_size))
         die(EXIT_BAD_FILE, "%s: the vocabulary has %llu tokens, the token embedding %d", g->path,
             (unsigned long long)(tokens->type == GGUF_ARRAY ? tokens->count : 0), p->vocab_size);
-    return strcmp(arch, "qwen2") == 0;
 #undef ARCH_KEY
 }
 
-/* RoPE's inverse frequencies (head_size / 2): theta^(-2i / head_size),
-   divided by rope_freqs.weight's factors and by a linear scaling factor
-   where the file has them. Computed in double, rounded once to float. */
-static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *arch) {
-    const int half = p->dim / p->n_heads / 2;
+/* RoPE's inverse frequencies (rope_dims / 2) for base theta:
+   theta^(-2i / rope_dims), divided by the factors of the tensor `factors`
+   (Llama 3.1's rope_freqs, Phi-3's LongRoPE factors) and by a linear
+   scaling factor where the file has them. Computed in double, rounded once
+   to float. `linear`: whether the file's linear scaling applies (not to
+   Gemma 3's windowed layers). */
+static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *arch, double theta, const char *factors_name, int linear) {
+    const int half = p->rope_dims / 2;
     float *freq = xcalloc((size_t)half, sizeof(float)), *factors = xcalloc((size_t)half, sizeof(float));
-    int have_factors = gguf_vector(g, "rope_freqs.weight", factors, half, 0);
+    int have_factors = gguf_vector(g, factors_name, factors, half, 0);
     char key[128];
     snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
     char *scaling = gguf_string(g, key);
-    double linear = 1.0;
-    if (scaling && strcmp(scaling, "linear") == 0) {
+    double by = 1.0;
+    if (scaling && strcmp(scaling, "linear") == 0 && linear) {
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
-        linear = gguf_float(g, key, 1.0f);
-        if (!(linear > 0.0 && isfinite(linear))) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, linear);
-    } else if (scaling && strcmp(scaling, "none") != 0)
-        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, or rope_freqs factors)", g->path, scaling);
+        by = gguf_float(g, key, 1.0f);
+        if (!(by > 0.0 && isfinite(by))) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, by);
+    } else if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0)
+        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, longrope, or rope_freqs factors)", g->path, scaling);
     for (int i = 0; i < half; i++) {
         if (have_factors && !(factors[i] > 0.0f && isfinite(factors[i])))
-            die(EXIT_BAD_FILE, "%s: bad GGUF: rope_freqs.weight[%d] is %g, must be positive", g->path, i, factors[i]);
-        double f = pow((double)p->rope_theta, -2.0 * i / (2.0 * half)) / linear;
+            die(EXIT_BAD_FILE, "%s: bad GGUF: %s[%d] is %g, must be positive", g->path, factors_name, i, factors[i]);
+        double f = pow(theta, -2.0 * i / (2.0 * half)) / by;
         freq[i] = (float)(have_factors ? f / factors[i] : f);
     }
     free(scaling);
     free(factors);
     return freq;
+}
+
+/* Phi-3's LongRoPE: the short factors serve a context up to the original
+   one (rope.scaling.original_context_length), the long ones a longer
+   context, as llama.cpp chooses them; t->rope_freq is the table in use,
+   t->rope_freq_other the other. Called at load and again when --ctx-size
+   changes the context. */
+static void choose_rope_factors(Transformer *t) {
+    if (!t->rope_freq_other) return;
+    const int want_long = t->config.seq_len > t->config.rope_original_context;
+    if (want_long != t->rope_long) {
+        float *f = t->rope_freq;
+        t->rope_freq = t->rope_freq_other;
+        t->rope_freq_other = f;
+        t->rope_long = want_long;
+    }
+}
+
+/* The RoPE tables of a GGUF model: the global layers' (with Llama 3.1's
+   rope_freqs or Phi-3's LongRoPE factors), and Gemma 3's windowed layers'
+   at their own base. */
+static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
+    Config *p = &t->config;
+    char key[128];
+    snprintf(key, sizeof(key), "%s.rope.scaling.original_context_length", arch);
+    p->rope_original_context = gguf_int(g, key, p->seq_len, 1, INT_MAX);
+    if (gguf_tensor(g, "rope_factors_short.weight") || gguf_tensor(g, "rope_factors_long.weight")) {
+        t->rope_freq = gguf_rope_frequencies(g, p, arch, p->rope_theta, "rope_factors_short.weight", 1);
+        t->rope_freq_other = gguf_rope_frequencies(g, p, arch, p->rope_theta, "rope_factors_long.weight", 1);
+        choose_rope_factors(t);
+    } else
+        t->rope_freq = gguf_rope_frequencies(g, p, arch, p->rope_theta, "rope_freqs.weight", 1);
+    if (p->window > 0) t->rope_freq_local = gguf_rope_frequencies(g, p, arch, p->rope_theta_local, "", 0);
+}
+
+/* Layer matrices stored apart (blk.N.<names[i]>.weight) or fused in one
+   tensor blk.N.<fused>.weight whose rows are theirs in order (fused: NULL
+   or absent, apart): out[i] the n_layers matrices of rows[i] rows. */
+static void gguf_layer_parts(Transformer *t, const GGUF *g, const char *fused, const char *const *names, const int *rows, int n, int cols,
+                             Matrix **out) {
+    const int L = t->config.n_layers;
+    char name[64];
+    if (fused) snprintf(name, sizeof(name), "blk.0.%s.weight", fused);
+    if (!fused || !gguf_tensor(g, name)) {
+        for (int i = 0; i < n; i++) out[i] = gguf_layer_matrices(t, g, names[i], rows[i], cols);
+        return;
+    }
+    int total = 0;
+    for (int i = 0; i < n; i++) {
+        out[i] = xcalloc((size_t)L, sizeof(Matrix));
+        total += rows[i];
+    }
+    for (int l = 0; l < L; l++) {
+        snprintf(name, sizeof(name), "blk.%d.%s.weight", l, fused);
+        const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, (uint64_t)total, 1);
+        for (int i = 0, first = 0; i < n; first += rows[i++]) {
+            GGUFTensor part = tensor_rows(x, (uint64_t)first, (uint64_t)rows[i]);
+            out[i][l] = gguf_matrix_of(t, g, &part, name, rows[i], cols);
+        }
+    }
+}
+
+/* The norm weights blk.N.<what>.weight of n floats of every layer, when
+   the architecture has them (`has`), else NULL. */
+static const float *gguf_layer_norms(Transformer *t, const GGUF *g, int has, const char *what, int n) {
+    char name[40];
+    snprintf(name, sizeof(name), "%s.weight", what);
+    return has ? gguf_layer_vectors(t, g, name, n, 1) : NULL;
 }
 
 /* Reads the model of a parsed GGUF file into t. */
@@ -2024,28 +2212,34 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
             GGUF_CONVERT_HINT, g->path);
     char *arch = gguf_string(g, "general.architecture");
     if (!arch) die(EXIT_BAD_FILE, "%s: GGUF metadata 'general.architecture' is missing", g->path);
-    if (strcmp(arch, "llama") != 0 && strcmp(arch, "qwen2") != 0)
-        die(EXIT_BAD_FILE, "%s: GGUF architecture '%s' is not one this program runs (llama, qwen2)", g->path, arch);
     Config *p = &t->config;
-    p->rope_halves = gguf_config(p, g, arch);
+    p->arch = gguf_arch(g, arch);
+    gguf_config(p, g, arch);
     t->version = VERSION_GGUF;
-    t->rope_freq = gguf_rope_frequencies(g, p, arch);
-    const int dim = p->dim, hidden = p->hidden_dim, kv_dim = dim / p->n_heads * p->n_kv_heads;
+    gguf_rope(t, g, arch);
+    const Arch *a = p->arch;
+    const int dim = p->dim, hidden = p->hidden_dim, qd = q_dim(p), kv_dim = kv_dim_of(p);
     Weights *w = &t->weights;
     w->token_embedding = gguf_embedding(t, g, p->vocab_size, dim);
-    w->wq = gguf_layer_matrices(t, g, "attn_q", dim, dim);
-    w->wk = gguf_layer_matrices(t, g, "attn_k", kv_dim, dim);
-    w->wv = gguf_layer_matrices(t, g, "attn_v", kv_dim, dim);
-    w->wo = gguf_layer_matrices(t, g, "attn_output", dim, dim);
-    w->w1 = gguf_layer_matrices(t, g, "ffn_gate", hidden, dim);
+    const char *qkv_names[] = {"attn_q", "attn_k", "attn_v"}, *up_names[] = {"ffn_gate", "ffn_up"};
+    const int qkv_rows[] = {qd, kv_dim, kv_dim}, up_rows[] = {hidden, hidden};
+    Matrix *qkv[3], *up[2];
+    gguf_layer_parts(t, g, a->fused ? "attn_qkv" : NULL, qkv_names, qkv_rows, 3, dim, qkv);
+    gguf_layer_parts(t, g, a->fused ? "ffn_up" : NULL, up_names, up_rows, 2, dim, up);
+    w->wq = qkv[0], w->wk = qkv[1], w->wv = qkv[2];
+    w->w1 = up[0], w->w3 = up[1];
+    w->wo = gguf_layer_matrices(t, g, "attn_output", dim, qd);
     w->w2 = gguf_layer_matrices(t, g, "ffn_down", dim, hidden);
-    w->w3 = gguf_layer_matrices(t, g, "ffn_up", hidden, dim);
     w->rms_att = gguf_layer_vectors(t, g, "attn_norm.weight", dim, 1);
     w->rms_ffn = gguf_layer_vectors(t, g, "ffn_norm.weight", dim, 1);
+    w->q_norm = gguf_layer_norms(t, g, a->qk_norm, "attn_q_norm", p->head_size);
+    w->k_norm = gguf_layer_norms(t, g, a->qk_norm, "attn_k_norm", p->head_size);
+    w->post_att = gguf_layer_norms(t, g, a->post_norms, "post_attention_norm", dim);
+    w->post_ffn = gguf_layer_norms(t, g, a->post_norms, "post_ffw_norm", dim);
     float *final = model_pages(t, (size_t)dim * sizeof(float));
     gguf_vector(g, "output_norm.weight", final, dim, 1);
     w->rms_final = final;
-    w->bq = gguf_layer_vectors(t, g, "attn_q.bias", dim, 0);
+    w->bq = gguf_layer_vectors(t, g, "attn_q.bias", qd, 0);
     w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
     w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
     if (gguf_tensor(g, "output.weight")) w->wcls = gguf_matrix(t, g, "output.weight", p->vocab_size, dim);
@@ -2088,6 +2282,8 @@ static void load_checkpoint(Transformer *t, const char *path) { load_checkpoint_
 static void free_transformer(Transformer *t) {
     Weights *w = &t->weights;
     free(t->rope_freq);
+    free(t->rope_freq_local);
+    free(t->rope_freq_other);
     unpack_weights(t);
     free(w->wq); free(w->wk); free(w->wv); free(w->wo);
     free(w->w1); free(w->w2); free(w->w3);
@@ -4902,15 +5098,24 @@ static void unpack_weights(Transformer *t) {
    from rope_frequencies() (version 4). q (dim values) is rotated in all
    heads and k (kv_dim values) in the key heads (k may be NULL when kv_dim
    is 0); each angle's cosine and sine are computed once for all the heads.
-   `halves` (GGUF qwen2, Hugging Face's order): pair i of a head is
-   (v[i], v[i + head_size / 2]) instead, turned by the same angle. */
-static void rope(float *q, float *k, int pos, int dim, int kv_dim, int head_size, const float *freqs, int halves) {
-    for (int head_dim = 0; head_dim < head_size; head_dim += 2) {
-        float freq = freqs ? freqs[head_dim / 2] : 1.0f / powf(10000.0f, head_dim / (float)head_size);
+   `halves` (GGUF qwen2 and others, Hugging Face's order): pair i of a head
+   is (v[i], v[i + rot / 2]) instead, turned by the same angle. Only the
+   first rot values of a head turn (rot < head_size: partial rotary, as
+   Phi-4-mini's), and the cosines and sines are times mscale (LongRoPE's
+   attention factor; 1 otherwise). */
+typedef struct {
+    int head_size, rot, halves;
+    float mscale;
+    const float *freqs;
+} Rope;
+
+static void rope(float *q, float *k, int pos, int dim, int kv_dim, Rope r) {
+    for (int head_dim = 0; head_dim < r.rot; head_dim += 2) {
+        float freq = r.freqs ? r.freqs[head_dim / 2] : 1.0f / powf(10000.0f, head_dim / (float)r.head_size);
         float val = pos * freq;
-        float fcr = cosf(val), fci = sinf(val);
-        const int first = halves ? head_dim / 2 : head_dim, apart = halves ? head_size / 2 : 1;
-        for (int i = first; i < dim; i += head_size) {
+        float fcr = cosf(val) * r.mscale, fci = sinf(val) * r.mscale;
+        const int first = r.halves ? head_dim / 2 : head_dim, apart = r.halves ? r.rot / 2 : 1;
+        for (int i = first; i < dim; i += r.head_size) {
             int n_vectors = i < kv_dim ? 2 : 1;
             for (int v = 0; v < n_vectors; v++) {
                 float *vec = v == 0 ? q : k;
@@ -5061,7 +5266,7 @@ static size_t kv_array_bytes(const KVCache *c) { return kv_padded_blocks(c->n_bl
 
 /* A cache of n_blocks blocks of `type`, all free. */
 static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
-    int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
+    int kv_dim = kv_dim_of(p);
     if (type == KV_Q8_0 && kv_dim % KV_GROUP != 0)
         die(EXIT_USAGE, "--kv-type q8_0 needs a key/value dimension that is a multiple of %d; this model's is %d", KV_GROUP, kv_dim);
     size_t row_bytes = kv_row_bytes(type, kv_dim);
@@ -5545,42 +5750,44 @@ static int attention_chunks(int context) { return (context - 1) / ATTENTION_CHUN
    rows of scores, their queries (three sets: --keep), outputs and sums of a
    chunk, and a block of cached rows as floats. */
 static size_t attention_floats(const Config *p, int context) {
-    return (size_t)attention_score_rows(p) * (attention_score_stride(context) + 5 * (size_t)(p->dim / p->n_heads)) +
-           (size_t)ATTENTION_KEYS * (p->dim / p->n_heads * p->n_kv_heads);
+    return (size_t)attention_score_rows(p) * (attention_score_stride(context) + 5 * (size_t)p->head_size) +
+           (size_t)ATTENTION_KEYS * kv_dim_of(p);
 }
 
 /* A score q . k divided by sqrt(head_size), as llama2.c does: by = RunState's
    att_scale. With reciprocal math (-Ofast), a compiler turns divisions by
    one value into multiplications by its reciprocal where it counts enough
    of them, so that one score could round differently in two places; those
-   builds multiply by the reciprocal everywhere, computed once. */
+   builds multiply by the reciprocal everywhere, computed once.
+   An architecture may multiply the scores by a factor of its own
+   (att_multiplier: Gemma 3, Granite) instead: divided by its reciprocal. */
 #if defined(__RECIPROCAL_MATH__) || defined(__FAST_MATH__)
-static float attention_scale_of(int head_size) { return 1.0f / sqrtf(head_size); }
+static float attention_scale_of(const Config *p) { return p->att_multiplier > 0.0f ? p->att_multiplier : 1.0f / sqrtf(p->head_size); }
 static inline float attention_scale(float score, float by) { return score * by; }
 #else
-static float attention_scale_of(int head_size) { return sqrtf(head_size); }
+static float attention_scale_of(const Config *p) { return p->att_multiplier > 0.0f ? 1.0f / p->att_multiplier : sqrtf(p->head_size); }
 static inline float attention_scale(float score, float by) { return score / by; }
 #endif
 
 /* Activations for `max_rows` rows at once, for sequences of at most
    `context` positions, and a cache of n_blocks blocks of kv_type. */
 static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int kv_type) {
-    int kv_dim = p->dim / p->n_heads * p->n_kv_heads;
+    int kv_dim = kv_dim_of(p);
     size_t rows = (size_t)max_rows;
     s->max_rows = max_rows;
     s->context = context;
-    s->att_scale = attention_scale_of(p->dim / p->n_heads);
+    s->att_scale = attention_scale_of(p);
     s->x = xcalloc(rows * p->dim, sizeof(float));
-    s->xb = xcalloc(rows * p->dim, sizeof(float));
+    s->xb = xcalloc(rows * (p->dim > q_dim(p) ? p->dim : q_dim(p)), sizeof(float));
     s->xb2 = xcalloc(rows * p->dim, sizeof(float));
     s->hb = xcalloc(rows * p->hidden_dim, sizeof(float));
     s->hb2 = xcalloc(rows * p->hidden_dim, sizeof(float));
-    s->q = xcalloc(rows * p->dim, sizeof(float));
-    s->q_turned = xcalloc(rows * 2 * p->dim, sizeof(float));
+    s->q = xcalloc(rows * q_dim(p), sizeof(float));
+    s->q_turned = xcalloc(rows * 2 * q_dim(p), sizeof(float));
     s->k = xcalloc(rows * kv_dim, sizeof(float));
     s->v = xcalloc(rows * kv_dim, sizeof(float));
     s->att = xcalloc((size_t)max_threads() * attention_floats(p, context), sizeof(float));
-    s->chunks = xcalloc((size_t)attention_chunks(context) * p->dim, sizeof(float));
+    s->chunks = xcalloc((size_t)attention_chunks(context) * q_dim(p), sizeof(float));
     s->tiles = xcalloc(rows + 1, sizeof(int));
     s->groups = xcalloc(rows + 1, sizeof(int));
     s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
@@ -5644,7 +5851,7 @@ static AttnScratch attention_scratch(const Config *p, const RunState *s, int thr
     a.stride = attention_score_stride(s->context);
     a.scores = s->att + (size_t)thread * attention_floats(p, s->context);
     a.q = a.scores + rows * a.stride;
-    a.turn = rows * (size_t)(p->dim / p->n_heads);
+    a.turn = rows * (size_t)p->head_size;
     a.out = a.q + 3 * a.turn;
     a.chunk = a.out + a.turn;
     a.rows = a.chunk + a.turn;
@@ -5935,7 +6142,7 @@ typedef struct {
 } AttnSpan;
 
 static AttnSpan attention_span(const Config *p, const KVCache *c, const int *first, int m, int g0, int g1) {
-    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    const int head_size = p->head_size, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
     const int n = m == 1 ? first[1] - first[0] : 1; /* the queries of a block */
     AttnSpan span;
     span.off = g0 / kv_mul * head_size;
@@ -5988,6 +6195,40 @@ static void attention_block(const KVCache *c, int layer, const BlockTable *table
 #endif
 }
 
+/* Whether layer l attends to a sliding window of positions (Gemma 3's
+   local layers; Arch window_period), and the first position a row at pos
+   attends to there. */
+static int layer_windowed(const Config *p, int l) {
+    return p->window > 0 && p->arch->window_period > 0 && l % p->arch->window_period != p->arch->window_period - 1;
+}
+
+static int attention_start(const Config *p, int l, int pos) {
+    return layer_windowed(p, l) && pos >= p->window ? pos - p->window + 1 : 0;
+}
+
+/* The first block of keys (a multiple of ATTENTION_KEYS) that any row of
+   b's tiles first[0..m-1] attends to in layer l: 0 but in windowed layers.
+   Scores before a row's own start are computed with the block and then
+   given weight 0 (window_softmax), so a row's result does not depend on the
+   rows it is read with. */
+static int attention_origin(const Config *p, const Batch *b, int l, const int *first, int m) {
+    int origin = INT_MAX;
+    for (int j = 0; j < m; j++) {
+        const int start = attention_start(p, l, b->pos[first[j]]);
+        if (start < origin) origin = start;
+    }
+    return origin / ATTENTION_KEYS * ATTENTION_KEYS;
+}
+
+/* The softmax of a row of scores (positions from 0) at pos over the
+   positions it attends to in layer l, those before them (from `origin`)
+   given weight 0. */
+static void window_softmax(const Config *p, int l, float *scores, int origin, int pos) {
+    const int start = attention_start(p, l, pos);
+    attention_softmax(scores + start, pos + 1 - start);
+    for (int k = origin; k < start; k++) scores[k] = 0.0f;
+}
+
 /* The latest position of the rows of b's tiles first[0..m-1]. */
 static int attention_reach(const Batch *b, const int *first, int m) {
     int last = 0;
@@ -6005,16 +6246,17 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
     const Config *p = &t->config;
     RunState *s = &t->state;
     const KVCache *c = &s->cache;
-    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    const int head_size = p->head_size, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
     const int r0 = first[0], n = first[m] - r0, last = attention_reach(b, first, m);
     /* the rows' queries, and (--keep) the two rotated for the ring */
     for (int i = 0; i < n; i++)
         for (int turn = 0; turn < (b->table[r0 + i]->shift != 0 ? 3 : 1); turn++) {
-            const float *q = turn == 0 ? s->q + (size_t)(r0 + i) * p->dim : s->q_turned + ((size_t)(r0 + i) * 2 + turn - 1) * p->dim;
+            const float *q = turn == 0 ? s->q + (size_t)(r0 + i) * q_dim(p) : s->q_turned + ((size_t)(r0 + i) * 2 + turn - 1) * q_dim(p);
             memcpy(a->q + turn * a->turn + (size_t)i * w * head_size, q + g0 * head_size, (size_t)w * head_size * sizeof(float));
         }
     const AttnSpan span = attention_span(p, c, first, m, g0, g1);
-    for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
+    const int origin = attention_origin(p, b, layer, first, m);
+    for (int t0 = origin; t0 <= last; t0 += ATTENTION_KEYS) {
         AttnBlock keys;
         keys.n = 0;
         for (int j = 0; j < m; j++) {
@@ -6041,7 +6283,7 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
         }
     }
     for (int i = 0; i < n; i++)
-        for (int h = g0; h < g1; h++) attention_softmax(a->scores + ((size_t)i * w + h - g0) * a->stride, b->pos[r0 + i] + 1);
+        for (int h = g0; h < g1; h++) window_softmax(p, layer, a->scores + ((size_t)i * w + h - g0) * a->stride, origin, b->pos[r0 + i]);
 }
 
 /* xb of the rows of the tiles first[0..m-1] (a group), heads g0..g1-1 =
@@ -6055,14 +6297,15 @@ static void attention_values(Transformer *t, const Batch *b, int layer, const in
     const Config *p = &t->config;
     RunState *s = &t->state;
     const KVCache *c = &s->cache;
-    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
+    const int head_size = p->head_size, kv_mul = p->n_heads / p->n_kv_heads, w = g1 - g0;
     const int r0 = first[0], n = first[m] - r0, last = attention_reach(b, first, m);
     const size_t floats = (size_t)n * w * head_size;
     const AttnSpan span = attention_span(p, c, first, m, g0, g1);
+    const int origin = attention_origin(p, b, layer, first, m);
     memset(a->out, 0, floats * sizeof(float));
-    for (int t0 = 0; t0 <= last; t0 += ATTENTION_KEYS) {
+    for (int t0 = origin; t0 <= last; t0 += ATTENTION_KEYS) {
         float *sum = t0 < ATTENTION_CHUNK ? a->out : a->chunk;
-        if (sum == a->chunk && t0 % ATTENTION_CHUNK == 0) memset(a->chunk, 0, floats * sizeof(float));
+        if (sum == a->chunk && (t0 % ATTENTION_CHUNK == 0 || t0 == origin)) memset(a->chunk, 0, floats * sizeof(float));
         AttnBlock values;
         values.n = 0;
         for (int j = 0; j < m; j++) {
@@ -6083,7 +6326,7 @@ static void attention_values(Transformer *t, const Batch *b, int layer, const in
             for (size_t i = 0; i < floats; i++) a->out[i] += a->chunk[i]; /* rows that end before the chunk add zeros */
     }
     for (int i = 0; i < n; i++)
-        memcpy(s->xb + (size_t)(r0 + i) * p->dim + g0 * head_size, a->out + (size_t)i * w * head_size, (size_t)w * head_size * sizeof(float));
+        memcpy(s->xb + (size_t)(r0 + i) * q_dim(p) + g0 * head_size, a->out + (size_t)i * w * head_size, (size_t)w * head_size * sizeof(float));
 }
 
 /* ---- A lone row's attention, spread over threads by position ---------------
@@ -6111,14 +6354,14 @@ static void attention_row_scores(Transformer *t, const Batch *b, int layer, int 
     const Config *p = &t->config;
     RunState *s = &t->state;
     const KVCache *c = &s->cache;
-    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, last = b->pos[0];
+    const int head_size = p->head_size, kv_mul = p->n_heads / p->n_kv_heads, last = b->pos[0];
     const BlockTable *table = b->table[0];
     const unsigned char *keys[ATTENTION_KEYS];
     const float *q[ATTENTION_KEYS]; /* each key's query: kv_query_turn */
     for (int k = 0; k < n; k++) {
         const int turn = kv_query_turn(table, t0 + k);
         keys[k] = kv_load(c, layer, table, t0 + k, 0);
-        q[k] = turn == 0 ? s->q : s->q_turned + (size_t)(turn - 1) * p->dim;
+        q[k] = turn == 0 ? s->q : s->q_turned + (size_t)(turn - 1) * q_dim(p);
     }
 #ifdef SIMD_WIDTH
     if (kv_vectors(c, 0, head_size)) {
@@ -6150,7 +6393,7 @@ static void attention_row_values(Transformer *t, const Batch *b, int layer, int 
     const Config *p = &t->config;
     RunState *s = &t->state;
     const KVCache *c = &s->cache;
-    const int head_size = p->dim / p->n_heads, kv_mul = p->n_heads / p->n_kv_heads, last = b->pos[0];
+    const int head_size = p->head_size, kv_mul = p->n_heads / p->n_kv_heads, last = b->pos[0];
     const BlockTable *table = b->table[0];
     const unsigned char *values[ATTENTION_KEYS];
     for (int k = 0; k < n; k++) values[k] = kv_load(c, layer, table, t0 + k, 1);
@@ -6179,25 +6422,26 @@ static void attention_row_values(Transformer *t, const Batch *b, int layer, int 
 static void attention_lone_row(Transformer *t, const Batch *b, int layer) {
     const Config *p = &t->config;
     RunState *s = &t->state;
-    const int last = b->pos[0], n_blocks = last / ATTENTION_KEYS + 1, n_chunks = last / ATTENTION_CHUNK + 1;
+    const int qd = q_dim(p), last = b->pos[0], n_blocks = last / ATTENTION_KEYS + 1, n_chunks = last / ATTENTION_CHUNK + 1;
+    const int origin = attention_start(p, layer, last) / ATTENTION_KEYS * ATTENTION_KEYS, first_chunk = origin / ATTENTION_CHUNK;
     const AttnScratch shared = attention_scratch(p, s, 0);
     PARALLEL_FOR_IF(1)
-    for (int block = 0; block < n_blocks; block++) {
+    for (int block = origin / ATTENTION_KEYS; block < n_blocks; block++) {
         const int t0 = block * ATTENTION_KEYS;
         attention_row_scores(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores + t0, shared.stride);
     }
     PARALLEL_FOR_IF(1)
-    for (int h = 0; h < p->n_heads; h++) attention_softmax(shared.scores + (size_t)h * shared.stride, last + 1);
+    for (int h = 0; h < p->n_heads; h++) window_softmax(p, layer, shared.scores + (size_t)h * shared.stride, origin, last);
     PARALLEL_FOR_IF(1)
-    for (int chunk = 0; chunk < n_chunks; chunk++) {
-        float *sum = s->chunks + (size_t)chunk * p->dim;
-        memset(sum, 0, (size_t)p->dim * sizeof(float));
-        for (int t0 = chunk * ATTENTION_CHUNK; t0 <= last && t0 < (chunk + 1) * ATTENTION_CHUNK; t0 += ATTENTION_KEYS)
+    for (int chunk = first_chunk; chunk < n_chunks; chunk++) {
+        float *sum = s->chunks + (size_t)chunk * qd;
+        memset(sum, 0, (size_t)qd * sizeof(float));
+        for (int t0 = chunk == first_chunk ? origin : chunk * ATTENTION_CHUNK; t0 <= last && t0 < (chunk + 1) * ATTENTION_CHUNK; t0 += ATTENTION_KEYS)
             attention_row_values(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores, shared.stride, sum);
     }
-    memcpy(s->xb, s->chunks, (size_t)p->dim * sizeof(float));
-    for (int chunk = 1; chunk < n_chunks; chunk++)
-        for (int i = 0; i < p->dim; i++) s->xb[i] += s->chunks[(size_t)chunk * p->dim + i];
+    memcpy(s->xb, s->chunks + (size_t)first_chunk * qd, (size_t)qd * sizeof(float));
+    for (int chunk = first_chunk + 1; chunk < n_chunks; chunk++)
+        for (int i = 0; i < qd; i++) s->xb[i] += s->chunks[(size_t)chunk * qd + i];
 }
 
 /* Multi-head attention of every row, reading keys and values from the cache:
@@ -6255,39 +6499,93 @@ static void add_bias(float *x, const float *biases, int l, int n, int size) {
         for (int i = 0; i < size; i++) x[(size_t)r * size + i] += biases[(size_t)l * size + i];
 }
 
-/* RoPE for a row at position pos of table t: the query q at pos, the key k
-   at its physical slot, which is pos but after --keep drops (see kv_slot);
-   then, as the ring has turned, the two queries that read its stretches
-   (q_turned, 2 x dim), rotated from the same unrotated query. */
-static void rope_row(const Transformer *t, const BlockTable *table, int pos, float *q, float *q_turned, float *k) {
+/* Layer l's RoPE (Arch no_rope_period: SmolLM3 turns none in every fourth
+   layer, so that .turns is 0): the windowed layers' table or the global one. */
+static Rope layer_rope(const Transformer *t, int l) {
     const Config *p = &t->config;
-    const int dim = p->dim, head_size = dim / p->n_heads, kv_dim = head_size * p->n_kv_heads, slot = kv_slot(table, pos);
+    const int period = p->arch->no_rope_period, turns = period == 0 || (l + 1) % period != 0;
+    Rope r = {p->head_size, turns ? p->rope_dims : 0, p->rope_halves, p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f,
+              layer_windowed(p, l) ? t->rope_freq_local : t->rope_freq};
+    return r;
+}
+
+/* RoPE for a row at position pos of table t in layer l: the query q at pos,
+   the key k at its physical slot, which is pos but after --keep drops (see
+   kv_slot); then, as the ring has turned, the two queries that read its
+   stretches (q_turned, 2 x q_dim), rotated from the same unrotated query. */
+static void rope_row(const Transformer *t, int l, const BlockTable *table, int pos, float *q, float *q_turned, float *k) {
+    const Config *p = &t->config;
+    const int dim = q_dim(p), kv_dim = kv_dim_of(p), slot = kv_slot(table, pos);
+    const Rope r = layer_rope(t, l);
     if (table->shift != 0) {
         int w = table->slots - table->keep;
         memcpy(q_turned, q, (size_t)dim * sizeof(float));
         memcpy(q_turned + dim, q, (size_t)dim * sizeof(float));
-        rope(q_turned, NULL, pos + table->shift, dim, 0, head_size, t->rope_freq, p->rope_halves);
-        rope(q_turned + dim, NULL, pos + table->shift - w, dim, 0, head_size, t->rope_freq, p->rope_halves);
+        rope(q_turned, NULL, pos + table->shift, dim, 0, r);
+        rope(q_turned + dim, NULL, pos + table->shift - w, dim, 0, r);
     }
     if (slot == pos) {
-        rope(q, k, pos, dim, kv_dim, head_size, t->rope_freq, p->rope_halves);
+        rope(q, k, pos, dim, kv_dim, r);
         return;
     }
-    rope(q, NULL, pos, dim, 0, head_size, t->rope_freq, p->rope_halves);
-    rope(k, NULL, slot, kv_dim, 0, head_size, t->rope_freq, p->rope_halves);
+    rope(q, NULL, pos, dim, 0, r);
+    rope(k, NULL, slot, kv_dim, 0, r);
+}
+
+/* RMSNorm of n rows of `size` values in place, each with the same weights
+   (q and k's heads: Arch qk_norm; the blocks' outputs: Arch post_norms). */
+static void rmsnorm_rows(float *x, const float *weight, int n, int size, float eps) {
+    for (int r = 0; r < n; r++) rmsnorm(x + (size_t)r * size, x + (size_t)r * size, weight, size, eps);
+}
+
+/* x (n, dim) += y (n, dim), each block's output joining the residual
+   stream, times residual_scale where the architecture has one (Granite). */
+static void add_residual(float *x, const float *y, int n, int dim, float scale) {
+    if (scale > 0.0f)
+        for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += y[i] * scale;
+    else
+        for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += y[i];
+}
+
+/* The gated FFN's activation: h = act(h) * g, SwiGLU or, for Gemma,
+   GELU in its tanh form: gelu(v) = v / 2 * (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))). */
+static void gated_activation(int activation, float *h, const float *g, int n, int size) {
+    if (activation == ACT_SILU) {
+        swiglu(h, g, n, size);
+        return;
+    }
+    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
+    for (size_t i = 0; i < (size_t)n * size; i++) {
+        const float v = h[i];
+        h[i] = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v))) * g[i];
+    }
+}
+
+/* The logits' last steps: divided by logit_scale (Granite), then capped
+   softly at +-softcap (Gemma): softcap * tanh(logit / softcap). */
+static void finish_logits(const Config *p, float *logits, int n) {
+    const size_t count = (size_t)n * p->vocab_size;
+    if (p->logit_scale > 0.0f)
+        for (size_t i = 0; i < count; i++) logits[i] /= p->logit_scale;
+    if (p->softcap > 0.0f)
+        for (size_t i = 0; i < count; i++) logits[i] = p->softcap * tanhf(logits[i] / p->softcap);
 }
 
 /* Runs the rows of `b` through every layer; returns the logits
-   (b->n_logits, vocab_size) of the rows b->logit_rows, in that order. */
+   (b->n_logits, vocab_size) of the rows b->logit_rows, in that order.
+   The steps an architecture adds to llama's (section 1's Arch) are named
+   where they run. */
 static float *forward(Transformer *t, const Batch *b) {
     const Config *p = &t->config;
     const Weights *w = &t->weights;
     RunState *s = &t->state;
     const int dim = p->dim, hidden = p->hidden_dim, n = b->n_rows;
-    const int head_size = dim / p->n_heads, kv_dim = head_size * p->n_kv_heads;
+    const int head_size = p->head_size, qd = q_dim(p), kv_dim = kv_dim_of(p);
 
     for (int r = 0; r < n; r++)
         matrix_row(s->x + (size_t)r * dim, &w->token_embedding, b->token[r]);
+    if (p->embed_scale > 0.0f) /* Gemma: sqrt(dim); Granite: the file's */
+        for (size_t i = 0; i < (size_t)n * dim; i++) s->x[i] *= p->embed_scale;
 
     for (int l = 0; l < p->n_layers; l++) {
         /* attention block: x += wo @ attention(rope(wq @ xb), rope(wk @ xb), wv @ xb) */
@@ -6296,35 +6594,42 @@ static float *forward(Transformer *t, const Batch *b) {
         const Matrix *qkv[3] = {&w->wq[l], &w->wk[l], &w->wv[l]};
         float *const qkv_out[3] = {s->q, s->k, s->v};
         matmul_shared(qkv, qkv_out, 3, s->xb, n);
-        add_bias(s->q, w->bq, l, n, dim); /* GGUF qwen2 */
+        add_bias(s->q, w->bq, l, n, qd); /* GGUF qwen2 */
         add_bias(s->k, w->bk, l, n, kv_dim);
         add_bias(s->v, w->bv, l, n, kv_dim);
+        if (w->q_norm) { /* QK-norm: each head of q and k RMS-normalised */
+            rmsnorm_rows(s->q, w->q_norm + (size_t)l * head_size, n * p->n_heads, head_size, p->norm_eps);
+            rmsnorm_rows(s->k, w->k_norm + (size_t)l * head_size, n * p->n_kv_heads, head_size, p->norm_eps);
+        }
         /* rows write distinct cache positions, so threads can share them */
         PARALLEL_FOR_IF(n >= 8)
         for (int r = 0; r < n; r++) {
             float *k = s->k + (size_t)r * kv_dim, *v = s->v + (size_t)r * kv_dim;
-            rope_row(t, b->table[r], b->pos[r], s->q + (size_t)r * dim, s->q_turned + (size_t)r * 2 * dim, k);
+            rope_row(t, l, b->table[r], b->pos[r], s->q + (size_t)r * qd, s->q_turned + (size_t)r * 2 * qd, k);
             kv_store(&s->cache, l, b->table[r], b->pos[r], k, v);
         }
         attention(t, b, l);
         matmul(s->xb2, s->xb, &w->wo[l], n);
-        for (size_t i = 0; i < (size_t)n * dim; i++) s->x[i] += s->xb2[i];
+        if (w->post_att) rmsnorm_rows(s->xb2, w->post_att + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
+        add_residual(s->x, s->xb2, n, dim, p->residual_scale);
 
-        /* FFN block: x += w2 @ (silu(w1 @ xb) * (w3 @ xb)), silu(v) = v * sigmoid(v) */
+        /* FFN block: x += w2 @ (act(w1 @ xb) * (w3 @ xb)), act SiLU (v * sigmoid(v)) or GELU */
         for (int r = 0; r < n; r++)
             rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim, p->norm_eps);
         const Matrix *gate_up[2] = {&w->w1[l], &w->w3[l]};
         float *const gate_up_out[2] = {s->hb, s->hb2};
         matmul_shared(gate_up, gate_up_out, 2, s->xb, n);
-        swiglu(s->hb, s->hb2, n, hidden);
+        gated_activation(p->arch->activation, s->hb, s->hb2, n, hidden);
         matmul(s->xb2, s->hb, &w->w2[l], n);
-        for (size_t i = 0; i < (size_t)n * dim; i++) s->x[i] += s->xb2[i];
+        if (w->post_ffn) rmsnorm_rows(s->xb2, w->post_ffn + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
+        add_residual(s->x, s->xb2, n, dim, p->residual_scale);
     }
 
     /* the classifier reads the normalised rows that want logits, packed */
     for (int i = 0; i < b->n_logits; i++)
         rmsnorm(s->xb + (size_t)i * dim, s->x + (size_t)b->logit_rows[i] * dim, w->rms_final, dim, p->norm_eps);
     if (b->n_logits > 0) matmul(s->logits, s->xb, &w->wcls, b->n_logits);
+    finish_logits(p, s->logits, b->n_logits);
     return s->logits;
 }
 
@@ -11310,7 +11615,7 @@ static void print_results(const Tokenizer *tok, OutputFormat format, const Hypot
 static void engine_setup(Engine *e, Transformer *t, const Tokenizer *tok, int parallel, int beams, int context, int kv_mb,
                          int kv_type, Speculator *spec) {
     const Config *p = &t->config;
-    double block_bytes = 2.0 * kv_row_bytes(kv_type, p->dim / p->n_heads * p->n_kv_heads) * p->n_layers * KV_BLOCK;
+    double block_bytes = 2.0 * kv_row_bytes(kv_type, kv_dim_of(p)) * p->n_layers * KV_BLOCK;
     double per_request = (double)beams * ((context + KV_BLOCK - 1) / KV_BLOCK) + (beams > 1);
     double n_blocks = kv_mb > 0 ? floor(kv_mb * 1048576.0 / block_bytes) : parallel * per_request;
     if (n_blocks < 1) n_blocks = 1;
@@ -12996,7 +13301,7 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
     const Config *p = &t->config;
     int beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS, kv_mb = o->kv_mb;
     if (kv_mb == 0) {
-        double block_bytes = 2.0 * kv_row_bytes(o->kv_type, p->dim / p->n_heads * p->n_kv_heads) * p->n_layers * KV_BLOCK;
+        double block_bytes = 2.0 * kv_row_bytes(o->kv_type, kv_dim_of(p)) * p->n_layers * KV_BLOCK;
         double per_request = (context_positions(o, p->seq_len) + KV_BLOCK - 1) / KV_BLOCK + 1;
         double one_of_most = (double)beams * ((p->seq_len + KV_BLOCK - 1) / KV_BLOCK) + 1;
         double blocks = fmax(o->parallel * per_request, one_of_most);
@@ -14389,6 +14694,9 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     const Config *p = &t->config;
     if (o->keep >= p->seq_len) /* the ring after the sinks needs a slot */
         usage_error("--keep %d is not smaller than the model's context of %d positions", o->keep, p->seq_len);
+    if (o->keep >= 0 && p->window > 0)
+        usage_error("--keep does not work with %s's sliding-window layers; run without it (generation stops at the context, --ctx-size)",
+                    p->arch->name);
     if (o->batch_file) {
         batch_setup(e, t, tok, o, spec);
         int status = run_batch(e, tok, o, clock_seed);
@@ -14400,7 +14708,7 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
            for --parallel sampled ones at full length unless --kv-mb says */
         int steps = o->steps_given ? resolve_steps(o->steps, p->seq_len) : p->seq_len;
         int beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS, kv_mb = o->kv_mb;
-        double block_bytes = 2.0 * sizeof(float) * p->n_layers * KV_BLOCK * (p->dim / p->n_heads * p->n_kv_heads);
+        double block_bytes = 2.0 * sizeof(float) * p->n_layers * KV_BLOCK * kv_dim_of(p);
         if (kv_mb == 0) kv_mb = (int)ceil(o->parallel * ((steps + KV_BLOCK - 1) / KV_BLOCK + 1.0) * block_bytes / 1048576.0);
         engine_setup(e, t, tok, o->parallel, beams, steps, kv_mb, o->kv_type, NULL);
         if (o->seed == 0) name_clock_seed(clock_seed);
@@ -14426,9 +14734,11 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
 }
 
 /* --ctx-size: the context a model runs with, at most `positions` (0: the
-   model's own). Only the cache and the limits of -n read it. */
-static void limit_context(Config *p, int positions) {
-    if (positions > 0 && positions < p->seq_len) p->seq_len = positions;
+   model's own). Only the cache, the limits of -n and the choice of
+   LongRoPE's factors read it. */
+static void limit_context(Transformer *t, int positions) {
+    if (positions > 0 && positions < t->config.seq_len) t->config.seq_len = positions;
+    choose_rope_factors(t);
 }
 
 /* -m tokenize on a vocabulary-only GGUF file (no tensors, as llama.cpp's
@@ -14480,7 +14790,7 @@ int main(int argc, char **argv) {
     Tokenizer tok;
     /* a GGUF file's own vocabulary (-z overrides it) loads as the weights pack */
     load_checkpoint_while(&t, o.checkpoint, o.tokenizer ? NULL : own_vocabulary, &tok);
-    limit_context(&t.config, o.ctx_size);
+    limit_context(&t, o.ctx_size);
     const Config *p = &t.config;
     if (o.beams > p->vocab_size)
         usage_error("-b %d is more beams than the %d tokens of the vocabulary", o.beams, p->vocab_size);
@@ -14499,7 +14809,7 @@ int main(int argc, char **argv) {
     Speculator *spec = NULL;
     if (o.draft_file) {
         load_checkpoint(&draft, o.draft_file);
-        limit_context(&draft.config, o.ctx_size);
+        limit_context(&draft, o.ctx_size);
         if (draft.config.vocab_size != p->vocab_size)
             die(EXIT_BAD_FILE, "%s: the draft's vocabulary has %d tokens, the model's %d", o.draft_file, draft.config.vocab_size,
                 p->vocab_size);

@@ -1250,7 +1250,7 @@ static void test_kernels(void) {
                 int pos = positions[pi];
                 float q[64], k[64], q0[64], k0[64];
                 for (int i = 0; i < dim; i++) { q0[i] = q[i] = rand_uniform(-1, 1); k0[i] = k[i] = rand_uniform(-1, 1); }
-                rope(q, k, pos, dim, kv_dim, hs, NULL, 0);
+                rope(q, k, pos, dim, kv_dim, (Rope){hs, hs, 0, 1.0f, NULL});
                 for (int i = 0; i < dim; i += 2) {
                     int j = (i % hs) / 2; /* pair index inside the head */
                     double theta = pos * pow(10000.0, -2.0 * j / hs);
@@ -1266,6 +1266,38 @@ static void test_kernels(void) {
                     }
                 }
                 if (pos == 0) expect(memcmp(q, q0, sizeof(float) * dim) == 0, "pos 0 is not the identity");
+            }
+        }
+    }
+    end();
+
+    /* partial rotary in halves (Phi-4-mini: 96 of 128), cosines and sines
+       scaled (LongRoPE's attention factor): pair i of a head is
+       (v[i], v[i + rot / 2]) for i < rot / 2, the rest of the head as it was */
+    begin("rope partial halves with mscale vs naive formula");
+    {
+        enum { HS = 16, ROT = 12, DIM = 48, KV = 32 };
+        float freqs[ROT / 2];
+        for (int i = 0; i < ROT / 2; i++) freqs[i] = (float)pow(5000.0, -2.0 * i / ROT) / (1.0f + i);
+        const int positions[] = {0, 3, 100};
+        for (size_t pi = 0; pi < 3; pi++) {
+            const int pos = positions[pi];
+            float q[DIM], k[DIM], q0[DIM], k0[DIM];
+            for (int i = 0; i < DIM; i++) { q0[i] = q[i] = rand_uniform(-1, 1); k0[i] = k[i] = rand_uniform(-1, 1); }
+            rope(q, k, pos, DIM, KV, (Rope){HS, ROT, 1, 1.25f, freqs});
+            for (int i = 0; i < DIM; i++) {
+                const int d = i % HS, pair = d < ROT / 2 ? d : d - ROT / 2;
+                double want_q = q0[i], want_k = k0[i];
+                if (d < ROT) {
+                    const double th = (double)pos * freqs[pair], c_ = 1.25 * cos(th), s_ = 1.25 * sin(th);
+                    const int a = i - d + pair, b = a + ROT / 2; /* the pair's first and second element */
+                    want_q = d < ROT / 2 ? q0[a] * c_ - q0[b] * s_ : q0[a] * s_ + q0[b] * c_;
+                    want_k = d < ROT / 2 ? k0[a] * c_ - k0[b] * s_ : k0[a] * s_ + k0[b] * c_;
+                }
+                if (i >= KV) want_k = k0[i];
+                const double tol = 2e-5 * (1 + pos / 8.0);
+                expect(fabs(q[i] - want_q) <= tol, "pos %d q[%d]: %g vs %g", pos, i, q[i], want_q);
+                expect(fabs(k[i] - want_k) <= tol, "pos %d k[%d]: %g vs %g", pos, i, k[i], want_k);
             }
         }
     }
@@ -1870,7 +1902,7 @@ static const char *allocator_broken(const KVCache *c, BlockTable *tables, const 
 }
 
 static void test_block_allocator(void) {
-    const Config p = {.dim = 8, .hidden_dim = 16, .n_layers = 2, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 10, .seq_len = 100}; /* kv_dim 4, 2 layers */
+    const Config p = {.dim = 8, .hidden_dim = 16, .n_layers = 2, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 10, .seq_len = 100, .head_size = 4}; /* kv_dim 4, 2 layers */
     KVCache c;
     BlockTable tables[MODEL_TABLES] = {{0}};
     TableModel model[MODEL_TABLES] = {{0}};
@@ -2011,7 +2043,7 @@ static void test_attention_tiles(void) {
         begin("attention (in tiles for f32): bit-identical to row by row, %s cache, with and without a --keep ring", type_names[type]);
         for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]) && !case_failed; sh++) {
             Config p = {.dim = shapes[sh][0], .hidden_dim = 8, .n_layers = 2, .n_heads = shapes[sh][1], .n_kv_heads = shapes[sh][2],
-                        .vocab_size = 8, .seq_len = 300};
+                        .vocab_size = 8, .seq_len = 300, .head_size = shapes[sh][0] / shapes[sh][1]};
             if (type == KV_Q8_0 && (p.dim / p.n_heads * p.n_kv_heads) % KV_GROUP != 0) continue;
             Transformer t;
             memset(&t, 0, sizeof(t));
@@ -2824,7 +2856,7 @@ static double ref_half(float x) {
 
 /* A cache of one layer and one block whose rows are n values of `type`. */
 static void tiny_cache(KVCache *c, int type, int n) {
-    const Config p = {.dim = n, .hidden_dim = n, .n_layers = 1, .n_heads = 1, .n_kv_heads = 1, .vocab_size = 4, .seq_len = 16};
+    const Config p = {.dim = n, .hidden_dim = n, .n_layers = 1, .n_heads = 1, .n_kv_heads = 1, .vocab_size = 4, .seq_len = 16, .head_size = n};
     kv_init(c, &p, 1, type);
 }
 
