@@ -9,10 +9,13 @@
    WHAT IS IN HERE, IN READING ORDER
         errors, and the platform layer (POSIX or Windows): mapping a file,
         reading a line, the clock, sockets
-     1. data structures: Config, Matrix, Weights, RunState, Transformer
+     1. data structures: Config, the architectures (Arch, a row each),
+        Matrix, Weights, RunState, Transformer
      2. checkpoint loading: mmap, header validation, weight mapping, files
         of the wrong kind named as what they are; 2.1 GGUF files (llama.cpp's
-        format), 2.2 a llama or qwen2 model from one (types F32 to Q6_K)
+        format), 2.2 a model from one (types F32 to Q6_K; the architectures
+        of section 1's table: llama, qwen2, qwen3, gemma3, phi3, smollm3,
+        granite)
      3. kernels: rmsnorm, softmax, matmul (quantised weights packed at
         load for the VNNI kernel, GGUF's straight from their blocks;
         bfloat16 dot products, bfloat16 weights packed in 12 bits), rope,
@@ -1839,15 +1842,19 @@ static const GGUFTensor *gguf_tensor(const GGUF *g, const char *name) {
 }
 
 /* ---- 2.2 A model from a GGUF file -------------------------------------------
-   Architectures `llama` and `qwen2`: the hyperparameters from
+   The architectures of section 1's table (ARCHS): the hyperparameters from
    {arch}.embedding_length and the like, the vocabulary size from the token
    embedding, the weights from tensors named blk.N.attn_q.weight and so on
    (ne[0] the input width: row-major (out, in) as section 1 holds them).
-   RoPE: llama.cpp's converter permutes a `llama` file's Q and K rows so that
-   adjacent pairs rotate, as run.c always has; `qwen2` files keep Hugging
-   Face's order, where element i turns with element i + head_size / 2 (the
-   halves). Llama 3.1's scaling comes as `rope_freqs.weight`, a factor per
-   frequency that divides the angle. qwen2 adds biases to q, k and v.
+   RoPE: llama.cpp's converter permutes a `llama` (or smollm3, granite)
+   file's Q and K rows so that adjacent pairs rotate, as run.c always has;
+   the others keep Hugging Face's order, where element i turns with element
+   i + rope_dims / 2 (the halves). Llama 3.1's scaling comes as
+   `rope_freqs.weight`, a factor per frequency that divides the angle;
+   Phi-3's LongRoPE as two such tables. Biases of q, k and v (qwen2) are
+   read wherever a file has them. What each row adds to the forward pass
+   (QK-norm, post-norms, GELU, windows, scales) is read here, once, into
+   Config and Weights; section 4 runs it.
 
    The values are read in place (F32, F16 and BF16: the kernels widen the
    16-bit values as they load them), packed straight from their blocks by
@@ -5127,15 +5134,17 @@ static void rope(float *q, float *k, int pos, int dim, int kv_dim, Rope r) {
     }
 }
 
-/* h = silu(h) * g for n rows of `size` values, silu(v) = v * sigmoid(v),
-   split between threads for a prompt chunk (an exponential costs about as
-   much as 20 multiply-adds). The plain build uses expf, as llama2.c. The
-   vector builds use exp_poly on blocks of SWIGLU_BLOCK values, the end of a
-   row padded into a full block, so that the compiler vectorises one loop
-   and every value is computed by the same instructions: a row's result does
-   not depend on its place in the batch. */
+/* The gated FFN's activation, h = act(h) * g for n rows of `size` values:
+   SwiGLU, act(v) = silu(v) = v * sigmoid(v), or (Gemma) GELU in its tanh
+   form, gelu(v) = v / 2 * (1 + tanh(u)) = v * sigmoid(2u) with
+   u = sqrt(2 / pi) (v + 0.044715 v^3). Split between threads for a prompt
+   chunk (an exponential costs about as much as 20 multiply-adds). The plain
+   build uses expf, as llama2.c. The vector builds use exp_poly on blocks of
+   GATED_BLOCK values, the end of a row padded into a full block, so that
+   the compiler vectorises one loop and every value is computed by the same
+   instructions: a row's result does not depend on its place in the batch. */
 #ifdef SIMD_WIDTH
-#define SWIGLU_BLOCK 16
+#define GATED_BLOCK 16
 /* e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a
    part exact in float and a small correction), e^r by its Taylor series to
    r^7 (the next term is below 2^-27), times 2^n put into the exponent bits.
@@ -5161,33 +5170,39 @@ static inline float exp_poly(float x) {
     return p * scale;
 }
 
-static void swiglu_block(float *h, const float *g) {
-    for (int i = 0; i < SWIGLU_BLOCK; i++) h[i] = h[i] / (1.0f + exp_poly(-h[i])) * g[i];
+KERNEL void gated_block(float *h, const float *g, const int activation) {
+    for (int i = 0; i < GATED_BLOCK; i++) {
+        const float v = h[i], minus = activation == ACT_SILU ? -v : -1.5957691216f * (v + 0.044715f * v * v * v);
+        h[i] = v / (1.0f + exp_poly(minus)) * g[i];
+    }
 }
 
-static void swiglu(float *h, const float *g, int n, int size) {
-    const int blocks = (size + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
+static void gated_activation(int activation, float *h, const float *g, int n, int size) {
+    const int blocks = (size + GATED_BLOCK - 1) / GATED_BLOCK;
     PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
     for (int item = 0; item < n * blocks; item++) {
-        size_t at = (size_t)(item / blocks) * size + (size_t)(item % blocks) * SWIGLU_BLOCK;
-        int count = size - item % blocks * SWIGLU_BLOCK;
-        if (count >= SWIGLU_BLOCK) {
-            swiglu_block(h + at, g + at);
-            continue;
+        size_t at = (size_t)(item / blocks) * size + (size_t)(item % blocks) * GATED_BLOCK;
+        int count = size - item % blocks * GATED_BLOCK;
+        float hp[GATED_BLOCK] = {0}, gp[GATED_BLOCK] = {0};
+        float *hb = h + at;
+        const float *gb = g + at;
+        if (count < GATED_BLOCK) { /* the end of a row, padded */
+            memcpy(hp, hb, (size_t)count * sizeof(float));
+            memcpy(gp, gb, (size_t)count * sizeof(float));
+            hb = hp, gb = gp;
         }
-        float hp[SWIGLU_BLOCK] = {0}, gp[SWIGLU_BLOCK] = {0};
-        memcpy(hp, h + at, (size_t)count * sizeof(float));
-        memcpy(gp, g + at, (size_t)count * sizeof(float));
-        swiglu_block(hp, gp);
-        memcpy(h + at, hp, (size_t)count * sizeof(float));
+        if (activation == ACT_SILU) gated_block(hb, gb, ACT_SILU);
+        else gated_block(hb, gb, ACT_GELU);
+        if (count < GATED_BLOCK) memcpy(h + at, hp, (size_t)count * sizeof(float));
     }
 }
 #else
-static void swiglu(float *h, const float *g, int n, int size) {
+static void gated_activation(int activation, float *h, const float *g, int n, int size) {
     PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
     for (size_t i = 0; i < (size_t)n * size; i++) {
         float val = h[i];
-        val *= (1.0f / (1.0f + expf(-val)));
+        if (activation == ACT_SILU) val *= (1.0f / (1.0f + expf(-val)));
+        else val /= 1.0f + expf(-1.5957691216f * (val + 0.044715f * val * val * val));
         val *= g[i];
         h[i] = val;
     }
@@ -6545,20 +6560,6 @@ static void add_residual(float *x, const float *y, int n, int dim, float scale) 
         for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += y[i] * scale;
     else
         for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += y[i];
-}
-
-/* The gated FFN's activation: h = act(h) * g, SwiGLU or, for Gemma,
-   GELU in its tanh form: gelu(v) = v / 2 * (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))). */
-static void gated_activation(int activation, float *h, const float *g, int n, int size) {
-    if (activation == ACT_SILU) {
-        swiglu(h, g, n, size);
-        return;
-    }
-    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
-    for (size_t i = 0; i < (size_t)n * size; i++) {
-        const float v = h[i];
-        h[i] = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v))) * g[i];
-    }
 }
 
 /* The logits' last steps: divided by logit_scale (Granite), then capped
@@ -10883,7 +10884,7 @@ static void beam_step(Engine *e, Request *r, float *logits) {
     } else {
         for (int j = 0; j < B; j++) bs->logprobs[j] = bs->logprob_rows + (size_t)j * vocab;
         /* each beam's scores touch its own rows only; threads where the
-           exponentials are worth waking them for (as swiglu) */
+           exponentials are worth waking them for (as gated_activation) */
         PARALLEL_FOR_IF(20.0 * B * vocab >= PARALLEL_MIN_WORK)
         for (int j = 0; j < B; j++)
             beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[j], bs->step, logits + (size_t)j * vocab, bs->logprobs[j], vocab);
@@ -12324,7 +12325,7 @@ static long long parse_integer(const char *flag, const char *text, long long lo,
 static void print_version(void) {
     printf("run %s\n", RUN_VERSION);
     printf("checkpoints: versions 0 (llama2.c), 1 (float32), 2 (int8 Q8_0), 3 (4-bit), 4 (float32, int8 or 4-bit, RoPE theta and scaling, norm eps)\n");
-    printf("GGUF: versions 2 and 3; architectures llama, qwen2; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\n");
+    printf("GGUF: versions 2 and 3; architectures " ARCH_NAMES "; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\n");
 #ifdef AMX
     printf("kernels: %s%s\n", KERNEL_NAME, amx_usable() ? ", AMX tiles for 16 or more rows" : " (AMX built in, not granted by the system)");
 #else
