@@ -17,7 +17,7 @@ TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
 RUN ?= ./run
 BENCH_RUNS ?= 5
 
-.PHONY: all test bench bench-gguf soak clean
+.PHONY: all test bench bench-gguf bench-arch soak clean
 
 # The first of $(PYTHON), python3 and /usr/bin/python3 that is a Python 3
 # and runs the statement $(1) (an import), or nothing.
@@ -175,6 +175,12 @@ build/bench/peak: bench/peak.c run.c
 bench: runomp build/bench/bandwidth build/bench/peak
 	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/bench.py --runs $(BENCH_RUNS)
 	MODELS_DIR=$(MODELS_DIR) RUN=./runomp $(PYTHON) bench/gguf.py --runs $(BENCH_RUNS)
+	$(if $(LLAMA_CPP),RUN=./runomp $(PYTHON) bench/arch.py --runs $(BENCH_RUNS),@echo "bench: LLAMA_CPP not set: bench/arch.py skipped (bench/llamacpp.md)")
+
+# the architectures beyond llama (Qwen3, Gemma 3 shapes) against today's
+# llama.cpp (LLAMA_CPP: its build directory, bench/llamacpp.md)
+bench-arch: runomp build/bench/bandwidth
+	RUN=./runomp $(PYTHON) bench/arch.py --runs $(BENCH_RUNS)
 
 # GGUF files against llama.cpp's llama-bench (LLAMA_CPP: a llama.cpp build
 # directory, outside this repository; without it run.c's figures alone)

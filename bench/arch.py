@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""The architectures beyond llama: run.c against today's llama.cpp on the
+very same files (`make bench-arch`).
+
+Shapes (random weights, seed 1, written by tests/arch_models.py with a
+vocabulary of the model's size):
+  qwen3   Qwen3-0.6B: dim 1024, 16 query heads of 128 (a query row of 2048
+          beside the embedding's 1024), 8 key/value heads, FFN 3072, QK-norm,
+          vocabulary 151936, tied; --layers of its 28 (default 8)
+  gemma3  Gemma 3 1B: dim 1152, 4 heads of 256, 1 key/value head, FFN 6912,
+          GELU, post-norms, a sliding window of 512 on 5 layers of 6,
+          vocabulary 262144, tied; --layers of its 26 (default 6)
+in the types of --types (F16 and Q8_0 written here; Q4_K_M made from the
+F16 file by llama.cpp's llama-quantize). In interleaved rounds (medians),
+for each file, the two programs in turn (which goes first alternates):
+  run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt;
+             pp128: prompt tok/s of a 128-token prompt; for gemma3 also
+             d4096: generated tok/s of 32 tokens after a 4096-token prompt
+             (2 threads unless --threads says)
+  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1, and for gemma3
+             -p 0 -n 32 -d 4096 (its tg32 at depth 4096)
+then the ratios (each the median of the rounds' ratios), the bytes one token
+reads (the layers' and the classifier's tensors as stored), and each
+program's tg128 x those bytes as a fraction of the streaming-read probe
+(bench/bandwidth.c).
+
+LLAMA_CPP names a llama.cpp build directory holding bin/llama-bench and
+bin/llama-quantize, built from the source that npm's node-llama-cpp@3.21.1
+carries (bench/llamacpp.md says how). Environment / options: RUN (default
+./runomp), PYTHON; --runs N, --threads N, --shapes, --types, --layers,
+--cache DIR (default build/bench/arch), --out FILE (default
+bench/arch-results.md).
+"""
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from bench import machine, make_prompt, probe_bandwidth, stats_of, write_report  # noqa: E402
+from gguf import bytes_per_token, llama_bench  # noqa: E402
+
+# name: (arch, arch_models settings, full depth, vocabulary)
+SHAPES = {
+    "qwen3": ("qwen3", dict(dim=1024, n_heads=16, n_kv_heads=8, head_dim=128, ffn=3072, theta=1e6, eps=1e-6), 28, 151936),
+    "gemma3": ("gemma3", dict(dim=1152, n_heads=4, n_kv_heads=1, head_dim=256, ffn=6912, theta=1e6, eps=1e-6, window=512,
+                              rope_scale=None, softcap=None, swa_base=None), 26, 262144),
+}
+WRITTEN = ["F16", "Q8_0"]
+QUANTIZED = ["Q4_K_M"]
+DEPTH = 4096
+
+
+def big_vocab(meta, n):
+    """meta's small SentencePiece vocabulary grown to n tokens (the model's
+    own size, so that the classifier reads what the real one reads)."""
+    from gguf_ref import ARRAY, FLOAT32, INT32, STRING, Typed
+    tokens = list(meta["tokenizer.ggml.tokens"].value)
+    scores = list(meta["tokenizer.ggml.scores"].value)
+    types = list(meta["tokenizer.ggml.token_type"].value)
+    extra = n - len(tokens)
+    tokens += ["<unused%d>" % i for i in range(extra)]
+    scores += [-1e4] * extra
+    types += [1] * extra
+    meta["tokenizer.ggml.tokens"] = Typed(ARRAY, tokens, STRING)
+    meta["tokenizer.ggml.scores"] = Typed(ARRAY, scores, FLOAT32)
+    meta["tokenizer.ggml.token_type"] = Typed(ARRAY, types, INT32)
+
+
+def write_model(path, shape, wtype, layers):
+    import arch_models
+    from gguf_ref import write_gguf
+    arch, settings, _, vocab = SHAPES[shape]
+    meta, tensors = arch_models.arch_model(arch, wtype=wtype, vocab=900, seed=1, tied=True, ctx=2 * DEPTH,
+                                           n_layers=layers, **settings)
+    # the token embedding and the classifier at the model's vocabulary
+    tensors = [t for t in tensors if t[0] != "token_embd.weight"]
+    import numpy as np
+    from gguf_ref import random_tensor
+    rng = np.random.default_rng(2)
+    dim = settings["dim"]
+    tensors.append(("token_embd.weight", wtype, [dim, vocab], random_tensor(wtype, vocab * dim, rng, 1.0 / np.sqrt(dim))))
+    big_vocab(meta, vocab)
+    write_gguf(path, meta, tensors)
+
+
+def make_files(cache, llama, shape, types, layers):
+    os.makedirs(cache, exist_ok=True)
+    paths = {}
+    for t in WRITTEN:
+        path = os.path.join(cache, "%s-%dL.%s.gguf" % (shape, layers, t))
+        if (t in types or (t == "F16" and set(types) & set(QUANTIZED))) and not os.path.exists(path):
+            print("bench: writing %s" % path, file=sys.stderr)
+            write_model(path, shape, t, layers)
+        paths[t] = path
+    quantize = llama and os.path.join(llama, "bin", "llama-quantize")
+    for t in QUANTIZED if quantize and os.path.exists(quantize) else []:
+        path = os.path.join(cache, "%s-%dL.%s.gguf" % (shape, layers, t))
+        if t in types and not os.path.exists(path):
+            print("bench: quantizing %s" % path, file=sys.stderr)
+            subprocess.run([quantize, paths["F16"], path, t], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        paths[t] = path
+    return {t: paths[t] for t in types if t in paths}
+
+
+def llama_depth(binary, path, threads):
+    """llama-bench's tg32 tok/s at depth DEPTH."""
+    import csv
+    import io
+    out = subprocess.run([binary, "-m", path, "-p", "0", "-n", "32", "-d", str(DEPTH), "-t", str(threads), "-r", "1", "-o", "csv"],
+                         check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout.decode()
+    return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default="qwen3,gemma3")
+    ap.add_argument("--types", default="F16,Q8_0,Q4_K_M")
+    ap.add_argument("--layers", type=int, help="layers of each shape (default: qwen3 8, gemma3 6)")
+    ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench", "arch"))
+    ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "arch-results.md"))
+    args = ap.parse_args()
+    runbin = os.environ.get("RUN", "./runomp")
+    llama = os.environ.get("LLAMA_CPP")
+    lbench = llama and os.path.join(llama, "bin", "llama-bench")
+    if not lbench or not os.path.exists(lbench):
+        sys.exit("bench: LLAMA_CPP must name a llama.cpp build with bin/llama-bench (bench/llamacpp.md)")
+    shapes, types = args.shapes.split(","), args.types.split(",")
+    if set(shapes) - set(SHAPES) or set(types) - set(WRITTEN + QUANTIZED):
+        sys.exit("bench: --shapes of %s, --types of %s" % (", ".join(SHAPES), ", ".join(WRITTEN + QUANTIZED)))
+    files = {}
+    for shape in shapes:
+        layers = args.layers or {"qwen3": 8, "gemma3": 6}[shape]
+        for t, path in make_files(args.cache, llama, shape, types, layers).items():
+            files[(shape, t)] = path
+    prompts = {}
+    for shape in shapes:
+        smallest = min((p for (s, _), p in files.items() if s == shape), key=os.path.getsize)
+        prompts[shape] = {n: make_prompt(runbin, smallest, smallest, n) for n in ((16, 128, DEPTH) if shape == "gemma3" else (16, 128))}
+    per_token = {k: bytes_per_token(p, False) for k, p in files.items()}
+    runs = {k: {"tg": [], "pp": [], "ltg": [], "lpp": [], "d": [], "ld": []} for k in files}
+    probes = []
+
+    def run_c(k, path):
+        base = [runbin, path, "-t", "0", "-T", str(args.threads)]
+        p = prompts[k[0]]
+        (_, _, _, tg), _ = stats_of(base + ["-n", "144", "-i", p[16]])
+        (_, pp, _, _), _ = stats_of(base + ["-n", "129", "-i", p[128]])
+        runs[k]["tg"].append(tg)
+        runs[k]["pp"].append(pp)
+        if DEPTH in p:
+            (_, _, _, d), _ = stats_of(base + ["-n", str(DEPTH + 32), "-i", p[DEPTH]])
+            runs[k]["d"].append(d)
+
+    def llama_cpp(k, path):
+        lpp, ltg = llama_bench(lbench, path, args.threads)
+        runs[k]["lpp"].append(lpp)
+        runs[k]["ltg"].append(ltg)
+        if k[0] == "gemma3":
+            runs[k]["ld"].append(llama_depth(lbench, path, args.threads))
+
+    for r in range(args.runs):
+        for k, path in files.items():
+            for side in ((run_c, llama_cpp) if r % 2 == 0 else (llama_cpp, run_c)):
+                side(k, path)
+        probes.append(probe_bandwidth(args.bandwidth, "1024", str(args.threads))[args.threads])
+        print("bench: round %d of %d done" % (r + 1, args.runs), file=sys.stderr)
+    bw = statistics.median(probes)
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    paired = lambda a, b: med([x / y for x, y in zip(a, b)]) if a and b else float("nan")  # noqa: E731
+    rows = []
+    for k, path in files.items():
+        x = runs[k]
+        tg, ltg = med(x["tg"]), med(x["ltg"])
+        rows.append("| %s | %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f%% | %.0f%% | %.1f | %.1f | %.2fx | %s |" % (
+            k[0], k[1], os.path.getsize(path) / 1e6, per_token[k] / 1e6, tg, ltg, paired(x["tg"], x["ltg"]),
+            100 * tg * per_token[k] / 1e9 / bw, 100 * ltg * per_token[k] / 1e9 / bw, med(x["pp"]), med(x["lpp"]),
+            paired(x["pp"], x["lpp"]),
+            "%.1f / %.1f = %.2fx" % (med(x["d"]), med(x["ld"]), paired(x["d"], x["ld"])) if x["d"] else "-"))
+    lines = [
+        "# New architectures: run.c and llama.cpp on the same files",
+        "",
+        "%s; %s; `%s` and llama-bench (%s), medians of %d interleaved rounds (a ratio is the median of the rounds' "
+        "ratios), %d threads, greedy. Streaming-read probe: %.1f GB/s (bench/bandwidth.c, %d threads)." % (
+            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), machine(), runbin, llama, args.runs, args.threads, bw,
+            args.threads),
+        "",
+        "Random weights, seed 1: qwen3 = Qwen3-0.6B's layer shape (dim 1024, 16 x 128 query heads, 8 key/value heads, "
+        "FFN 3072, vocabulary 151936, tied), gemma3 = Gemma 3 1B's (dim 1152, 4 x 256 query heads, 1 key/value head, "
+        "FFN 6912, window 512 on 5 layers of 6, vocabulary 262144, tied); layers as the file names say.",
+        "",
+        "| shape | type | file MB | bytes/token MB | tg128 run.c | tg128 llama.cpp | tg ratio | probe run.c | probe llama.cpp "
+        "| pp128 run.c | pp128 llama.cpp | pp ratio | depth %d tg32 run.c / llama.cpp |" % DEPTH,
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ] + rows
+    write_report(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

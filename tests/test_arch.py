@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""The architectures beyond llama (run.c section 1's table: qwen3, gemma3,
+phi3, smollm3, granite, and llama whose heads are not dim / n_heads wide)
+against today's llama.cpp itself, through npm's node-llama-cpp@3.21.1
+(tests/llamacpp.py: its prebuilt libllama, teacher-forced).
+
+Files: small random models of each architecture written here by
+tests/arch_models.py (its docstring has the facts each one exercises:
+QK-norm, post-norms, GELU, sliding windows and their RoPE base, LongRoPE
+with partial rotary and its attention factor, fused tensors, layers
+without RoPE, Granite's four scales, a head width set apart from
+dim / n_heads), in float32, and quantised by llama.cpp's own quantiser
+(llama_model_quantize: Q8_0 and Q4_K_M).
+
+A case runs run.c greedily (`-t 0 -f json`) from a prompt, then feeds the
+prompt and run.c's tokens to llama.cpp, which gives the log-probability of
+every token after each position. It passes when
+  - at every generated position, run.c's token is llama.cpp's argmax, or
+    within TOKEN_TOL of it in log-probability (a near tie), and
+  - run.c's score (the sum of its tokens' log-probabilities, EOS included)
+    is llama.cpp's sum of the same tokens' log-probabilities within
+    SCORE_TOL per token.
+Tolerances, in natural-log units:
+  - float32: both programs compute in float32, in different orders:
+    measured differences below 2e-4 a token; gemma3's GELU is exact in
+    run.c, while llama.cpp's CPU kernel rounds its input to float16 and
+    reads a float16 table: differences up to 2e-2 (the reference in
+    arch_models.py measures the same against a float64 forward). So 2e-3,
+    and 5e-2 for gemma3.
+  - quantised (teacher-forced, not greedy: rounding moves a sharp random
+    model's path): run.c's log-probabilities after each of 64 tokens
+    (tests/.bin/llama3_dump) against llama.cpp's, every token above -8.
+    The weights are the same blocks, but each program rounds the
+    activations to int8 its own way (run.c by groups of 32 with a float32
+    scale, llama.cpp by 32 with a float16 scale for Q8_0 and by 256 for the
+    K types). The bound is llama.cpp's own rounding noise: how far its
+    log-probabilities move between the float32 file and the quantised one.
+    run.c's rounding is a second draw of the same noise, so it may be 3 x
+    that from llama.cpp's (as tests/test_gguf.py bounds its cascades). A
+    wrong block layout or scale moves the logits by far more.
+Phi-3's LongRoPE factors are chosen by the context: both programs run with
+a context of 256 (short factors, the original context being 256) and, as
+phi3_long, 512 (long ones).
+Each architectural feature has a negative control: the same file with the
+feature neutralised (arch_models.FEATURES: QK-norm weights 1, post-norms
+1, no window, one RoPE base, no linear scaling, RoPE on every layer, short
+LongRoPE factors, no scales...), which llama.cpp must tell apart: run.c's
+tokens, checked against the neutralised file's llama.cpp, must fail the
+float32 check above. So the check is known to bite on every feature.
+
+Env: RUN (default ./run), PYTHON, TEST_TMP. Prints PASS/FAIL/SKIP lines."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from verdicts import COUNTS, Skip, case as run_case  # noqa: E402
+
+import arch_models  # noqa: E402
+import llamacpp  # noqa: E402
+
+RUN = os.environ.get("RUN", "./run")
+NATIVE = os.path.join(os.path.dirname(HERE), "runomp")
+DUMP = os.path.join(HERE, ".bin", "llama3_dump")
+TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "arch")
+PROMPT = "e t a o i n s h r d l c u m w f g y p"
+STEPS = 48
+CTX = 256
+EOS = 2
+TOKEN_TOL = {"float": 2e-3, "gemma3": 5e-2}
+# the files of each case: name -> (arch, arch_models keywords)
+FILES = {
+    "qwen3": ("qwen3", dict(seed=2)),
+    "qwen3_tied": ("qwen3", dict(tied=True, seed=3)),
+    "gemma3": ("gemma3", {}),
+    "gemma3_softcap": ("gemma3", dict(softcap=8.0, seed=4)),
+    "phi3": ("phi3", {}),
+    "phi3_long": ("phi3", {}),
+    "smollm3": ("smollm3", {}),
+    "granite": ("granite", {}),
+    "llama_key_length": ("llama", {}),
+}
+
+
+def case(name):
+    """Runs the function it decorates as the case `name` (verdicts.case)."""
+    return lambda fn: run_case(name, fn)
+
+
+def sh(cmd, timeout=300):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def write(name, neutralise=None, **extra):
+    arch, kw = FILES[name]
+    kw = dict(kw, **extra)
+    path = os.path.join(TMP, "%s%s.gguf" % (name, "_no_" + neutralise if neutralise else ""))
+    if not os.path.exists(path):
+        arch_models.write_arch(path, arch, neutralise=neutralise, **kw)
+    return path
+
+
+def context(name):
+    """The context both programs run with: phi3_long's is its file's 512,
+    past the original 256 (LongRoPE's long factors); the others' CTX."""
+    return 512 if name == "phi3_long" else CTX
+
+
+def generate(binary, path, ctx, extra=()):
+    """(prompt ids, generated ids with EOS where it ended there, score)."""
+    r = sh([binary, path, "-m", "tokenize", "-f", "json", "-i", PROMPT])
+    if r.returncode != 0:
+        raise AssertionError("tokenize: %s" % r.stderr.strip()[-300:])
+    prompt = json.loads(r.stdout)["tokens"]
+    r = sh([binary, path, "-t", "0", "-n", str(len(prompt) + STEPS), "--ctx-size", str(ctx), "-i", PROMPT, "-f", "json", *extra])
+    if r.returncode != 0:
+        raise AssertionError("%s exited %d: %s" % (binary, r.returncode, r.stderr.strip()[-300:]))
+    out = json.loads(r.stdout.strip().splitlines()[0])
+    gen = out["tokens"] + ([EOS] if out["stop"] == "eos" else [])
+    return prompt, gen, out["score"]
+
+
+def disagreement(path, prompt, gen, score, tol, ctx):
+    """None when llama.cpp agrees with run.c's tokens and score, else why
+    not: each token within tol of llama.cpp's argmax, the score within tol a
+    token."""
+    got = llamacpp.oracle(path, prompt + gen, ctx=ctx)
+    total = 0.0
+    for i, token in enumerate(gen):
+        at = got[len(prompt) - 1 + i]
+        lp = at["next_logprob"]
+        if lp is None:
+            return "token %d (%d): llama.cpp gives it probability 0" % (i, token)
+        total += lp
+        if at["argmax_logprob"] - lp > tol:
+            return "token %d: run.c chose %d, llama.cpp's argmax is %d (log-prob %.5f against %.5f)" % (
+                i, token, at["argmax"], lp, at["argmax_logprob"])
+    if abs(score - total) > tol * len(gen):
+        return "score %.6f, llama.cpp's %.6f over %d tokens" % (score, total, len(gen))
+    return None
+
+
+def log_softmax_rows(rows):
+    out = []
+    for row in rows:
+        m = max(row)
+        lse = m + math.log(sum(math.exp(v - m) for v in row))
+        out.append([v - lse for v in row])
+    return out
+
+
+def runc_logprobs(path, tokens):
+    """run.c's log-probabilities after each of the tokens (tests/.bin/llama3_dump's
+    logits, the same forward pass, one row at a time)."""
+    r = sh([DUMP, "logits", path] + [str(t) for t in tokens])
+    if r.returncode != 0:
+        raise AssertionError("llama3_dump: %s" % r.stderr.strip()[-300:])
+    return log_softmax_rows([[float(v) for v in line.split()] for line in r.stdout.strip().splitlines()])
+
+
+def gap(a, b, cut=-8.0):
+    """The largest |a - b| over the log-probabilities either gives above cut
+    (the tokens that matter; the far tails only carry rounding), all rows."""
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb) if (x > cut or y > cut) and x is not None and y is not None)
+
+
+def check_quantised(name, path, f32):
+    """run.c's log-probabilities on the quantised file against llama.cpp's, on
+    the prompt and run.c's float32 tokens, within 3 x llama.cpp's own
+    rounding noise (the gap between its float32 and quantised outputs)."""
+    if not os.path.exists(DUMP):
+        raise Skip("%s is missing (make %s)" % (DUMP, DUMP))
+    prompt, gen, _ = generate(RUN, f32, context(name))
+    tokens = (prompt + gen)[:64]
+    ctx = 512 if FILES[name][0] == "phi3" else CTX  # llama3_dump runs phi3 at its file's context: long factors
+    exact = [at["logprobs"] for at in llamacpp.oracle(f32, tokens, ctx=ctx, full=True)]
+    theirs = [at["logprobs"] for at in llamacpp.oracle(path, tokens, ctx=ctx, full=True)]
+    ours = runc_logprobs(path, tokens)
+    noise, err = gap(exact, theirs), gap(ours, theirs)
+    print("    (run.c against llama.cpp: %.4f; llama.cpp's rounding noise: %.4f)" % (err, noise))
+    if err > 3 * noise:
+        raise AssertionError("run.c's log-probabilities are %.4f from llama.cpp's, more than 3 x its rounding noise %.4f" % (err, noise))
+
+
+def tolerance(arch):
+    return TOKEN_TOL["gemma3" if arch == "gemma3" else "float"]
+
+
+def check(name, binary, path):
+    """run.c's greedy tokens on `path` against llama.cpp's."""
+    ctx = context(name)
+    prompt, gen, score = generate(binary, path, ctx)
+    if len(gen) < 8:
+        raise AssertionError("only %d tokens generated: too few to tell" % len(gen))
+    why = disagreement(path, prompt, gen, score, tolerance(FILES[name][0]), ctx)
+    if why:
+        raise AssertionError(why)
+    return prompt, gen, score
+
+
+def main():
+    os.makedirs(TMP, exist_ok=True)
+    try:
+        llamacpp.ensure_oracle()
+    except Skip as e:
+        print("SKIP arch: %s" % e)
+        return 0
+    runs = {}
+    for name in FILES:
+        @case("arch_%s_f32" % name)
+        def _(name=name):
+            runs[name] = check(name, RUN, write(name))
+
+        if os.path.exists(NATIVE):
+            @case("arch_%s_f32_vector" % name)
+            def _(name=name):
+                check(name, NATIVE, write(name))
+
+    # every feature neutralised: llama.cpp must tell the file apart, so that
+    # run.c's tokens fail the same check against it
+    for name in FILES:
+        arch = FILES[name][0]
+        for feature in arch_models.FEATURES[arch]:
+            if feature == "softcap" and name != "gemma3_softcap":
+                continue
+
+            @case("arch_%s_control_%s" % (name, feature))
+            def _(name=name, feature=feature):
+                if name not in runs:
+                    raise Skip("the float32 case did not run")
+                prompt, gen, score = runs[name]
+                why = disagreement(write(name, feature), prompt, gen, score, tolerance(arch), context(name))
+                if why is None:
+                    raise AssertionError("llama.cpp cannot tell the file without %s apart: the check would not bite" % feature)
+                print("    (without %s: %s)" % (feature, why))
+
+    # quantised by llama.cpp's own quantiser
+    for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length"):
+        for ftype in ("Q8_0", "Q4_K_M"):
+            @case("arch_%s_%s" % (name, ftype.lower()))
+            def _(name=name, ftype=ftype):
+                path = os.path.join(TMP, "%s.%s.gguf" % (name, ftype.lower()))
+                if not os.path.exists(path):
+                    llamacpp.quantize(write(name), path, ftype)
+                check_quantised(name, path, write(name))
+
+    # the other drivers of the same forward pass on a windowed model: a
+    # prompt past the window, in one batch of rows (prefill), by --batch
+    # and by the server's engine, give the same tokens as generate
+    @case("arch_gemma3_batch_same_tokens")
+    def _():
+        path = write("gemma3")
+        if "gemma3" not in runs:
+            raise Skip("the float32 case did not run")
+        _, gen, _ = runs["gemma3"]
+        lines = "\n".join(json.dumps({"prompt": PROMPT, "id": i}) for i in range(3)) + "\n"
+        r = subprocess.run([RUN, path, "-t", "0", "-n", "80", "--batch", "-", "-f", "json", "--parallel", "3"], input=lines,
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise AssertionError(r.stderr.strip()[-300:])
+        for line in r.stdout.strip().splitlines():
+            got = json.loads(line)
+            want = gen[:-1] if gen and gen[-1] == EOS and got.get("stop") == "eos" else gen
+            if got["tokens"][:len(want)] != want[:len(got["tokens"])]:
+                raise AssertionError("--batch request %s: %s, generate: %s" % (got.get("id"), got["tokens"][:12], want[:12]))
+
+    @case("arch_gemma3_keep_refused")
+    def _():
+        r = sh([RUN, write("gemma3"), "--keep", "4", "-n", "8"])
+        if r.returncode != 2 or "sliding-window" not in r.stderr:
+            raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()))
+
+    @case("arch_unknown_named")
+    def _():
+        meta, tensors = arch_models.arch_model("llama")
+        meta["general.architecture"] = "qwen3next"
+        path = os.path.join(TMP, "qwen3next.gguf")
+        from gguf_ref import write_gguf
+        write_gguf(path, meta, tensors)
+        r = sh([RUN, path, "-n", "4"])
+        if r.returncode != 1 or "'qwen3next'" not in r.stderr or "hybrid" not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+            raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()))
+
+    @case("arch_bad_norm_shape_named")
+    def _():
+        meta, tensors = arch_models.arch_model("qwen3")
+        tensors = [(n, t, [16] if n == "blk.1.attn_k_norm.weight" else ne, b[:64] if n == "blk.1.attn_k_norm.weight" else b)
+                   for n, t, ne, b in tensors]
+        path = os.path.join(TMP, "qwen3_bad_norm.gguf")
+        from gguf_ref import write_gguf
+        write_gguf(path, meta, tensors)
+        r = sh([RUN, path, "-n", "4"])
+        if r.returncode != 1 or "blk.1.attn_k_norm.weight" not in r.stderr or "[16" not in r.stderr:
+            raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()))
+
+    return 0 if COUNTS["FAIL"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
