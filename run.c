@@ -757,6 +757,13 @@ typedef struct {
     float att_multiplier;     /* attention scores times this; 0: divided by sqrt(head_size) */
     float logit_scale;        /* the logits divided by this (Granite) */
     float softcap;            /* logits = softcap * tanh(logits / softcap) (Gemma); 0: none */
+    /* a mixture of experts (GGUF expert_count > 0; section 4's moe_ffn) */
+    int n_experts;            /* experts of a layer; 0: every layer's FFN is dense */
+    int n_experts_used;       /* the k experts each row takes */
+    int expert_hidden;        /* an expert's FFN inner width */
+    int shared_hidden;        /* a shared expert's (expert_shared_feed_forward_length; default hidden_dim) */
+    float expert_scale;       /* the chosen experts' weights times this; 0: 1 */
+    int qk_norm_whole;        /* QK-norm over the whole q and k rows (OLMoE), not head by head */
 } Config;
 
 /* An architecture (GGUF's general.architecture): llama's forward pass and
@@ -777,20 +784,24 @@ typedef struct Arch {
     int no_rope_period; /* layer l turns no RoPE when (l + 1) % period == 0; 0: all turn */
     int fused;          /* attn_qkv may hold q, k and v's rows, ffn_up the gate's then the up's */
     int scales;         /* the file's embedding, residual, attention and logit scales (Granite) */
+    int moe_norm;       /* with experts (expert_count): the chosen experts' weights renormalised to sum to 1 */
 } Arch;
 
 static const Arch ARCHS[] = {
-    /* name      halves qk_norm post_norms activation sqrt(dim) window no_rope fused scales */
-    {"llama",    0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0},
-    {"qwen2",    1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0},
-    {"qwen3",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0},
-    {"gemma3",   1,     1,      1,         ACT_GELU,  1,        6,     0,      0,    0},
-    {"phi3",     1,     0,      0,         ACT_SILU,  0,        0,     0,      1,    0},
-    {"smollm3",  0,     0,      0,         ACT_SILU,  0,        0,     4,      0,    0},
-    {"granite",  0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    1},
+    /* name      halves qk_norm post_norms activation sqrt(dim) window no_rope fused scales moe_norm */
+    {"llama",    0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     1},
+    {"qwen2",    1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
+    {"qwen3",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
+    {"gemma3",   1,     1,      1,         ACT_GELU,  1,        6,     0,      0,    0,     0},
+    {"phi3",     1,     0,      0,         ACT_SILU,  0,        0,     0,      1,    0,     0},
+    {"smollm3",  0,     0,      0,         ACT_SILU,  0,        0,     4,      0,    0,     0},
+    {"granite",  0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    1,     0},
+    {"qwen3moe", 1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     1},
+    {"qwen2moe", 1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
+    {"olmoe",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
 };
 #define N_ARCHS ((int)(sizeof(ARCHS) / sizeof(ARCHS[0])))
-#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite"
+#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe"
 
 /* Query and key/value widths of a row: heads x head_size. */
 static int q_dim(const Config *p) { return p->n_heads * p->head_size; }
@@ -872,6 +883,14 @@ typedef struct {
     const float *bv; /* (n_layers, kv_dim) biases of v, or NULL */
     const float *q_norm, *k_norm;     /* Arch qk_norm: (n_layers, head_size); NULL: none */
     const float *post_att, *post_ffn; /* Arch post_norms: (n_layers, dim); NULL: none */
+    /* mixture of experts: each layer's router (n_experts, dim), rows 0 in a
+       dense layer; the experts' matrices, (n_layers, n_experts) of each:
+       gate and up (expert_hidden, dim), down (dim, expert_hidden). A
+       shared expert (Qwen2-MoE) is the layer's w1, w3 and w2, its output
+       times sigmoid(shared_gate . x) where shared_gate is set. */
+    Matrix *router;
+    Matrix *e_gate, *e_up, *e_down;
+    const float *shared_gate; /* (n_layers, dim) or NULL */
 } Weights;
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
@@ -922,8 +941,8 @@ typedef struct {
     float *x;       /* (max_rows, dim) residual stream */
     float *xb;      /* (max_rows, dim) normalised input / (max_rows, q_dim) attention output */
     float *xb2;     /* (max_rows, dim) projection output */
-    float *hb;      /* (max_rows, hidden_dim) FFN gate */
-    float *hb2;     /* (max_rows, hidden_dim) FFN up */
+    float *hb;      /* (max_rows, the widest dense FFN: hidden_dim or shared_hidden) FFN gate */
+    float *hb2;     /* (max_rows, as hb) FFN up */
     float *q;       /* (max_rows, q_dim) queries */
     float *q_turned; /* (max_rows, 2, q_dim) --keep: each query rotated for the ring's two stretches (kv_query_turn) */
     float *k;       /* (max_rows, kv_dim) keys of the rows, before caching */
@@ -933,6 +952,14 @@ typedef struct {
     int *tiles;     /* (max_rows + 1) the first row of each tile of attention, then the row count */
     int *groups;    /* (max_rows + 1) the first tile of each group of tiles, then the tile count */
     float *logits;  /* (max_rows, vocab_size) */
+    /* mixture of experts (moe_ffn); NULL for a dense model */
+    float *router;  /* (max_rows, n_experts) router logits, then probabilities */
+    int *chosen;    /* (max_rows, n_experts_used) each row's experts, best first */
+    float *route_w; /* (max_rows, n_experts_used) their weights */
+    int *slot_of;   /* (max_rows * n_experts_used) the rows routed to each expert, expert by expert */
+    float *ex;      /* (max_rows, dim) an expert's rows gathered */
+    float *eh, *eh2; /* (max_rows, expert_hidden) its gate and up */
+    float *slots;   /* (max_rows, n_experts_used, dim) each row's experts' outputs, best first */
     KVCache cache;
 } RunState;
 
@@ -2106,6 +2133,26 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         p->logit_scale = gguf_positive(g, ARCH_KEY("logit_scale"), 0.0f);
         if (p->logit_scale == 0.0f) die(EXIT_BAD_FILE, "%s: GGUF metadata '%s' is missing", g->path, key);
     }
+    p->n_experts = gguf_int(g, ARCH_KEY("expert_count"), 0, 0, 4096);
+    if (p->n_experts == 1) p->n_experts = 0; /* one expert is a dense FFN, as llama.cpp takes it */
+    if (p->n_experts > 0) {
+        p->n_experts_used = gguf_int(g, ARCH_KEY("expert_used_count"), -1, 1, p->n_experts);
+        /* an expert's width as its tensors have it (Mixtral's and OLMoE's is
+           feed_forward_length, Qwen's expert_feed_forward_length) */
+        for (int l = 0; l < p->n_layers && p->expert_hidden == 0; l++) {
+            char name[64];
+            snprintf(name, sizeof(name), "blk.%d.ffn_up_exps.weight", l);
+            const GGUFTensor *up = gguf_tensor(g, name);
+            if (up && up->ne[1] > 0 && up->ne[1] <= INT_MAX) p->expert_hidden = (int)up->ne[1];
+        }
+        if (p->expert_hidden == 0)
+            die(EXIT_BAD_FILE, "%s: %s is %d, but no layer has experts (blk.N.ffn_up_exps.weight)", g->path, ARCH_KEY("expert_count"),
+                p->n_experts);
+        p->expert_scale = gguf_float(g, ARCH_KEY("expert_weights_scale"), 0.0f);
+        p->shared_hidden = gguf_int(g, ARCH_KEY("expert_shared_feed_forward_length"), p->hidden_dim, 1, INT_MAX);
+        if (!(p->expert_scale >= 0.0f && isfinite(p->expert_scale)))
+            die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, p->expert_scale);
+    }
     const GGUFValue *tokens = gguf_value(g, "tokenizer.ggml.tokens");
     if (tokens && (tokens->type != GGUF_ARRAY || tokens->count != (uint64_t)p->vocab_size))
         die(EXIT_BAD_FILE, "%s: the vocabulary has %llu tokens, the token embedding %d", g->path,
@@ -2204,6 +2251,66 @@ static void gguf_layer_parts(Transformer *t, const GGUF *g, const char *fused, c
     }
 }
 
+/* The n_experts matrices of (rows, cols) that the 3-D tensor
+   blk.<l>.<what>.weight holds, one after the other, into out[0..n-1]. */
+static void gguf_experts(Transformer *t, const GGUF *g, int l, const char *what, int rows, int cols, Matrix *out) {
+    const int n = t->config.n_experts;
+    char name[64];
+    snprintf(name, sizeof(name), "blk.%d.%s.weight", l, what);
+    const GGUFTensor *x = gguf_tensor(g, name);
+    if (!x) die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' is missing", g->path, name);
+    if (x->ne[0] != (uint64_t)cols || x->ne[1] != (uint64_t)rows || x->ne[2] != (uint64_t)n || x->ne[3] != 1)
+        die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' has shape [%llu, %llu, %llu, %llu], the metadata make it [%d, %d, %d] (%d experts)", g->path,
+            name, (unsigned long long)x->ne[0], (unsigned long long)x->ne[1], (unsigned long long)x->ne[2], (unsigned long long)x->ne[3],
+            cols, rows, n, n);
+    GGUFTensor all = *x;
+    all.ne[1] = (uint64_t)rows * n;
+    all.ne[2] = 1;
+    for (int e = 0; e < n; e++) {
+        GGUFTensor part = tensor_rows(&all, (uint64_t)e * rows, (uint64_t)rows);
+        out[e] = gguf_matrix_of(t, g, &part, name, rows, cols);
+    }
+}
+
+/* The FFNs of a model with experts: in each layer with a router
+   (ffn_gate_inp), the experts' matrices and, where the file has one, a
+   shared expert (ffn_*_shexp, gated by ffn_gate_inp_shexp where present)
+   in w1, w3 and w2; in a layer without, a dense FFN there. */
+static void gguf_moe_layers(Transformer *t, const GGUF *g) {
+    const Config *p = &t->config;
+    Weights *w = &t->weights;
+    const int L = p->n_layers, E = p->n_experts, dim = p->dim, F = p->expert_hidden;
+    w->router = xcalloc((size_t)L, sizeof(Matrix));
+    w->e_gate = xcalloc((size_t)L * E, sizeof(Matrix));
+    w->e_up = xcalloc((size_t)L * E, sizeof(Matrix));
+    w->e_down = xcalloc((size_t)L * E, sizeof(Matrix));
+    w->w1 = xcalloc((size_t)L, sizeof(Matrix));
+    w->w2 = xcalloc((size_t)L, sizeof(Matrix));
+    w->w3 = xcalloc((size_t)L, sizeof(Matrix));
+    char name[64];
+    for (int l = 0; l < L; l++) {
+        snprintf(name, sizeof(name), "blk.%d.ffn_gate_inp.weight", l);
+        const char *ffn[3] = {"ffn_gate", "ffn_up", "ffn_down"};
+        int width = p->hidden_dim;
+        if (gguf_tensor(g, name)) {
+            w->router[l] = gguf_matrix(t, g, name, E, dim);
+            gguf_experts(t, g, l, "ffn_gate_exps", F, dim, w->e_gate + (size_t)l * E);
+            gguf_experts(t, g, l, "ffn_up_exps", F, dim, w->e_up + (size_t)l * E);
+            gguf_experts(t, g, l, "ffn_down_exps", dim, F, w->e_down + (size_t)l * E);
+            snprintf(name, sizeof(name), "blk.%d.ffn_gate_shexp.weight", l);
+            if (!gguf_tensor(g, name)) continue;
+            ffn[0] = "ffn_gate_shexp", ffn[1] = "ffn_up_shexp", ffn[2] = "ffn_down_shexp";
+            width = p->shared_hidden;
+        }
+        Matrix *out[3] = {&w->w1[l], &w->w3[l], &w->w2[l]};
+        for (int i = 0; i < 3; i++) {
+            snprintf(name, sizeof(name), "blk.%d.%s.weight", l, ffn[i]);
+            *out[i] = i < 2 ? gguf_matrix(t, g, name, width, dim) : gguf_matrix(t, g, name, dim, width);
+        }
+    }
+    w->shared_gate = gguf_layer_vectors(t, g, "ffn_gate_inp_shexp.weight", dim, 0);
+}
+
 /* The norm weights blk.N.<what>.weight of n floats of every layer, when
    the architecture has them (`has`), else NULL. */
 static const float *gguf_layer_norms(Transformer *t, const GGUF *g, int has, const char *what, int n) {
@@ -2232,15 +2339,22 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     const int qkv_rows[] = {qd, kv_dim, kv_dim}, up_rows[] = {hidden, hidden};
     Matrix *qkv[3], *up[2];
     gguf_layer_parts(t, g, a->fused ? "attn_qkv" : NULL, qkv_names, qkv_rows, 3, dim, qkv);
-    gguf_layer_parts(t, g, a->fused ? "ffn_up" : NULL, up_names, up_rows, 2, dim, up);
     w->wq = qkv[0], w->wk = qkv[1], w->wv = qkv[2];
-    w->w1 = up[0], w->w3 = up[1];
     w->wo = gguf_layer_matrices(t, g, "attn_output", dim, qd);
-    w->w2 = gguf_layer_matrices(t, g, "ffn_down", dim, hidden);
+    if (p->n_experts > 0)
+        gguf_moe_layers(t, g);
+    else {
+        gguf_layer_parts(t, g, a->fused ? "ffn_up" : NULL, up_names, up_rows, 2, dim, up);
+        w->w1 = up[0], w->w3 = up[1];
+        w->w2 = gguf_layer_matrices(t, g, "ffn_down", dim, hidden);
+    }
     w->rms_att = gguf_layer_vectors(t, g, "attn_norm.weight", dim, 1);
     w->rms_ffn = gguf_layer_vectors(t, g, "ffn_norm.weight", dim, 1);
-    w->q_norm = gguf_layer_norms(t, g, a->qk_norm, "attn_q_norm", p->head_size);
-    w->k_norm = gguf_layer_norms(t, g, a->qk_norm, "attn_k_norm", p->head_size);
+    /* QK-norm head by head, or (OLMoE: its weights as wide as q) over the whole row */
+    const GGUFTensor *q_norm = gguf_tensor(g, "blk.0.attn_q_norm.weight");
+    p->qk_norm_whole = a->qk_norm && q_norm && q_norm->ne[0] == (uint64_t)qd && qd != p->head_size;
+    w->q_norm = gguf_layer_norms(t, g, a->qk_norm, "attn_q_norm", p->qk_norm_whole ? qd : p->head_size);
+    w->k_norm = gguf_layer_norms(t, g, a->qk_norm, "attn_k_norm", p->qk_norm_whole ? kv_dim : p->head_size);
     w->post_att = gguf_layer_norms(t, g, a->post_norms, "post_attention_norm", dim);
     w->post_ffn = gguf_layer_norms(t, g, a->post_norms, "post_ffw_norm", dim);
     float *final = model_pages(t, (size_t)dim * sizeof(float));
@@ -2294,6 +2408,7 @@ static void free_transformer(Transformer *t) {
     unpack_weights(t);
     free(w->wq); free(w->wk); free(w->wv); free(w->wo);
     free(w->w1); free(w->w2); free(w->w3);
+    free(w->router); free(w->e_gate); free(w->e_up); free(w->e_down);
     for (int i = 0; i < t->n_owned; i++) free_pages(t->owned[i].p, t->owned[i].bytes);
     free(t->owned);
     if (t->gguf) free_gguf(t->gguf);
@@ -4975,17 +5090,27 @@ static void matrix_release_stored(const Matrix *W) {
     if (W->offsets) release_pages(W->offsets, count / W->group_size * sizeof(float));
 }
 
-/* The matrices of t that a matmul reads: the classifier (packed first:
-   pack_weights), then n_layers x 7. */
-static int matmul_matrices(Transformer *t, Matrix **all) {
+/* The matrices of t that a matmul reads (*n of them, in an array to
+   free): the classifier (packed first: pack_weights), then each layer's 7
+   (those a layer has: a layer with experts may have no dense FFN), its
+   router and its experts'. */
+static Matrix **matmul_matrices(Transformer *t, int *n) {
     Weights *w = &t->weights;
-    int n = 0;
-    all[n++] = &w->wcls;
-    for (int l = 0; w->wq && l < t->config.n_layers; l++) {
-        Matrix *layer[] = {&w->wq[l], &w->wk[l], &w->wv[l], &w->wo[l], &w->w1[l], &w->w2[l], &w->w3[l]};
-        for (int m = 0; m < 7; m++) all[n++] = layer[m];
+    const int L = t->config.n_layers, E = t->config.n_experts;
+    Matrix **all = xcalloc(1 + (size_t)L * (8 + 3 * (size_t)E), sizeof(Matrix *));
+    *n = 0;
+    all[(*n)++] = &w->wcls;
+    for (int l = 0; w->wq && l < L; l++) {
+        Matrix *layer[] = {&w->wq[l], &w->wk[l], &w->wv[l], &w->wo[l], &w->w1[l], &w->w2[l], &w->w3[l], w->router ? &w->router[l] : NULL};
+        for (int m = 0; m < 8; m++)
+            if (layer[m] && layer[m]->rows > 0) all[(*n)++] = layer[m];
+        for (int e = 0; w->router && w->router[l].rows > 0 && e < E; e++) {
+            all[(*n)++] = &w->e_gate[(size_t)l * E + e];
+            all[(*n)++] = &w->e_up[(size_t)l * E + e];
+            all[(*n)++] = &w->e_down[(size_t)l * E + e];
+        }
     }
-    return n;
+    return all;
 }
 
 /* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
@@ -5055,8 +5180,8 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
    (pack_matrices): the loading of a GGUF vocabulary, 35 ms of one thread
    for Llama 3's, overlaps the packing of a 1B model's weights. */
 static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg) {
-    Matrix **all = xcalloc((size_t)t->config.n_layers * 7 + 1, sizeof(Matrix *));
-    int n = matmul_matrices(t, all);
+    int n;
+    Matrix **all = matmul_matrices(t, &n);
     size_t bytes = 0;
     for (int m = 0; m < n; m++) {
         bytes += matrix_packed_bytes(all[m]);
@@ -5081,8 +5206,8 @@ static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void 
    prompt: a 128-token prompt of the stories110M shape in BF16 ran 10-20%
    slower cold. Packed or converted matrices were read once already. */
 static void populate_in_place(Transformer *t) {
-    Matrix **all = xcalloc((size_t)t->config.n_layers * 7 + 1, sizeof(Matrix *));
-    int n = matmul_matrices(t, all);
+    int n;
+    Matrix **all = matmul_matrices(t, &n);
     for (int m = 0; m < n; m++) {
         const Matrix *W = all[m];
         if (W->packed) continue;
@@ -5795,8 +5920,9 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
     s->x = xcalloc(rows * p->dim, sizeof(float));
     s->xb = xcalloc(rows * (p->dim > q_dim(p) ? p->dim : q_dim(p)), sizeof(float));
     s->xb2 = xcalloc(rows * p->dim, sizeof(float));
-    s->hb = xcalloc(rows * p->hidden_dim, sizeof(float));
-    s->hb2 = xcalloc(rows * p->hidden_dim, sizeof(float));
+    const int ffn = p->hidden_dim > p->shared_hidden ? p->hidden_dim : p->shared_hidden;
+    s->hb = xcalloc(rows * ffn, sizeof(float));
+    s->hb2 = xcalloc(rows * ffn, sizeof(float));
     s->q = xcalloc(rows * q_dim(p), sizeof(float));
     s->q_turned = xcalloc(rows * 2 * q_dim(p), sizeof(float));
     s->k = xcalloc(rows * kv_dim, sizeof(float));
@@ -5806,12 +5932,24 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
     s->tiles = xcalloc(rows + 1, sizeof(int));
     s->groups = xcalloc(rows + 1, sizeof(int));
     s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
+    if (p->n_experts > 0) {
+        const size_t k = (size_t)p->n_experts_used;
+        s->router = xcalloc(rows * p->n_experts, sizeof(float));
+        s->chosen = xcalloc(rows * k, sizeof(int));
+        s->route_w = xcalloc(rows * k, sizeof(float));
+        s->slot_of = xcalloc(rows * k, sizeof(int));
+        s->ex = xcalloc(rows * p->dim, sizeof(float));
+        s->eh = xcalloc(rows * p->expert_hidden, sizeof(float));
+        s->eh2 = xcalloc(rows * p->expert_hidden, sizeof(float));
+        s->slots = xcalloc(rows * k * p->dim, sizeof(float));
+    }
     kv_init(&s->cache, p, n_blocks, kv_type);
 }
 
 static void free_run_state(RunState *s) {
     free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
     free(s->q); free(s->q_turned); free(s->k); free(s->v); free(s->att); free(s->chunks); free(s->tiles); free(s->groups); free(s->logits);
+    free(s->router); free(s->chosen); free(s->route_w); free(s->slot_of); free(s->ex); free(s->eh); free(s->eh2); free(s->slots);
     kv_free(&s->cache);
     memset(s, 0, sizeof(*s));
 }
@@ -6562,6 +6700,94 @@ static void add_residual(float *x, const float *y, int n, int dim, float scale) 
         for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += y[i];
 }
 
+/* The dense FFN of n rows of xb: out = w2 @ (act(w1 @ xb) * (w3 @ xb)), act
+   SiLU (v * sigmoid(v)) or GELU, its width w1's rows. With `gate` (a
+   shared expert's, (n_layers, dim)), added to out instead, times
+   sigmoid(gate_l . xb) row by row. */
+static void dense_ffn(Transformer *t, const Matrix *w1, const Matrix *w3, const Matrix *w2, int n, float *out, const float *gate, int l) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    const int dim = p->dim;
+    const Matrix *gate_up[2] = {w1, w3};
+    float *const gate_up_out[2] = {s->hb, s->hb2};
+    matmul_shared(gate_up, gate_up_out, 2, s->xb, n);
+    gated_activation(p->arch->activation, s->hb, s->hb2, n, w1->rows);
+    matmul(out, s->hb, w2, n);
+    if (out == s->xb2) return;
+    for (int r = 0; r < n; r++) {
+        float g = 1.0f;
+        if (gate) {
+            float dot = 0.0f;
+            for (int i = 0; i < dim; i++) dot += gate[(size_t)l * dim + i] * s->xb[(size_t)r * dim + i];
+            g = 1.0f / (1.0f + expf(-dot));
+        }
+        for (int i = 0; i < dim; i++) s->xb2[(size_t)r * dim + i] += g * out[(size_t)r * dim + i];
+    }
+}
+
+/* The k experts of a row and their weights from its router logits
+   (n_experts, turned into probabilities in place): the softmax over all
+   experts, the k most probable (at a tie, the lower index first), their
+   probabilities as weights, renormalised to sum 1 where the architecture
+   does so (Arch moe_norm; the sum held above 2^-14 as llama.cpp holds it),
+   times expert_weights_scale where the file gives one. */
+static void route(const Config *p, float *probs, int *chosen, float *weights) {
+    const int E = p->n_experts, k = p->n_experts_used;
+    softmax(probs, E);
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= chosen[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        chosen[j] = best;
+        weights[j] = probs[best];
+        sum += weights[j];
+    }
+    if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
+    for (int j = 0; j < k; j++) {
+        if (p->arch->moe_norm) weights[j] /= sum;
+        if (p->expert_scale > 0.0f) weights[j] *= p->expert_scale;
+    }
+}
+
+/* The mixture of experts of n rows of xb into out (n, dim): each row's
+   router picks k experts (route); the rows are then taken expert by
+   expert, each expert's matrices read once for all the rows routed to it
+   (as llama.cpp's mul_mat_id), its outputs left in the rows' slots; then
+   each row sums its k outputs times their weights, best first. A row's
+   result does not depend on the rows that share its step. */
+static void moe_ffn(Transformer *t, int l, int n, float *out) {
+    const Config *p = &t->config;
+    const Weights *w = &t->weights;
+    RunState *s = &t->state;
+    const int E = p->n_experts, k = p->n_experts_used, dim = p->dim, F = p->expert_hidden;
+    matmul(s->router, s->xb, &w->router[l], n);
+    for (int r = 0; r < n; r++) route(p, s->router + (size_t)r * E, s->chosen + (size_t)r * k, s->route_w + (size_t)r * k);
+    for (int e = 0; e < E; e++) {
+        int m = 0; /* the slots (row * k + rank) routed to e */
+        for (int slot = 0; slot < n * k; slot++)
+            if (s->chosen[slot] == e) s->slot_of[m++] = slot;
+        if (m == 0) continue;
+        for (int i = 0; i < m; i++) memcpy(s->ex + (size_t)i * dim, s->xb + (size_t)(s->slot_of[i] / k) * dim, (size_t)dim * sizeof(float));
+        const size_t at = (size_t)l * E + e;
+        const Matrix *gate_up[2] = {&w->e_gate[at], &w->e_up[at]};
+        float *const gate_up_out[2] = {s->eh, s->eh2};
+        matmul_shared(gate_up, gate_up_out, 2, s->ex, m);
+        gated_activation(ACT_SILU, s->eh, s->eh2, m, F);
+        matmul(s->ex, s->eh, &w->e_down[at], m);
+        for (int i = 0; i < m; i++) memcpy(s->slots + (size_t)s->slot_of[i] * dim, s->ex + (size_t)i * dim, (size_t)dim * sizeof(float));
+    }
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < dim; i++) {
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++) sum += s->route_w[(size_t)r * k + j] * s->slots[((size_t)r * k + j) * dim + i];
+            out[(size_t)r * dim + i] = sum;
+        }
+}
+
 /* The logits' last steps: divided by logit_scale (Granite), then capped
    softly at +-softcap (Gemma): softcap * tanh(logit / softcap). */
 static void finish_logits(const Config *p, float *logits, int n) {
@@ -6580,7 +6806,7 @@ static float *forward(Transformer *t, const Batch *b) {
     const Config *p = &t->config;
     const Weights *w = &t->weights;
     RunState *s = &t->state;
-    const int dim = p->dim, hidden = p->hidden_dim, n = b->n_rows;
+    const int dim = p->dim, n = b->n_rows;
     const int head_size = p->head_size, qd = q_dim(p), kv_dim = kv_dim_of(p);
 
     for (int r = 0; r < n; r++)
@@ -6598,7 +6824,10 @@ static float *forward(Transformer *t, const Batch *b) {
         add_bias(s->q, w->bq, l, n, qd); /* GGUF qwen2 */
         add_bias(s->k, w->bk, l, n, kv_dim);
         add_bias(s->v, w->bv, l, n, kv_dim);
-        if (w->q_norm) { /* QK-norm: each head of q and k RMS-normalised */
+        if (w->q_norm && p->qk_norm_whole) { /* QK-norm over each row of q and k (OLMoE) */
+            rmsnorm_rows(s->q, w->q_norm + (size_t)l * qd, n, qd, p->norm_eps);
+            rmsnorm_rows(s->k, w->k_norm + (size_t)l * kv_dim, n, kv_dim, p->norm_eps);
+        } else if (w->q_norm) { /* QK-norm: each head of q and k RMS-normalised */
             rmsnorm_rows(s->q, w->q_norm + (size_t)l * head_size, n * p->n_heads, head_size, p->norm_eps);
             rmsnorm_rows(s->k, w->k_norm + (size_t)l * head_size, n * p->n_kv_heads, head_size, p->norm_eps);
         }
@@ -6614,14 +6843,14 @@ static float *forward(Transformer *t, const Batch *b) {
         if (w->post_att) rmsnorm_rows(s->xb2, w->post_att + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
         add_residual(s->x, s->xb2, n, dim, p->residual_scale);
 
-        /* FFN block: x += w2 @ (act(w1 @ xb) * (w3 @ xb)), act SiLU (v * sigmoid(v)) or GELU */
+        /* FFN block: x += ffn(xb), dense or a mixture of experts (with a shared expert) */
         for (int r = 0; r < n; r++)
             rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim, p->norm_eps);
-        const Matrix *gate_up[2] = {&w->w1[l], &w->w3[l]};
-        float *const gate_up_out[2] = {s->hb, s->hb2};
-        matmul_shared(gate_up, gate_up_out, 2, s->xb, n);
-        gated_activation(p->arch->activation, s->hb, s->hb2, n, hidden);
-        matmul(s->xb2, s->hb, &w->w2[l], n);
+        if (w->router && w->router[l].rows > 0) {
+            moe_ffn(t, l, n, s->xb2);
+            if (w->w1[l].rows > 0) dense_ffn(t, &w->w1[l], &w->w3[l], &w->w2[l], n, s->slots, w->shared_gate, l);
+        } else
+            dense_ffn(t, &w->w1[l], &w->w3[l], &w->w2[l], n, s->xb2, NULL, l);
         if (w->post_ffn) rmsnorm_rows(s->xb2, w->post_ffn + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
         add_residual(s->x, s->xb2, n, dim, p->residual_scale);
     }
