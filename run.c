@@ -750,6 +750,7 @@ typedef struct {
     int rope_dims;
     const struct Arch *arch; /* the architecture's row (section 2.3): what the forward pass adds to llama's */
     int window;          /* the windowed layers' attention reaches the last `window` positions; 0: no windows */
+    int window_period;   /* layer l is global when l % window_period == window_period - 1, else windowed */
     float rope_theta_local;   /* RoPE base of the windowed layers */
     float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 1: none */
     float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite) */
@@ -779,7 +780,8 @@ typedef struct Arch {
                            residual (post_attention_norm, post_ffw_norm) */
     int activation;     /* the gated FFN's: ACT_SILU (SwiGLU) or ACT_GELU (GELU, tanh form) */
     int embed_sqrt_dim; /* the embedding times sqrt(dim) */
-    int window_period;  /* where the file gives a sliding window: layer l attends to all its past when
+    int window_period;  /* where the file gives a sliding window, the period of its layers unless the file
+                           says (attention.sliding_window_pattern): layer l attends to all its past when
                            l % period == period - 1, to the window otherwise */
     int no_rope_period; /* layer l turns no RoPE when (l + 1) % period == 0; 0: all turn */
     int fused;          /* attn_qkv may hold q, k and v's rows, ffn_up the gate's then the up's */
@@ -2119,6 +2121,10 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         die(EXIT_BAD_FILE, "%s: bad GGUF: rope.freq_base %g must be positive", g->path, p->rope_theta);
     if (a->window_period) {
         p->window = gguf_int(g, ARCH_KEY("attention.sliding_window"), 0, 0, INT_MAX);
+        const GGUFValue *pattern = gguf_value(g, ARCH_KEY("attention.sliding_window_pattern"));
+        if (pattern && pattern->type == GGUF_ARRAY)
+            die(EXIT_BAD_FILE, "%s: %s is a per-layer array; this program reads it as one period (every n-th layer global)", g->path, key);
+        p->window_period = gguf_int(g, key, a->window_period, 1, 65536);
         p->rope_theta_local = gguf_positive(g, ARCH_KEY("rope.freq_base_swa"), 10000.0f);
     }
     p->rope_mscale = gguf_positive(g, ARCH_KEY("rope.scaling.attn_factor"), 1.0f);
@@ -6349,10 +6355,10 @@ static void attention_block(const KVCache *c, int layer, const BlockTable *table
 }
 
 /* Whether layer l attends to a sliding window of positions (Gemma 3's
-   local layers; Arch window_period), and the first position a row at pos
+   local layers; Config window_period), and the first position a row at pos
    attends to there. */
 static int layer_windowed(const Config *p, int l) {
-    return p->window > 0 && p->arch->window_period > 0 && l % p->arch->window_period != p->arch->window_period - 1;
+    return p->window > 0 && l % p->window_period != p->window_period - 1;
 }
 
 static int attention_start(const Config *p, int l, int pos) {
