@@ -763,7 +763,6 @@ typedef struct {
     int n_experts_used;       /* the k experts each row takes */
     int expert_hidden;        /* an expert's FFN inner width */
     int shared_hidden;        /* a shared expert's (expert_shared_feed_forward_length; default hidden_dim) */
-    float expert_scale;       /* the chosen experts' weights times this; 0: 1 */
     int qk_norm_whole;        /* QK-norm over the whole q and k rows (OLMoE), not head by head */
 } Config;
 
@@ -2154,10 +2153,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         if (p->expert_hidden == 0)
             die(EXIT_BAD_FILE, "%s: %s is %d, but no layer has experts (blk.N.ffn_up_exps.weight)", g->path, ARCH_KEY("expert_count"),
                 p->n_experts);
-        p->expert_scale = gguf_float(g, ARCH_KEY("expert_weights_scale"), 0.0f);
         p->shared_hidden = gguf_int(g, ARCH_KEY("expert_shared_feed_forward_length"), p->hidden_dim, 1, INT_MAX);
-        if (!(p->expert_scale >= 0.0f && isfinite(p->expert_scale)))
-            die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, p->expert_scale);
     }
     const GGUFValue *tokens = gguf_value(g, "tokenizer.ggml.tokens");
     if (tokens && (tokens->type != GGUF_ARRAY || tokens->count != (uint64_t)p->vocab_size))
@@ -6733,10 +6729,12 @@ static void dense_ffn(Transformer *t, const Matrix *w1, const Matrix *w3, const 
 
 /* The k experts of a row and their weights from its router logits
    (n_experts, turned into probabilities in place): the softmax over all
-   experts, the k most probable (at a tie, the lower index first), their
-   probabilities as weights, renormalised to sum 1 where the architecture
-   does so (Arch moe_norm; the sum held above 2^-14 as llama.cpp holds it),
-   times expert_weights_scale where the file gives one. */
+   experts, the k most probable (at a tie, the lower index first, as
+   llama.cpp's sort takes them up to 16 experts; beyond, its order at exact
+   ties is its sort's), their probabilities as weights, renormalised to sum
+   1 where the architecture does so (Arch moe_norm; the sum held above
+   2^-14 as llama.cpp holds it). These architectures' expert_weights_scale
+   is not read, as llama.cpp reads it not. */
 static void route(const Config *p, float *probs, int *chosen, float *weights) {
     const int E = p->n_experts, k = p->n_experts_used;
     softmax(probs, E);
@@ -6753,10 +6751,7 @@ static void route(const Config *p, float *probs, int *chosen, float *weights) {
         sum += weights[j];
     }
     if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
-    for (int j = 0; j < k; j++) {
-        if (p->arch->moe_norm) weights[j] /= sum;
-        if (p->expert_scale > 0.0f) weights[j] *= p->expert_scale;
-    }
+    for (int j = 0; p->arch->moe_norm && j < k; j++) weights[j] /= sum;
 }
 
 /* The mixture of experts of n rows of xb into out (n, dim): each row's

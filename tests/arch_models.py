@@ -1,6 +1,8 @@
 """Random GGUF models of the architectures beyond llama/qwen2 (qwen3, gemma3,
-phi3, smollm3, granite, and llama whose heads are not embedding/head_count
-wide), for checking run.c against llama.cpp itself (tests/llamacpp.py).
+phi3, smollm3, granite, llama whose heads are not embedding/head_count
+wide, and the mixtures of experts qwen3moe, qwen2moe, olmoe and mixtral,
+the last written as llama with experts), for checking run.c against
+llama.cpp itself (tests/llamacpp.py).
 Standard library and numpy only; builds on tests/gguf_ref.py (its writer,
 random_tensor and spm_vocab).
 
@@ -66,6 +68,36 @@ ggml/src/ggml-cpu/ops.cpp; read, not copied):
            head_count*key_length wide, attn_output takes that many inputs);
            rope.dimension_count must equal key_length (llama.cpp refuses
            other values for llama).
+  mixtures of experts (src/llama-graph.cpp build_moe_ffn; the archs'
+  files in src/models/): the router blk.N.ffn_gate_inp.weight [n_embd,
+  expert_count] (float32 here, and llama.cpp's quantiser leaves it so);
+  the experts 3-D: ffn_gate_exps / ffn_up_exps [n_embd, n_ff_exp,
+  n_expert], ffn_down_exps [n_ff_exp, n_embd, n_expert]; per row: softmax
+  of the router logits over all experts, the expert_used_count most
+  probable (ggml_argsort_top_k: a std::sort, descending; at exact ties
+  the CPU build takes the lowest indices when expert_count <= 16, where
+  libstdc++'s sort is an insertion sort, and an introsort order above,
+  e.g. 16, 31, 30, 29 of 32 all tied), weights = their probabilities,
+  renormalised to sum 1 (the sum clamped >= 2^-14) for qwen3moe and llama
+  but not qwen2moe and olmoe; out = sum weight * down(silu(gate x) * up
+  x). expert_weights_scale is not read by these four archs' loaders (a
+  file's value changes nothing).
+  qwen3moe as qwen3 (per-head q/k norm, key_length, NEOX, output
+           optional); experts expert_feed_forward_length wide (default
+           feed_forward_length / expert_used_count).
+  qwen2moe NEOX; q/k/v biases optional; output required; experts
+           expert_feed_forward_length wide; a shared expert ffn_gate_shexp
+           / ffn_up_shexp / ffn_down_shexp of
+           expert_shared_feed_forward_length (default
+           feed_forward_length), its output times sigmoid(ffn_gate_inp_shexp
+           . x) (an [n_embd] vector; computed as silu(z) / z, so NaN at z
+           = 0 exactly), added to the experts' sum.
+  olmoe    NEOX; attn_q_norm / attn_k_norm are [n_embd]: RMSNorm over the
+           whole q (k) row before the head split (so head_count_kv =
+           head_count); experts feed_forward_length wide; output required.
+  llama    with expert_count: NORM RoPE, experts feed_forward_length wide
+  (Mixtral) (ffn_gate_exps optional in llama.cpp, not written here),
+           output optional.
 """
 import os
 import sys
@@ -75,7 +107,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_ref import random_tensor, spm_vocab, write_gguf  # noqa: E402
 
-ARCHS = ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama")
+ARCHS = ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama", "qwen3moe", "qwen2moe", "olmoe", "mixtral")
+# mixtures of experts (mixtral is written as general.architecture llama)
+MOE = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
 
 # neutralise names per arch (what each turns off is in _neutralise)
 FEATURES = {
@@ -85,6 +119,10 @@ FEATURES = {
     "smollm3": ("nope",),
     "granite": ("embedding_scale", "residual_scale", "attention_scale", "logit_scale"),
     "llama": (),
+    "qwen3moe": ("qk_norm", "routing", "experts_used"),
+    "qwen2moe": ("qkv_bias", "routing", "experts_used", "shared_expert", "shared_gate"),
+    "olmoe": ("qk_norm", "routing", "experts_used"),
+    "mixtral": ("routing", "experts_used"),
 }
 
 # per arch: shapes (dim, heads, kv heads, head_dim, ffn, layers) and keys
@@ -103,12 +141,29 @@ DEFAULTS = {
                     embedding_scale=12.0, residual_scale=0.22, attention_scale=1.0, logit_scale=8.0),
     # head_dim 32 != 64/4
     "llama": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128, n_layers=2, theta=1e4, eps=1e-5),
+    # mixtures of experts: n_expert experts of expert_ffn inputs, n_used a
+    # row; router_gain: the router logits' standard deviation (0: all zero,
+    # every expert ties); expert_weights_scale: written when not None
+    # head_dim 32 != 64/4; experts 32 wide (feed_forward_length 128 unused)
+    "qwen3moe": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128, n_layers=2, theta=1e6, eps=1e-6,
+                     n_expert=8, n_used=2, expert_ffn=32, router_gain=4.0, expert_weights_scale=None),
+    # q/k/v biases; a shared expert 48 wide
+    "qwen2moe": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=None, ffn=128, n_layers=2, theta=1e6, eps=1e-6,
+                     n_expert=8, n_used=3, expert_ffn=32, shared_ffn=48, router_gain=4.0, expert_weights_scale=None),
+    # MHA (q/k norms over the whole row); experts feed_forward_length wide
+    "olmoe": dict(dim=64, n_heads=4, n_kv_heads=4, head_dim=None, ffn=32, n_layers=2, theta=1e4, eps=1e-5,
+                  n_expert=8, n_used=3, router_gain=4.0, expert_weights_scale=None),
+    "mixtral": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=None, ffn=48, n_layers=2, theta=1e6, eps=1e-5,
+                    n_expert=6, n_used=2, router_gain=4.0, expert_weights_scale=None),
 }
 
 NORM_RANGE = (0.6, 1.6)      # RMSNorm weights (of the residual stream)
 QK_NORM_RANGE = (1.0, 2.5)   # per-head q/k norm weights
 QK_GAIN = 2.0                # query/key projections
 OUT_GAIN = 4.0               # classifier
+EXPERT_GAIN = 1.5            # the experts' gate, up and down
+SHARED_GATE_GAIN = 2.0       # qwen2moe's shared-expert gate: sigmoid of ~N(0, 2)
+BIAS_STD = 1.0               # qwen2moe's q/k/v biases
 
 
 def _ones(n):
@@ -141,11 +196,11 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
     hd = p["head_dim"] or dim // nh
     types = types or {}
     rng = np.random.default_rng(seed)
-    name_arch = arch
+    name_arch = "llama" if arch == "mixtral" else arch
     k = lambda key: name_arch + "." + key  # noqa: E731
 
     meta = {
-        "general.architecture": arch,
+        "general.architecture": name_arch,
         # not naming the arch: llama.cpp's vocab loader keys token fixups on
         # general.name containing "phi3" (and wants <|endoftext|> then)
         "general.name": "arch_models random model %s" % wtype,
@@ -163,6 +218,15 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
         meta[k("attention.value_length")] = hd
     n_rot = p.get("n_rot") or hd
     meta[k("rope.dimension_count")] = n_rot
+    if arch in MOE:
+        meta[k("expert_count")] = int(p["n_expert"])
+        meta[k("expert_used_count")] = int(p["n_used"])
+        if p.get("expert_ffn"):
+            meta[k("expert_feed_forward_length")] = int(p["expert_ffn"])
+        if p.get("shared_ffn"):
+            meta[k("expert_shared_feed_forward_length")] = int(p["shared_ffn"])
+        if p["expert_weights_scale"] is not None:
+            meta[k("expert_weights_scale")] = float(p["expert_weights_scale"])
     meta.update(spm_vocab(vocab))
 
     tensors = []
@@ -172,6 +236,12 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
         t = types.get(name, types.get(suffix, wtype))
         std = gain / np.sqrt(cols)
         tensors.append((name, t, [cols, rows], random_tensor(t, rows * cols, rng, std)))
+
+    def experts(name, rows, cols, gain=1.0):
+        """n_expert matrices (rows, cols), one 3-D tensor [cols, rows, n_expert]."""
+        E = p["n_expert"]
+        t = types.get(name, types.get(name.split(".", 2)[-1], wtype))
+        tensors.append((name, t, [cols, rows, E], random_tensor(t, E * rows * cols, rng, gain / np.sqrt(cols))))
 
     def vec(name, n, lo, hi):
         tensors.append((name, "F32", [n], rng.uniform(lo, hi, n).astype("<f4").tobytes()))
@@ -216,19 +286,42 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
             mat(b + "attn_q.weight", nh * hd, dim, QK_GAIN)
             mat(b + "attn_k.weight", nkv * hd, dim, QK_GAIN)
             mat(b + "attn_v.weight", nkv * hd, dim)
-        if arch in ("qwen3", "gemma3"):
+        if arch == "qwen2moe":
+            for n, rows in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
+                tensors.append((b + n + ".bias", "F32", [rows], rng.normal(0, BIAS_STD, rows).astype("<f4").tobytes()))
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             vec(b + "attn_q_norm.weight", hd, *QK_NORM_RANGE)
             vec(b + "attn_k_norm.weight", hd, *QK_NORM_RANGE)
+        elif arch == "olmoe":   # over the whole q (k) row
+            vec(b + "attn_q_norm.weight", nh * hd, *QK_NORM_RANGE)
+            vec(b + "attn_k_norm.weight", nkv * hd, *QK_NORM_RANGE)
         mat(b + "attn_output.weight", dim, nh * hd, block_gain)
         if arch == "gemma3":
             vec(b + "post_attention_norm.weight", dim, *NORM_RANGE)
         vec(b + "ffn_norm.weight", dim, *NORM_RANGE)
-        if arch == "phi3":
+        if arch in MOE:
+            # the router: float32 as in real files (llama.cpp's quantiser
+            # leaves ffn_gate_inp alone), logits of std router_gain
+            E, F = p["n_expert"], p.get("expert_ffn") or ffn
+            r = rng.normal(0, p["router_gain"] / np.sqrt(dim), E * dim).astype("<f4")
+            tensors.append((b + "ffn_gate_inp.weight", "F32", [dim, E], r.tobytes()))
+            experts(b + "ffn_gate_exps.weight", F, dim, EXPERT_GAIN)
+            experts(b + "ffn_up_exps.weight", F, dim, EXPERT_GAIN)
+            experts(b + "ffn_down_exps.weight", dim, F, EXPERT_GAIN)
+            if arch == "qwen2moe":
+                S = p["shared_ffn"]
+                g = rng.normal(0, SHARED_GATE_GAIN / np.sqrt(dim), dim).astype("<f4")
+                tensors.append((b + "ffn_gate_inp_shexp.weight", "F32", [dim], g.tobytes()))
+                mat(b + "ffn_gate_shexp.weight", S, dim, 1.5)
+                mat(b + "ffn_up_shexp.weight", S, dim, 1.5)
+                mat(b + "ffn_down_shexp.weight", dim, S)
+        elif arch == "phi3":
             mat(b + "ffn_up.weight", 2 * ffn, dim, 1.5)   # gate half first, then up
         else:
             mat(b + "ffn_gate.weight", ffn, dim, 1.5)
             mat(b + "ffn_up.weight", ffn, dim, 1.5)
-        mat(b + "ffn_down.weight", dim, ffn, block_gain)
+        if arch not in MOE:
+            mat(b + "ffn_down.weight", dim, ffn, block_gain)
         if arch == "gemma3":
             vec(b + "post_ffw_norm.weight", dim, *NORM_RANGE)
     # tied: the classifier is token_embd (rows of norm emb_std*sqrt(dim));
@@ -272,7 +365,7 @@ def _cast(x, t, rng):
 
 
 def _neutralise(arch, feature, meta, tensors, p, hd, seed):
-    k = lambda key: arch + "." + key  # noqa: E731
+    k = lambda key: meta["general.architecture"] + "." + key  # noqa: E731
     meta = dict(meta)
 
     def replace(pred, make):
@@ -313,6 +406,22 @@ def _neutralise(arch, feature, meta, tensors, p, hd, seed):
         meta[k(feature)] = 1.0
     elif feature == "attention_scale":
         meta.pop(k("attention.scale"))
+    elif feature == "routing":    # router rows rolled by one: other experts chosen, same probabilities
+        E = p["n_expert"]
+        tensors = replace(lambda n: n.endswith("ffn_gate_inp.weight"),
+                          lambda n, ne: np.roll(np.frombuffer(dict((a, r) for a, _, _, r in tensors)[n], "<f4")
+                                                .reshape(E, -1), 1, axis=0).tobytes())
+    elif feature == "experts_used":
+        meta[k("expert_used_count")] = int(p["n_used"]) - 1
+    elif feature == "shared_expert":  # the shared expert's output zero
+        tensors = replace(lambda n: n.endswith("ffn_down_shexp.weight"),
+                          lambda n, ne: bytes(len(dict((a, r) for a, _, _, r in tensors)[n])))
+    elif feature == "shared_gate":    # its gate's logit negated (zero would be NaN in llama.cpp: silu(0)/0)
+        tensors = replace(lambda n: n.endswith("ffn_gate_inp_shexp.weight"),
+                          lambda n, ne: (-np.frombuffer(dict((a, r) for a, _, _, r in tensors)[n], "<f4")).tobytes())
+    elif feature == "qkv_bias":
+        tensors = replace(lambda n: n.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias")),
+                          lambda n, ne: bytes(4 * ne[0]))
     else:
         raise ValueError(feature)
     return meta, tensors
@@ -335,7 +444,9 @@ def test_tokens(n=20, vocab=300, seed=0):
 # Written from the facts in the module docstring, to check them against
 # llama.cpp (see __main__): not part of run.c and independent of it.
 
-ROPE_NEOX = ("qwen3", "gemma3", "phi3", "qwen2")
+ROPE_NEOX = ("qwen3", "gemma3", "phi3", "qwen2", "qwen3moe", "qwen2moe", "olmoe")
+# the chosen experts' weights renormalised to sum 1 (build_moe_ffn's norm_w)
+MOE_NORM = ("qwen3moe", "llama")
 
 
 def _hp(meta):
@@ -352,7 +463,8 @@ def _hp(meta):
                 window=g("attention.sliding_window", 0), swa_period=g("attention.sliding_window_pattern", 6),
                 swa_base=g("rope.freq_base_swa", 10000.0), softcap=g("final_logit_softcapping", 0.0),
                 embedding_scale=g("embedding_scale", 0.0), residual_scale=g("residual_scale", 0.0),
-                attention_scale=g("attention.scale", 0.0), logit_scale=g("logit_scale", 1.0))
+                attention_scale=g("attention.scale", 0.0), logit_scale=g("logit_scale", 1.0),
+                n_expert=g("expert_count", 0), n_used=g("expert_used_count", 0))
 
 
 def _gelu_tanh(x, fp16=True):
@@ -391,13 +503,61 @@ def _rot(x, pos, n_rot, base, neox, factors=None, scale=1.0, mscale=1.0):
     return out
 
 
-def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True):
+def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None):
+    """The mixture of experts of rows h (T, dim), as build_moe_ffn computes
+    it for these archs: softmax of the router logits over all experts, the
+    n_used most probable, weights = their probabilities (renormalised to
+    sum 1, the sum held >= 2^-14, for qwen3moe and llama; norm overrides),
+    expert_weights_scale not read (llama.cpp's loaders of these archs
+    ignore it), each expert down(silu(gate h) * up h); plus qwen2moe's
+    shared expert times sigmoid(ffn_gate_inp_shexp . h). tie: which
+    experts win at equal probabilities, "low" (lower index first),
+    "high", or a sequence: the experts in the order they win ties. stats: a dict that gets 'margin', the smallest gap in router
+    logits between the last expert chosen and the first not."""
+    E, k = hp["n_expert"], hp["n_used"]
+    norm = hp["arch"] in MOE_NORM if norm is None else norm
+    logits = h @ w[b + "ffn_gate_inp.weight"].T
+    pr = np.exp(logits - logits.max(axis=1, keepdims=True))
+    pr /= pr.sum(axis=1, keepdims=True)
+    if tie == "low":
+        rank = np.arange(E)
+    elif tie == "high":
+        rank = np.arange(E)[::-1]
+    else:                   # the experts in the order they win ties
+        rank = np.empty(E, int)
+        rank[np.asarray(tie)] = np.arange(E)
+    order = np.lexsort((np.broadcast_to(rank, pr.shape), -pr), axis=1)
+    chosen = order[:, :k]
+    if stats is not None and k < E:
+        srt = np.take_along_axis(logits, order, axis=1)
+        m = float((srt[:, k - 1] - srt[:, k]).min())
+        stats["margin"] = min(stats.get("margin", np.inf), m)
+        stats.setdefault("chosen", []).append(chosen)
+    wts = np.take_along_axis(pr, chosen, axis=1)
+    if norm:
+        wts = wts / np.maximum(wts.sum(axis=1, keepdims=True), 6.103515625e-5)
+    G, U, D = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"], w[b + "ffn_down_exps.weight"]
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j, e in enumerate(chosen[t]):
+            g = G[e] @ h[t]
+            out[t] += wts[t, j] * (D[e] @ (g / (1 + np.exp(-g)) * (U[e] @ h[t])))
+    if b + "ffn_gate_inp_shexp.weight" in w:
+        z = h @ w[b + "ffn_gate_inp_shexp.weight"]
+        g = h @ w[b + "ffn_gate_shexp.weight"].T
+        f = (g / (1 + np.exp(-g)) * (h @ w[b + "ffn_up_shexp.weight"].T)) @ w[b + "ffn_down_shexp.weight"].T
+        out += f / (1 + np.exp(-z))[:, None]
+    return out
+
+
+def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True, tie="low", moe_norm=None, stats=None):
     """float64 logits (len(tokens), vocab) of an arch_models file (any
     architecture here, and llama/qwen2) for tokens at positions 0..n-1.
     n_ctx: the context size the engine runs with (phi3 picks its long rope
     factors iff n_ctx > rope.scaling.original_context_length; pass
     llama.cpp's padded value, a multiple of 256). gelu_fp16: gemma3's GELU
-    as llama.cpp's CPU kernel rounds it (False: exact)."""
+    as llama.cpp's CPU kernel rounds it (False: exact). tie, moe_norm,
+    stats: for mixtures of experts, see _moe_ffn."""
     from gguf_ref import read_gguf
     g = read_gguf(path)
     hp = _hp(g.metadata)
@@ -432,9 +592,14 @@ def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True):
             qkv = h @ w[b + "attn_qkv.weight"].T
             q, k, v = np.split(qkv, [nh * hd, nh * hd + nkv * hd], axis=1)
         else:
-            q, k, v = (h @ w[b + n + ".weight"].T for n in ("attn_q", "attn_k", "attn_v"))
+            q, k, v = (h @ w[b + n + ".weight"].T + w.get(b + n + ".bias", 0.0) for n in ("attn_q", "attn_k", "attn_v"))
+        # olmoe: q/k norms over whole rows
+        olmoe_norm = b + "attn_q_norm.weight" in w and w[b + "attn_q_norm.weight"].size == nh * hd != hd
+        if olmoe_norm:
+            q = _rms(q, w[b + "attn_q_norm.weight"], hp["eps"])
+            k = _rms(k, w[b + "attn_k_norm.weight"], hp["eps"])
         q, k, v = q.reshape(T, nh, hd), k.reshape(T, nkv, hd), v.reshape(T, nkv, hdv)
-        if b + "attn_q_norm.weight" in w:
+        if b + "attn_q_norm.weight" in w and not olmoe_norm:
             q = _rms(q, w[b + "attn_q_norm.weight"], hp["eps"])
             k = _rms(k, w[b + "attn_k_norm.weight"], hp["eps"])
         swa = arch == "gemma3" and hp["window"] > 0 and il % hp["swa_period"] < hp["swa_period"] - 1
@@ -458,6 +623,9 @@ def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True):
             o = _rms(o, w[b + "post_attention_norm.weight"], hp["eps"])
         x = x + o * rs
         h = _rms(x, w[b + "ffn_norm.weight"], hp["eps"])
+        if b + "ffn_gate_inp.weight" in w:
+            x = x + _moe_ffn(h, w, b, hp, tie, moe_norm, stats)
+            continue
         if b + "ffn_gate.weight" in w:
             gate, up = h @ w[b + "ffn_gate.weight"].T, h @ w[b + "ffn_up.weight"].T
         else:
@@ -533,6 +701,23 @@ def selfcheck(archs=ARCHS, n=20, tmp=None):
                 print("  %s -%s: argmax changed at %d/%d, max |d logprob| %.2f" % (arch, f, flips, n, d))
                 assert flips > 0 or d > 1.0, "neutralising %s changes nothing" % f
             case("arch_models %s neutralise %s" % (arch, f), check_feature)
+        if arch in MOE:
+            def check_moe(arch=arch, base=base):
+                if "base" not in got:
+                    raise Skip("base model failed")
+                o, lp = got["base"]
+                ok = np.isfinite(lp) & (lp > -30)
+                other = log_softmax(reference_logits(base, toks, moe_norm=arch not in ("qwen3moe", "mixtral")))
+                err = np.abs(other - lp)[ok].max()
+                print("  %s: the other renormalisation rule is %.2f from llama.cpp" % (arch, err))
+                assert err > 0.1
+                tie = write_arch(os.path.join(tmp, arch + "-tie.gguf"), arch, router_gain=0.0)
+                o2, lp2 = run(tie)
+                ok = np.isfinite(lp2) & (lp2 > -30)
+                lo, hi = (np.abs(log_softmax(reference_logits(tie, toks, tie=r)) - lp2)[ok].max() for r in ("low", "high"))
+                print("  %s all experts tied: lowest indices %.1e, highest %.2f from llama.cpp" % (arch, lo, hi))
+                assert lo < 2e-4 and hi > 0.1
+            case("arch_models %s renormalisation and ties" % arch, check_moe)
         if arch == "phi3":
             def check_short(base=base):
                 o, lp = got["base"]
@@ -543,7 +728,7 @@ def selfcheck(archs=ARCHS, n=20, tmp=None):
             case("arch_models phi3 long vs short rope factors", check_short)
 
 
-__all__ = ["ARCHS", "FEATURES", "DEFAULTS", "arch_model", "write_arch", "test_tokens", "reference_logits", "log_softmax"]
+__all__ = ["ARCHS", "MOE", "FEATURES", "DEFAULTS", "arch_model", "write_arch", "test_tokens", "reference_logits", "log_softmax"]
 
 
 if __name__ == "__main__":

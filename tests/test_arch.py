@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The architectures beyond llama (run.c section 1's table: qwen3, gemma3,
-phi3, smollm3, granite, and llama whose heads are not dim / n_heads wide)
+phi3, smollm3, granite, llama whose heads are not dim / n_heads wide, and
+the mixtures of experts qwen3moe, qwen2moe, olmoe and Mixtral, llama with
+experts)
 against today's llama.cpp itself, through npm's node-llama-cpp@3.21.1
 (tests/llamacpp.py: its prebuilt libllama, teacher-forced).
 
@@ -9,7 +11,11 @@ tests/arch_models.py (its docstring has the facts each one exercises:
 QK-norm, post-norms, GELU, sliding windows and their RoPE base, LongRoPE
 with partial rotary and its attention factor, fused tensors, layers
 without RoPE, Granite's four scales, a head width set apart from
-dim / n_heads), in float32, and quantised by llama.cpp's own quantiser
+dim / n_heads, routers, renormalised or not, experts in 3-D tensors,
+Qwen2-MoE's gated shared expert and q/k/v biases, OLMoE's whole-row q/k
+norms; an all-zero router, where every expert ties and llama.cpp takes
+the lowest indices; an expert_weights_scale that these archs' loaders
+ignore), in float32, and quantised by llama.cpp's own quantiser
 (llama_model_quantize: Q8_0 and Q4_K_M).
 
 A case runs run.c greedily (`-t 0 -f json`) from a prompt, then feeds the
@@ -44,7 +50,8 @@ phi3_long, 512 (long ones).
 Each architectural feature has a negative control: the same file with the
 feature neutralised (arch_models.FEATURES: QK-norm weights 1, post-norms
 1, no window, one RoPE base, no linear scaling, RoPE on every layer, short
-LongRoPE factors, no scales...), which llama.cpp must tell apart: run.c's
+LongRoPE factors, no scales, router rows permuted, one expert fewer a row,
+no shared expert, its gate negated, no q/k/v biases...), which llama.cpp must tell apart: run.c's
 tokens, checked against the neutralised file's llama.cpp, must fail the
 float32 check above. So the check is known to bite on every feature.
 
@@ -71,6 +78,7 @@ PROMPT = "e t a o i n s h r d l c u m w f g y p"
 STEPS = 48
 CTX = 256
 EOS = 2
+BOS = 1   # run.c ends a text at BOS too ("stop": "bos"), its log-prob in the score
 TOKEN_TOL = {"float": 2e-3, "gemma3": 5e-2}
 # the files of each case: name -> (arch, arch_models keywords)
 FILES = {
@@ -83,7 +91,21 @@ FILES = {
     "smollm3": ("smollm3", {}),
     "granite": ("granite", {}),
     "llama_key_length": ("llama", {}),
+    # mixtures of experts (mixtral: general.architecture llama with experts)
+    "qwen3moe": ("qwen3moe", dict(seed=5)),
+    "qwen2moe": ("qwen2moe", {}),
+    "olmoe": ("olmoe", {}),
+    "mixtral": ("mixtral", {}),
+    # every router weight 0: all 8 experts tie; llama.cpp's CPU argsort
+    # (std::sort, insertion sort below 17 elements) takes the lowest indices
+    "qwen3moe_tie": ("qwen3moe", dict(router_gain=0.0)),
+    # expert_weights_scale in the file: llama.cpp's qwen3moe (qwen2moe,
+    # olmoe, llama) loader does not read it, so it changes nothing
+    "qwen3moe_weights_scale": ("qwen3moe", dict(expert_weights_scale=2.5)),
 }
+# files whose controls would repeat another file's, or cannot apply (a
+# tie file's router has no rows to permute)
+NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",)}
 
 
 def case(name):
@@ -111,7 +133,7 @@ def context(name):
 
 
 def generate(binary, path, ctx, extra=()):
-    """(prompt ids, generated ids with EOS where it ended there, score)."""
+    """(prompt ids, generated ids with the EOS or BOS it ended at, score)."""
     r = sh([binary, path, "-m", "tokenize", "-f", "json", "-i", PROMPT])
     if r.returncode != 0:
         raise AssertionError("tokenize: %s" % r.stderr.strip()[-300:])
@@ -120,7 +142,7 @@ def generate(binary, path, ctx, extra=()):
     if r.returncode != 0:
         raise AssertionError("%s exited %d: %s" % (binary, r.returncode, r.stderr.strip()[-300:]))
     out = json.loads(r.stdout.strip().splitlines()[0])
-    gen = out["tokens"] + ([EOS] if out["stop"] == "eos" else [])
+    gen = out["tokens"] + {"eos": [EOS], "bos": [BOS]}.get(out["stop"], [])
     return prompt, gen, out["score"]
 
 
@@ -227,6 +249,8 @@ def main():
         for feature in arch_models.FEATURES[arch]:
             if feature == "softcap" and name != "gemma3_softcap":
                 continue
+            if name in NO_CONTROLS and (NO_CONTROLS[name] is None or feature in NO_CONTROLS[name]):
+                continue
 
             @case("arch_%s_control_%s" % (name, feature))
             def _(name=name, feature=feature):
@@ -239,7 +263,7 @@ def main():
                 print("    (without %s: %s)" % (feature, why))
 
     # quantised by llama.cpp's own quantiser
-    for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length"):
+    for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length", "qwen3moe", "qwen2moe", "olmoe", "mixtral"):
         for ftype in ("Q8_0", "Q4_K_M"):
             @case("arch_%s_%s" % (name, ftype.lower()))
             def _(name=name, ftype=ftype):
@@ -248,25 +272,27 @@ def main():
                     llamacpp.quantize(write(name), path, ftype)
                 check_quantised(name, path, write(name))
 
-    # the other drivers of the same forward pass on a windowed model: a
+    # the other drivers of the same forward pass on a windowed model and on
+    # mixtures of experts (rows of several sequences routed in one step): a
     # prompt past the window, in one batch of rows (prefill), by --batch
     # and by the server's engine, give the same tokens as generate
-    @case("arch_gemma3_batch_same_tokens")
-    def _():
-        path = write("gemma3")
-        if "gemma3" not in runs:
-            raise Skip("the float32 case did not run")
-        _, gen, _ = runs["gemma3"]
-        lines = "\n".join(json.dumps({"prompt": PROMPT, "id": i}) for i in range(3)) + "\n"
-        r = subprocess.run([RUN, path, "-t", "0", "-n", "80", "--batch", "-", "-f", "json", "--parallel", "3"], input=lines,
-                           capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise AssertionError(r.stderr.strip()[-300:])
-        for line in r.stdout.strip().splitlines():
-            got = json.loads(line)
-            want = gen[:-1] if gen and gen[-1] == EOS and got.get("stop") == "eos" else gen
-            if got["tokens"][:len(want)] != want[:len(got["tokens"])]:
-                raise AssertionError("--batch request %s: %s, generate: %s" % (got.get("id"), got["tokens"][:12], want[:12]))
+    for name in ("gemma3", "qwen2moe", "mixtral"):
+        @case("arch_%s_batch_same_tokens" % name)
+        def _(name=name):
+            path = write(name)
+            if name not in runs:
+                raise Skip("the float32 case did not run")
+            _, gen, _ = runs[name]
+            lines = "\n".join(json.dumps({"prompt": PROMPT, "id": i}) for i in range(3)) + "\n"
+            r = subprocess.run([RUN, path, "-t", "0", "-n", "80", "--batch", "-", "-f", "json", "--parallel", "3"], input=lines,
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise AssertionError(r.stderr.strip()[-300:])
+            for line in r.stdout.strip().splitlines():
+                got = json.loads(line)
+                want = gen[:-1] if gen and gen[-1] in (EOS, BOS) and got.get("stop") in ("eos", "bos") else gen
+                if got["tokens"][:len(want)] != want[:len(got["tokens"])]:
+                    raise AssertionError("--batch request %s: %s, generate: %s" % (got.get("id"), got["tokens"][:12], want[:12]))
 
     @case("arch_gemma3_keep_refused")
     def _():
