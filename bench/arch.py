@@ -10,8 +10,12 @@ vocabulary of the model's size):
   gemma3  Gemma 3 1B: dim 1152, 4 heads of 256, 1 key/value head, FFN 6912,
           GELU, post-norms, a sliding window of 512 on 5 layers of 6,
           vocabulary 262144, tied; --layers of its 26 (default 6)
-in the types of --types (F16 and Q8_0 written here; Q4_K_M made from the
-F16 file by llama.cpp's llama-quantize). In interleaved rounds (medians),
+  qwen3moe Qwen3-30B-A3B: dim 2048, 32 query heads of 128, 4 key/value
+          heads, 128 experts of 768 (top 8), vocabulary 151936, tied;
+          --layers of its 48 (default 4)
+in the types of --types (F16, Q8_0 and Q4_K written here, the quantised
+ones as random blocks; Q4_K_M made from the F16 file by llama.cpp's own
+quantiser, llama_model_quantize through tests/llamacpp.py). In interleaved rounds (medians),
 for each file, the two programs in turn (which goes first alternates):
   run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt;
              pp128: prompt tok/s of a 128-token prompt; for gemma3 also
@@ -42,16 +46,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench import machine, make_prompt, probe_bandwidth, stats_of, write_report  # noqa: E402
-from gguf import bytes_per_token, llama_bench  # noqa: E402
+from gguf import llama_bench  # noqa: E402
 
-# name: (arch, arch_models settings, full depth, vocabulary)
+# name: (arch, arch_models settings, default layers, vocabulary)
 SHAPES = {
-    "qwen3": ("qwen3", dict(dim=1024, n_heads=16, n_kv_heads=8, head_dim=128, ffn=3072, theta=1e6, eps=1e-6), 28, 151936),
+    "qwen3": ("qwen3", dict(dim=1024, n_heads=16, n_kv_heads=8, head_dim=128, ffn=3072, theta=1e6, eps=1e-6), 8, 151936),
     "gemma3": ("gemma3", dict(dim=1152, n_heads=4, n_kv_heads=1, head_dim=256, ffn=6912, theta=1e6, eps=1e-6, window=512,
-                              rope_scale=None, softcap=None, swa_base=None), 26, 262144),
+                              rope_scale=None, softcap=None, swa_base=None), 6, 262144),
+    "qwen3moe": ("qwen3moe", dict(dim=2048, n_heads=32, n_kv_heads=4, head_dim=128, ffn=6144, theta=1e6, eps=1e-6, n_expert=128,
+                                  n_used=8, expert_ffn=768), 4, 151936),
 }
-WRITTEN = ["F16", "Q8_0"]
-QUANTIZED = ["Q4_K_M"]
+WRITTEN = ["F16", "Q8_0", "Q4_K"]  # written here, quantised blocks straight from random bits (too large as floats)
+QUANTIZED = ["Q4_K_M"]  # made from the F16 file by llama.cpp's own quantiser (tests/llamacpp.py)
 DEPTH = 4096
 
 
@@ -75,8 +81,8 @@ def write_model(path, shape, wtype, layers):
     import arch_models
     from gguf_ref import write_gguf
     arch, settings, _, vocab = SHAPES[shape]
-    meta, tensors = arch_models.arch_model(arch, wtype=wtype, vocab=900, seed=1, tied=True, ctx=2 * DEPTH,
-                                           n_layers=layers, **settings)
+    meta, tensors = arch_models.arch_model(arch, wtype=wtype, vocab=900, seed=1, tied=True, ctx=2 * DEPTH, n_layers=layers,
+                                           **settings)
     # the token embedding and the classifier at the model's vocabulary
     tensors = [t for t in tensors if t[0] != "token_embd.weight"]
     import numpy as np
@@ -88,7 +94,8 @@ def write_model(path, shape, wtype, layers):
     write_gguf(path, meta, tensors)
 
 
-def make_files(cache, llama, shape, types, layers):
+def make_files(cache, shape, types, layers):
+    import llamacpp
     os.makedirs(cache, exist_ok=True)
     paths = {}
     for t in WRITTEN:
@@ -97,14 +104,28 @@ def make_files(cache, llama, shape, types, layers):
             print("bench: writing %s" % path, file=sys.stderr)
             write_model(path, shape, t, layers)
         paths[t] = path
-    quantize = llama and os.path.join(llama, "bin", "llama-quantize")
-    for t in QUANTIZED if quantize and os.path.exists(quantize) else []:
+    for t in QUANTIZED:
         path = os.path.join(cache, "%s-%dL.%s.gguf" % (shape, layers, t))
         if t in types and not os.path.exists(path):
             print("bench: quantizing %s" % path, file=sys.stderr)
-            subprocess.run([quantize, paths["F16"], path, t], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            llamacpp.ensure_oracle()
+            llamacpp.quantize(paths["F16"], path, t, nthread=2)
         paths[t] = path
     return {t: paths[t] for t in types if t in paths}
+
+
+def bytes_per_token(path, shape):
+    """The bytes one token reads: every matrix but the token embedding (of
+    which it reads one row) or the embedding itself when it is the
+    classifier too; of the experts' 3-D tensors, the share of the experts a
+    row takes (n_used of n_expert; every layer's router picks its own).
+    Read in a child process, as bench/gguf.py does."""
+    used = SHAPES[shape][1].get("n_used", 1) / SHAPES[shape][1].get("n_expert", 1)
+    code = ("import sys; sys.path.insert(0, %r); from gguf_ref import read_gguf; g = read_gguf(%r); "
+            "s = {n: len(r) * (%r if len(ne) == 3 else 1) for n, (t, ne, r) in g.tensors.items() if len(ne) >= 2}; "
+            "print(int(sum(b for n, b in s.items() if n != 'token_embd.weight' or 'output.weight' not in s)))") % (
+                os.path.join(ROOT, "tests"), path, used)
+    return int(subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE).stdout)
 
 
 def llama_depth(binary, path, threads):
@@ -120,9 +141,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--shapes", default="qwen3,gemma3")
-    ap.add_argument("--types", default="F16,Q8_0,Q4_K_M")
-    ap.add_argument("--layers", type=int, help="layers of each shape (default: qwen3 8, gemma3 6)")
+    ap.add_argument("--shapes", default="qwen3,gemma3,qwen3moe")
+    ap.add_argument("--types", default="F16,Q8_0,Q4_K_M", help="dense shapes' types (default F16,Q8_0,Q4_K_M)")
+    ap.add_argument("--moe-types", default="Q8_0,Q4_K", help="qwen3moe's types (default Q8_0,Q4_K)")
+    ap.add_argument("--layers", type=int, help="layers of each shape (default: qwen3 8, gemma3 6, qwen3moe 4)")
     ap.add_argument("--cache", default=os.path.join(ROOT, "build", "bench", "arch"))
     ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "arch-results.md"))
@@ -133,18 +155,19 @@ def main():
     if not lbench or not os.path.exists(lbench):
         sys.exit("bench: LLAMA_CPP must name a llama.cpp build with bin/llama-bench (bench/llamacpp.md)")
     shapes, types = args.shapes.split(","), args.types.split(",")
-    if set(shapes) - set(SHAPES) or set(types) - set(WRITTEN + QUANTIZED):
-        sys.exit("bench: --shapes of %s, --types of %s" % (", ".join(SHAPES), ", ".join(WRITTEN + QUANTIZED)))
+    moe_types = args.moe_types.split(",")
+    if set(shapes) - set(SHAPES) or set(types + moe_types) - set(WRITTEN + QUANTIZED) or set(moe_types) & set(QUANTIZED + ["F16"]):
+        sys.exit("bench: --shapes of %s, --types of %s, --moe-types of Q8_0, Q4_K" % (", ".join(SHAPES), ", ".join(WRITTEN + QUANTIZED)))
     files = {}
     for shape in shapes:
-        layers = args.layers or {"qwen3": 8, "gemma3": 6}[shape]
-        for t, path in make_files(args.cache, llama, shape, types, layers).items():
+        layers = args.layers or SHAPES[shape][2]
+        for t, path in make_files(args.cache, shape, moe_types if shape == "qwen3moe" else types, layers).items():
             files[(shape, t)] = path
     prompts = {}
     for shape in shapes:
         smallest = min((p for (s, _), p in files.items() if s == shape), key=os.path.getsize)
         prompts[shape] = {n: make_prompt(runbin, smallest, smallest, n) for n in ((16, 128, DEPTH) if shape == "gemma3" else (16, 128))}
-    per_token = {k: bytes_per_token(p, False) for k, p in files.items()}
+    per_token = {k: bytes_per_token(p, k[0]) for k, p in files.items()}
     runs = {k: {"tg": [], "pp": [], "ltg": [], "lpp": [], "d": [], "ld": []} for k in files}
     probes = []
 
@@ -194,7 +217,10 @@ def main():
         "",
         "Random weights, seed 1: qwen3 = Qwen3-0.6B's layer shape (dim 1024, 16 x 128 query heads, 8 key/value heads, "
         "FFN 3072, vocabulary 151936, tied), gemma3 = Gemma 3 1B's (dim 1152, 4 x 256 query heads, 1 key/value head, "
-        "FFN 6912, window 512 on 5 layers of 6, vocabulary 262144, tied); layers as the file names say.",
+        "FFN 6912, window 512 on 5 layers of 6, vocabulary 262144, tied), qwen3moe = Qwen3-30B-A3B's (dim 2048, 32 x 128 "
+        "query heads, 4 key/value heads, 128 experts of 768, top 8, vocabulary 151936, tied); layers as the file names say. "
+        "Bytes per token: every matrix once (for qwen3moe: the attention, the router and the 8 chosen experts of each layer, "
+        "and the classifier).",
         "",
         "| shape | type | file MB | bytes/token MB | tg128 run.c | tg128 llama.cpp | tg ratio | probe run.c | probe llama.cpp "
         "| pp128 run.c | pp128 llama.cpp | pp ratio | depth %d tg32 run.c / llama.cpp |" % DEPTH,

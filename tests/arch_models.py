@@ -171,7 +171,7 @@ def _ones(n):
 
 
 def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False, ctx=None, types=None,
-               **kw):
+               vocab_meta=True, **kw):
     """(metadata, tensors) of a random `arch` model (see DEFAULTS for the
     shapes; any of them can be overridden by keyword: dim, n_heads,
     n_kv_heads, head_dim (None: dim/n_heads, key_length not written),
@@ -227,7 +227,8 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
             meta[k("expert_shared_feed_forward_length")] = int(p["shared_ffn"])
         if p["expert_weights_scale"] is not None:
             meta[k("expert_weights_scale")] = float(p["expert_weights_scale"])
-    meta.update(spm_vocab(vocab))
+    if vocab_meta:  # False: no tokenizer keys (a vocabulary of any size, for the fuzzer's small seeds)
+        meta.update(spm_vocab(vocab))
 
     tensors = []
 

@@ -323,6 +323,20 @@ def gguf_seeds():
     for name, kw in seeds.items():
         meta, tensors = gguf_ref.random_model(seed=len(name), **kw)
         write("gguf", name, gguf_ref.build_gguf(meta, tensors)[0])
+    # one small file of each architecture beyond llama and qwen2 (tests/arch_models.py),
+    # float16 to stay under the target's 32 KiB inputs
+    import arch_models
+    tiny = dict(dim=16, n_heads=2, n_kv_heads=1, ffn=32, n_layers=1, wtype="F16", vocab=8, ctx=16, vocab_meta=False)
+    archs = {
+        "qwen3": dict(head_dim=16), "phi3": dict(dim=32, n_rot=8, orig_ctx=8), "smollm3": dict(n_layers=4, ffn=8),
+        "granite": {}, "gemma3": dict(head_dim=16, n_layers=2, window=2), "qwen3moe": dict(head_dim=16, n_expert=4, n_used=2, expert_ffn=8),
+        "qwen2moe": dict(n_expert=4, n_used=2, expert_ffn=8, shared_ffn=8), "olmoe": dict(n_kv_heads=2, n_expert=4, n_used=2),
+    }
+    for arch, kw in archs.items():
+        meta, tensors = arch_models.arch_model(arch, seed=len(arch), **dict(tiny, **kw))
+        if arch == "gemma3":
+            meta["gemma3.attention.sliding_window_pattern"] = 2
+        write("gguf", arch + "-f16", gguf_ref.build_gguf(meta, tensors)[0])
 
 
 if __name__ == "__main__":
