@@ -6356,8 +6356,10 @@ static float *forward_rows(Transformer *t, BlockTable *table, const int *tokens,
 enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
 
 /* chat template families: [INST] (Llama 2), header tokens (Llama 3),
-   <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3) */
-enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3 };
+   <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3), <start_of_turn>
+   (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
+   (Granite), [SYSTEM_PROMPT] (Mistral v7) */
+enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7 };
 #define MAX_END_TOKENS 8
 
 /* byte-level pre-tokenizers (how text is split before BPE), by the names
@@ -6398,9 +6400,10 @@ typedef struct {
     int n_end;
     int end[MAX_END_TOKENS];  /* tokens that end a reply */
     int end_of_turn;          /* the token that closes a turn in the chat template */
-    int chat_template;        /* CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML or CHAT_PHI3 */
+    int chat_template;        /* CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, ... */
     int eos_ends_generate;    /* generate mode stops at an end token (llama2.c does not) */
     int add_bos, add_eos;     /* encode(..., bos = 1, ...) adds BOS (and EOS) only if the vocabulary says so */
+    int no_space_prefix;      /* SentencePiece without its dummy-prefix space (Gemma: add_space_prefix false) */
     int fixed_ids;            /* a tokenizer.bin: BOS 1 and EOS 2, whose pieces are "\n<s>\n" and "\n</s>\n" */
     int byte_token[256];      /* the token of each single byte (-1: none): <0xNN> in SentencePiece */
     int n_user;               /* user-defined tokens (GGUF), matched in text before anything else, */
@@ -6678,14 +6681,15 @@ static Fragment *split_user_tokens(const Tokenizer *t, const char *text, size_t 
    llama.cpp. In a SentencePiece vocabulary from a GGUF file, user-defined
    tokens are cut out of the text first; each stretch of text between them is
    encoded alone, with the dummy prefix when it starts the text or follows
-   such a token, as llama.cpp does. */
+   such a token, as llama.cpp does (none where the file says add_space_prefix
+   false: Gemma). */
 static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *tokens, int *bad_byte) {
     if (t->byte_level) return encode_byte_level(t, text, bos, eos, tokens);
     int n = 0;
     if (bos && t->add_bos && !t->fixed_ids) tokens[n++] = t->bos;
     if (t->n_user == 0) {
         int lead = bos && t->add_bos && t->fixed_ids ? t->bos : -1;
-        int count = encode_sentencepiece(t, text, lead, 1, tokens + n, bad_byte);
+        int count = encode_sentencepiece(t, text, lead, !t->no_space_prefix, tokens + n, bad_byte);
         if (count < 0) return -1;
         n += count;
     } else {
@@ -6699,7 +6703,7 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
             }
             memcpy(piece, text + f[i].start, (size_t)f[i].len);
             piece[f[i].len] = '\0';
-            int count = encode_sentencepiece(t, piece, -1, i == 0 || f[i - 1].token >= 0, tokens + n, bad_byte);
+            int count = encode_sentencepiece(t, piece, -1, !t->no_space_prefix && (i == 0 || f[i - 1].token >= 0), tokens + n, bad_byte);
             if (count < 0) {
                 free(piece);
                 free(f);
@@ -6715,12 +6719,12 @@ static int encode(const Tokenizer *t, const char *text, int bos, int eos, int *t
 }
 
 /* The text of `token` following `prev_token`: the space that SentencePiece
-   puts at the start of a text is dropped after BOS, and byte tokens <0xNN>
+   puts at the start of a text is dropped after BOS (unless it puts none), and byte tokens <0xNN>
    become the byte itself. A byte-level piece is its bytes, as they are. */
 static const char *decode(const Tokenizer *t, int prev_token, int token) {
     const char *piece = t->vocab[token];
     if (t->byte_level) return piece;
-    if (prev_token == t->bos && piece[0] == ' ') piece++;
+    if (prev_token == t->bos && piece[0] == ' ' && !t->no_space_prefix) piece++;
     unsigned char byte_val;
     if (sscanf(piece, "<0x%02hhX>", &byte_val) == 1) piece = (const char *)t->byte_pieces + byte_val * 2;
     return piece;
@@ -7555,6 +7559,7 @@ typedef struct {
     char **merges;            /* (n_merges) tokenizer.ggml.merges "left right", NUL-terminated copies */
     int bos, eos, eot, eom, unk, pad; /* tokenizer.ggml.*_token_id, -1 when absent */
     int add_bos, add_eos;     /* tokenizer.ggml.add_bos_token / add_eos_token: 0, 1, or -1 when absent */
+    int add_space_prefix;     /* tokenizer.ggml.add_space_prefix: 0, 1, or -1 when absent */
     const char *chat_template;/* tokenizer.chat_template, or NULL */
 } GGUFVocab;
 
@@ -8153,17 +8158,23 @@ static int chat_family_of(const char *tmpl) {
     if (strstr(tmpl, "<|start_header_id|>")) return CHAT_LLAMA3;
     if (strstr(tmpl, "<|im_start|>")) return CHAT_CHATML;
     if (strstr(tmpl, "<|user|>")) return CHAT_PHI3;
+    if (strstr(tmpl, "[SYSTEM_PROMPT]")) return CHAT_MISTRAL7;
     if (strstr(tmpl, "[INST]")) return CHAT_LLAMA2;
+    if (strstr(tmpl, "<start_of_turn>")) return CHAT_GEMMA;
+    if (strstr(tmpl, "<|start_of_role|>")) return CHAT_GRANITE;
+    /* Phi-4-mini's '<|' + message['role'] + '|>' + message['content'] + '<|end|>' */
+    if (strstr(tmpl, "<|assistant|>") && strstr(tmpl, "<|end|>")) return CHAT_PHI4;
     return -1;
 }
 
-static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3"};
+static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7"};
 
 /* The token that closes a turn in the tokenizer's chat template: Llama 3's
-   <|eot_id|>, ChatML's <|im_end|>, Phi-3's <|end|> where the vocabulary has
-   them, else the file's end of turn. */
+   <|eot_id|>, ChatML's <|im_end|>, Phi-3's and Phi-4's <|end|>, Gemma's
+   <end_of_turn>, Granite's <|end_of_text|> where the vocabulary has them,
+   else the file's end of turn (Mistral's </s>). */
 static int turn_end_token(const Tokenizer *t) {
-    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>"};
+    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL};
     const char *name = names[t->chat_template];
     int id = name && t->special ? lookup_special(t, name) : -1;
     return id >= 0 ? id : t->end_of_turn;
@@ -8368,6 +8379,7 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
     if (eos < 0) die(EXIT_BAD_FILE, "%s: bad vocabulary: no end token (tokenizer.ggml.eos_token_id)", path);
     t->add_bos = v->add_bos >= 0 ? v->add_bos : spm || t->pre == PRE_LLAMA3;
     t->add_eos = v->add_eos > 0;
+    t->no_space_prefix = spm && v->add_space_prefix == 0;
     if (t->add_bos && bos < 0) die(EXIT_BAD_FILE, "%s: bad vocabulary: it adds BOS but names none (tokenizer.ggml.bos_token_id)", path);
     /* the engine takes BOS for an end of text too: without one, EOS stands in */
     t->bos = bos >= 0 ? bos : eos;
@@ -8383,9 +8395,12 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
     int family = v->chat_template ? chat_family_of(v->chat_template) : -1;
     if (family < 0) {
         family = lookup_special(t, "<|start_header_id|>") >= 0 ? CHAT_LLAMA3 : lookup_special(t, "<|im_start|>") >= 0 ? CHAT_CHATML
-               : lookup_special(t, "<|user|>") >= 0 ? CHAT_PHI3 : CHAT_LLAMA2;
+               : lookup_special(t, "<|user|>") >= 0 ? CHAT_PHI3 : lookup_special(t, "<start_of_turn>") >= 0 ? CHAT_GEMMA
+               : lookup_special(t, "<|start_of_role|>") >= 0 ? CHAT_GRANITE : lookup_special(t, "[SYSTEM_PROMPT]") >= 0 ? CHAT_MISTRAL7
+               : CHAT_LLAMA2;
         if (v->chat_template)
-            fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML or Phi-3's; using %s (--chat-template chooses)\n",
+            fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML, Phi-3's, Phi-4's, Gemma's, Granite's "
+                            "or Mistral v7's; using %s (--chat-template chooses)\n",
                     path, chat_family_names[family]);
     }
     t->chat_template = family;
@@ -8483,6 +8498,7 @@ static void load_gguf_vocabulary(Tokenizer *t, const GGUF *g) {
     }
     v.add_bos = gguf_int(g, "tokenizer.ggml.add_bos_token", -1, -1, 1);
     v.add_eos = gguf_int(g, "tokenizer.ggml.add_eos_token", -1, -1, 1);
+    v.add_space_prefix = gguf_int(g, "tokenizer.ggml.add_space_prefix", -1, -1, 1);
     load_gguf_tokenizer(t, &v, g->path);
     free_strings(v.tokens);
     free_strings(v.merges);
@@ -12036,12 +12052,142 @@ static int *render_chat_turn_tagged(const Tokenizer *tok, const char *system_pro
     return out;
 }
 
+/* A turn being rendered: the template's special tokens go out as ids, and
+   the text between two of them, template text and content together, is
+   encoded in one piece, as a tokenizer reads the rendered template. Content
+   is only ever text: a special token's spelling in it stays text. */
+typedef struct {
+    const Tokenizer *tok;
+    int *out, n, room, fits;
+    ByteBuf text; /* the text since the last special token */
+} TurnBuilder;
+
+static void turn_string(TurnBuilder *b, const char *s) { buf_str(&b->text, s); }
+
+/* `s` without white space at either end, as the template's `| trim`. */
+static void turn_trimmed(TurnBuilder *b, const char *s) {
+    size_t len = strlen(s);
+    while (len > 0 && isspace((unsigned char)*s)) { s++; len--; }
+    while (len > 0 && isspace((unsigned char)s[len - 1])) len--;
+    buf_add(&b->text, s, len);
+}
+
+/* Encodes the text so far. */
+static void turn_flush(TurnBuilder *b) {
+    if (b->fits && b->text.n > 0) b->fits = append_text_tokens(b->tok, b->text.data, b->out, &b->n, b->room);
+    b->text.n = 0;
+}
+
+static void turn_id(TurnBuilder *b, int id) {
+    turn_flush(b);
+    if (b->fits && b->n + 1 > b->room) b->fits = 0;
+    if (b->fits) b->out[b->n++] = id;
+}
+
+static void turn_token(TurnBuilder *b, const char *name) { turn_id(b, template_token(b->tok, name)); }
+
+/* Gemma: <start_of_turn>user\n, the system prompt and a blank line (first
+   turn: Gemma has no system role), the message trimmed, <end_of_turn>\n,
+   then <start_of_turn>model\n. BOS starts the conversation, the newline
+   after the previous reply's <end_of_turn> every later turn. */
+static void render_gemma(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first) turn_id(b, b->tok->bos);
+    else turn_string(b, "\n");
+    turn_token(b, "<start_of_turn>");
+    turn_string(b, "user\n");
+    if (system_prompt && system_prompt[0] != '\0') {
+        turn_string(b, system_prompt);
+        turn_string(b, "\n\n");
+    }
+    turn_trimmed(b, user);
+    turn_token(b, "<end_of_turn>");
+    turn_string(b, "\n");
+    turn_token(b, "<start_of_turn>");
+    turn_string(b, "model\n");
+}
+
+/* Phi-4-mini: <|system|>system<|end|><|user|>message<|end|><|assistant|>,
+   no newlines (Phi-3 has them); BOS where the vocabulary adds one. */
+static void render_phi4(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
+    if (system_prompt && system_prompt[0] != '\0') {
+        turn_token(b, "<|system|>");
+        turn_string(b, system_prompt);
+        turn_token(b, "<|end|>");
+    }
+    turn_token(b, "<|user|>");
+    turn_string(b, user);
+    turn_token(b, "<|end|>");
+    turn_token(b, "<|assistant|>");
+}
+
+/* Granite: <|start_of_role|>role<|end_of_role|>content<|end_of_text|>\n per
+   message, then <|start_of_role|>assistant<|end_of_role|>; the newline
+   after the previous reply's <|end_of_text|> starts a later turn. Granite's
+   own default system message (with today's date) is not added. */
+static void render_granite(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
+    if (!first) turn_string(b, "\n");
+    const char *roles[2] = {"system", "user"}, *contents[2] = {system_prompt, user};
+    for (int i = 0; i < 2; i++) {
+        if (!contents[i] || (i == 0 && contents[i][0] == '\0')) continue;
+        turn_token(b, "<|start_of_role|>");
+        turn_string(b, roles[i]);
+        turn_token(b, "<|end_of_role|>");
+        turn_string(b, contents[i]);
+        turn_token(b, "<|end_of_text|>");
+        turn_string(b, "\n");
+    }
+    turn_token(b, "<|start_of_role|>");
+    turn_string(b, "assistant");
+    turn_token(b, "<|end_of_role|>");
+}
+
+/* Mistral v7 (Tekken: no spaces around the tags): BOS, then
+   [SYSTEM_PROMPT]system[/SYSTEM_PROMPT] (first turn), [INST]message[/INST];
+   the reply ends with </s>. Mistral's default system message is not added. */
+static void render_mistral7(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first) turn_id(b, b->tok->bos);
+    if (system_prompt && system_prompt[0] != '\0') {
+        turn_token(b, "[SYSTEM_PROMPT]");
+        turn_string(b, system_prompt);
+        turn_token(b, "[/SYSTEM_PROMPT]");
+    }
+    turn_token(b, "[INST]");
+    turn_string(b, user);
+    turn_token(b, "[/INST]");
+}
+
+/* One user turn of the families rendered with a TurnBuilder. */
+static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
+                                   int *n_tokens) {
+    /* at most a token per byte of text and template, and the special tokens */
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 64) + 32;
+    int cap = bound < (size_t)room ? (int)bound : room;
+    TurnBuilder b = {tok, xcalloc((size_t)cap + 1, sizeof(int)), 0, cap, 1, {NULL, 0, 0}};
+    switch (tok->chat_template) {
+    case CHAT_GEMMA: render_gemma(&b, system_prompt, user, first); break;
+    case CHAT_PHI4: render_phi4(&b, system_prompt, user, first); break;
+    case CHAT_GRANITE: render_granite(&b, system_prompt, user, first); break;
+    default: render_mistral7(&b, system_prompt, user, first); break;
+    }
+    turn_flush(&b);
+    free(b.text.data);
+    if (!b.fits) {
+        free(b.out);
+        return NULL;
+    }
+    *n_tokens = b.n;
+    return b.out;
+}
+
 /* The tokens of one user turn in the tokenizer's chat template (see
    --chat-template); NULL when they need more than `room` positions. */
 static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room, int *n_tokens) {
     if (tok->chat_template == CHAT_LLAMA3) return render_chat_turn_llama3(tok, system_prompt, user, first, room, n_tokens);
     if (tok->chat_template == CHAT_CHATML || tok->chat_template == CHAT_PHI3)
         return render_chat_turn_tagged(tok, system_prompt, user, first, room, n_tokens);
+    if (tok->chat_template >= CHAT_GEMMA) return render_chat_turn_built(tok, system_prompt, user, first, room, n_tokens);
     char *rendered = render_chat_turn(system_prompt, user);
     int *tokens = encode_prompt(tok, rendered, room, n_tokens);
     free(rendered);
@@ -12342,7 +12488,7 @@ typedef struct {
     int json_object;           /* --json: answers are JSON objects */
     const char *schema_file;   /* --json-schema: answers are valid under this schema; NULL: none */
     const JsonSchema *schema;  /* the one of --json or --json-schema (compiled in main); NULL: any text */
-    int chat_template;         /* --chat-template: CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML or CHAT_PHI3; -1: the tokenizer's */
+    int chat_template;         /* --chat-template: CHAT_LLAMA2, CHAT_LLAMA3, ...; -1: the tokenizer's */
     const char *draft_file;    /* --draft: the draft model's checkpoint; NULL: none */
     int lookup;                /* --lookup: prompt lookup's N-gram size; 0: off */
     int draft_max;             /* --draft-max: tokens drafted per step, at most */
@@ -12376,7 +12522,7 @@ static const char *usage_text =
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
     "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
     "                     declares 131072: chat and serve size their caches by it)\n"
-    "  --chat-template <name>    llama2, llama3, chatml or phi3 (default: the tokenizer's)\n"
+    "  --chat-template <name>    llama2 llama3 chatml phi3 phi4 gemma granite mistral7 (default: the file's)\n"
     "  -f <format>        output: text or json (default text)\n"
     "\n"
     "Sampling and controls:\n"
@@ -12582,7 +12728,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         o->chat_template = -1;
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
-        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml or phi3, got '%s'", v);
+        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite or mistral7, got '%s'", v);
         return 2;
     }
     usage_error("unknown option '%s'", flag);

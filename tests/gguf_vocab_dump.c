@@ -8,7 +8,7 @@
          template family, one "name value" line each
      gguf_vocab_dump chat FILE.gguf FIRST SYSTEM USER [FAMILY]
          the ids of one chat turn (FIRST: 1 for the first turn; SYSTEM "" for
-         none; FAMILY llama2, llama3, chatml or phi3 overrides the file's) */
+         none; FAMILY one of chat_family_names overrides the file's) */
 #define TESTING
 #include "../run.c"
 #include "hex_lines.h"
