@@ -6360,6 +6360,9 @@ enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
    (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
    (Granite), [SYSTEM_PROMPT] (Mistral v7) */
 enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7 };
+/* what becomes of a reply's <think> block (Qwen3): printed as it comes, left
+   out of what is printed, or not asked for (the template's empty block) */
+enum { REASONING_SHOW, REASONING_HIDE, REASONING_OFF };
 #define MAX_END_TOKENS 8
 
 /* byte-level pre-tokenizers (how text is split before BPE), by the names
@@ -6401,6 +6404,7 @@ typedef struct {
     int end[MAX_END_TOKENS];  /* tokens that end a reply */
     int end_of_turn;          /* the token that closes a turn in the chat template */
     int chat_template;        /* CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, ... */
+    int reasoning;            /* --reasoning: REASONING_SHOW, REASONING_HIDE or REASONING_OFF */
     int eos_ends_generate;    /* generate mode stops at an end token (llama2.c does not) */
     int add_bos, add_eos;     /* encode(..., bos = 1, ...) adds BOS (and EOS) only if the vocabulary says so */
     int no_space_prefix;      /* SentencePiece without its dummy-prefix space (Gemma: add_space_prefix false) */
@@ -12026,6 +12030,11 @@ static int append_tagged_message(const Tokenizer *tok, const char *role, const c
     return append_text_tokens(tok, "\n", out, n, room);
 }
 
+/* Whether the template is ChatML and the vocabulary has Qwen3's <think>. */
+static int chatml_thinks(const Tokenizer *tok) {
+    return tok->chat_template == CHAT_CHATML && tok->special && lookup_special(tok, "<think>") >= 0;
+}
+
 /* The ChatML (Qwen, SmolLM) or Phi-3 template for one user turn, as tokens:
    BOS in the first turn when the vocabulary adds one, else the newline that
    follows the previous reply's end token; the system message (first turn,
@@ -12044,6 +12053,9 @@ static int *render_chat_turn_tagged(const Tokenizer *tok, const char *system_pro
     if (fits && system_prompt && system_prompt[0] != '\0') fits = append_tagged_message(tok, "system", system_prompt, out, &n, room);
     if (fits) fits = append_tagged_message(tok, "user", user, out, &n, room);
     if (fits) fits = append_tagged_message(tok, "assistant", NULL, out, &n, room);
+    /* Qwen3's template with enable_thinking false: an empty think block
+       after the assistant's opening, where the vocabulary has <think> */
+    if (fits && chatml_thinks(tok) && tok->reasoning == REASONING_OFF) fits = append_text_tokens(tok, "<think>\n\n</think>\n\n", out, &n, room);
     if (!fits) {
         free(out);
         return NULL;
@@ -12192,6 +12204,98 @@ static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, co
     int *tokens = encode_prompt(tok, rendered, room, n_tokens);
     free(rendered);
     return tokens;
+}
+
+/* ---- Reasoning ---------------------------------------------------------------
+   A reply that thinks first (Qwen3) starts with <think>, its reasoning, and
+   </think>, then the white space before the answer. ThinkSplit tells the
+   two apart as the text streams in, holding back what may be the start of
+   a marker until the next text decides; the markers and that white space
+   go nowhere. A reply that does not open with <think> is all answer. */
+enum { THINK_START, THINK_IN, THINK_AFTER, THINK_ANSWER };
+
+typedef struct {
+    int state;
+    ByteBuf held; /* text not yet given to the sink */
+} ThinkSplit;
+
+/* Receives the reasoning (reasoning 1) or the answer (0), a part at a time. */
+typedef void (*ThinkSink)(void *ctx, int reasoning, const char *text, size_t n);
+
+/* The length of the longest end of text[0, n) that starts `marker`. */
+static size_t partial_marker(const char *text, size_t n, const char *marker) {
+    size_t m = strlen(marker);
+    for (size_t k = n < m - 1 ? n : m - 1; k > 0; k--)
+        if (memcmp(text + n - k, marker, k) == 0) return k;
+    return 0;
+}
+
+/* Drops the first n held bytes. */
+static void think_drop(ThinkSplit *s, size_t n) {
+    memmove(s->held.data, s->held.data + n, s->held.n - n + 1);
+    s->held.n -= n;
+}
+
+static void think_feed(ThinkSplit *s, const char *text, size_t n, ThinkSink sink, void *ctx) {
+    buf_add(&s->held, text, n);
+    for (;;) {
+        const char *h = s->held.data;
+        size_t len = s->held.n, ws = 0;
+        if (s->state == THINK_START || s->state == THINK_AFTER)
+            while (ws < len && isspace((unsigned char)h[ws])) ws++;
+        if (s->state == THINK_START) {
+            if (len - ws < 7 && strncmp(h + ws, "<think>", len - ws) == 0) return;
+            s->state = strncmp(h + ws, "<think>", 7) == 0 ? THINK_IN : THINK_ANSWER;
+            if (s->state == THINK_IN) think_drop(s, ws + 7);
+        } else if (s->state == THINK_IN) {
+            const char *end = strstr(h, "</think>");
+            size_t emit = end ? (size_t)(end - h) : len - partial_marker(h, len, "</think>");
+            if (emit > 0) sink(ctx, 1, h, emit);
+            think_drop(s, end ? emit + 8 : emit);
+            if (!end) return;
+            s->state = THINK_AFTER;
+        } else if (s->state == THINK_AFTER) {
+            think_drop(s, ws);
+            if (s->held.n == 0) return;
+            s->state = THINK_ANSWER;
+        } else {
+            if (len > 0) sink(ctx, 0, h, len);
+            s->held.n = 0;
+            return;
+        }
+    }
+}
+
+/* Gives the sink (NULL: none) what was held back, at the end of the reply,
+   and readies s for the next. */
+static void think_finish(ThinkSplit *s, ThinkSink sink, void *ctx) {
+    if (sink && s->held.n > 0 && s->state != THINK_AFTER) sink(ctx, s->state == THINK_IN, s->held.data, s->held.n);
+    free(s->held.data);
+    *s = (ThinkSplit){THINK_START, {NULL, 0, 0}};
+}
+
+/* A ThinkSink that prints the answer only (--reasoning hide). */
+static void print_answer(void *ctx, int reasoning, const char *text, size_t n) {
+    (void)ctx;
+    if (!reasoning) fwrite(text, 1, n, stdout);
+}
+
+/* The engine's on_text in chat with --reasoning hide: the answer as it comes. */
+static void stream_answer(Request *r, const char *text, size_t n) {
+    think_feed(r->owner, text, n, print_answer, NULL);
+    flush_output();
+}
+
+/* Prints a reply's answer, without its reasoning, and the end of its line:
+   the rest held back when it was streamed, else all of it. */
+static void print_answer_of(const Tokenizer *tok, const Hypothesis *reply, int last_prompt_token, int streamed, ThinkSplit *split) {
+    if (!streamed) {
+        char *text = hypothesis_text(tok, reply, last_prompt_token);
+        think_feed(split, text, strlen(text), print_answer, NULL);
+        free(text);
+    }
+    think_finish(split, print_answer, NULL);
+    printf("\n");
 }
 
 /* ---- The conversation ------------------------------------------------------
@@ -12371,13 +12475,16 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         int *feed = xcalloc((size_t)n_feed, sizeof(int));
         conversation_tokens(&conv, 0, feed);
         memcpy(feed + n_kept, turn.tokens, (size_t)turn.n_prompt * sizeof(int));
-        int stream = text_mode && d->beam.beams == 0;
+        int stream = text_mode && d->beam.beams == 0, hide = text_mode && tok->reasoning == REASONING_HIDE && chatml_thinks(tok);
+        ThinkSplit split = {THINK_START, {NULL, 0, 0}};
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
-        r->on_text = stream ? stream_text : NULL;
+        r->on_text = stream ? (hide ? stream_answer : stream_text) : NULL;
+        r->owner = &split;
         engine_submit(e, r);
         engine_run(e);
         Hypothesis *reply = &r->hyps[0];
-        print_results(tok, d->format, reply, 1, turn.tokens[turn.n_prompt - 1], "", stream);
+        if (hide) print_answer_of(tok, reply, turn.tokens[turn.n_prompt - 1], stream, &split);
+        else print_results(tok, d->format, reply, 1, turn.tokens[turn.n_prompt - 1], "", stream);
         turn_decoding.seed = r->sampler.rng_state;
         flush_output();
         turn_set_reply(&turn, reply->tokens, reply->n_tokens, reply_end_token(tok, reply));
@@ -12489,6 +12596,7 @@ typedef struct {
     const char *schema_file;   /* --json-schema: answers are valid under this schema; NULL: none */
     const JsonSchema *schema;  /* the one of --json or --json-schema (compiled in main); NULL: any text */
     int chat_template;         /* --chat-template: CHAT_LLAMA2, CHAT_LLAMA3, ...; -1: the tokenizer's */
+    int reasoning;             /* --reasoning: REASONING_SHOW (default), REASONING_HIDE or REASONING_OFF */
     const char *draft_file;    /* --draft: the draft model's checkpoint; NULL: none */
     int lookup;                /* --lookup: prompt lookup's N-gram size; 0: off */
     int draft_max;             /* --draft-max: tokens drafted per step, at most */
@@ -12524,6 +12632,8 @@ static const char *usage_text =
     "                     declares 131072: chat and serve size their caches by it)\n"
     "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite or mistral7\n"
     "                            (default: the tokenizer's)\n"
+    "  --reasoning <show|hide|off>  a Qwen3 reply's <think> block: printed, left out of what is\n"
+    "                     printed (serve: message.reasoning_content), or not asked for (default show)\n"
     "  -f <format>        output: text or json (default text)\n"
     "\n"
     "Sampling and controls:\n"
@@ -12730,6 +12840,15 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
         if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite or mistral7, got '%s'", v);
+        return 2;
+    }
+    if (strcmp(flag, "--reasoning") == 0) {
+        static const char *const names[] = {"show", "hide", "off"};
+        const char *v = option_value(argc, argv, i);
+        o->reasoning = -1;
+        for (int k = 0; k < 3; k++)
+            if (strcmp(v, names[k]) == 0) o->reasoning = k;
+        if (o->reasoning < 0) usage_error("--reasoning must be show, hide or off, got '%s'", v);
         return 2;
     }
     usage_error("unknown option '%s'", flag);
@@ -14098,6 +14217,7 @@ typedef struct {
     int chat, stream;
     unsigned char first_chunk[SERVE_MAX_N]; /* a choice's next chunk is its first */
     ByteBuf held[SERVE_MAX_N]; /* each choice's streamed text not yet sent: an incomplete UTF-8 character */
+    ThinkSplit think[SERVE_MAX_N]; /* each choice's reasoning told from its answer (chat, a template that thinks) */
     char *stops[MAX_STOPS]; /* the request's stop strings */
     char id[40];
     long long created;
@@ -14220,7 +14340,10 @@ static void conn_close(Server *srv, Conn *c) {
     for (int k = 0; k < MAX_STOPS; k++) free(c->stops[k]);
     free(c->in);
     buf_free(&c->out);
-    for (int i = 0; i < SERVE_MAX_N; i++) buf_free(&c->held[i]);
+    for (int i = 0; i < SERVE_MAX_N; i++) {
+        buf_free(&c->held[i]);
+        free(c->think[i].held.data);
+    }
     memset(c, 0, sizeof(*c));
     c->s = NO_SOCKET;
     srv->free_slots[srv->n_free++] = slot;
@@ -14308,8 +14431,9 @@ static void completion_head(Server *srv, Conn *c, ByteBuf *b, const char *object
 }
 
 /* One Server-Sent Event with choice `choice`'s text delta `text` (NULL: the
-   last one, with the finish reason). */
-static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const char *finish) {
+   last one, with the finish reason) in the delta's `field`: "content", or
+   "reasoning_content" for a reply's reasoning. */
+static void send_delta(Server *srv, Conn *c, int choice, const char *field, const char *text, const char *finish) {
     ByteBuf b = {0};
     buf_str(&b, "data: ");
     completion_head(srv, c, &b, c->chat ? "chat.completion.chunk" : "text_completion");
@@ -14319,7 +14443,7 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
         if (c->first_chunk[choice]) buf_str(&b, "\"role\":\"assistant\"");
         if (text) {
             if (c->first_chunk[choice]) buf_str(&b, ",");
-            buf_str(&b, "\"content\":");
+            buf_printf(&b, "\"%s\":", field);
             buf_json(&b, text);
         }
         buf_str(&b, "},");
@@ -14334,6 +14458,34 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
     conn_body(c, b.data, b.n);
     buf_free(&b);
 }
+
+static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const char *finish) {
+    send_delta(srv, c, choice, "content", text, finish);
+}
+
+/* Whether a chat answer's reasoning goes apart from its content: the
+   template's replies open with <think> (Qwen3), as llama-server and vLLM
+   send them. */
+static int serve_thinks(const Server *srv, const Conn *c) { return c->chat && chatml_thinks(srv->tok); }
+
+/* A choice being streamed, for serve_think_sink. */
+typedef struct {
+    Server *srv;
+    Conn *c;
+    int choice;
+} StreamedChoice;
+
+/* A ThinkSink that streams each part as the delta's reasoning_content or content. */
+static void serve_think_sink(void *ctx, int reasoning, const char *text, size_t n) {
+    StreamedChoice *sc = ctx;
+    char *part = xcalloc(n + 1, 1);
+    memcpy(part, text, n);
+    send_delta(sc->srv, sc->c, sc->choice, reasoning ? "reasoning_content" : "content", part, NULL);
+    free(part);
+}
+
+/* A ThinkSink that keeps the reasoning in ctx[1] and the answer in ctx[0]. */
+static void keep_think_sink(void *ctx, int reasoning, const char *text, size_t n) { buf_add((ByteBuf *)ctx + reasoning, text, n); }
 
 /* The length of the leading part of s (n bytes) that ends on a whole UTF-8
    character. */
@@ -14367,7 +14519,9 @@ static void serve_on_text(Request *r, const char *text, size_t n) {
     memcpy(piece, held->data, whole);
     memmove(held->data, held->data + whole, held->n - whole + 1);
     held->n -= whole;
-    send_chunk(srv, c, choice, piece, NULL);
+    StreamedChoice sc = {srv, c, choice};
+    if (serve_thinks(srv, c)) think_feed(&c->think[choice], piece, whole, serve_think_sink, &sc);
+    else send_chunk(srv, c, choice, piece, NULL);
     free(piece);
 }
 
@@ -14486,8 +14640,22 @@ static void answer_choices(Server *srv, Conn *c) {
         char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
         buf_printf(&b, "%s{\"index\":%d,", i ? "," : "", i);
         if (c->chat) {
+            ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
+            if (serve_thinks(srv, c)) {
+                ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+                think_feed(&split, text, strlen(text), keep_think_sink, parts);
+                think_finish(&split, keep_think_sink, parts);
+            } else {
+                buf_str(&parts[0], text);
+            }
             buf_str(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
-            buf_json(&b, text);
+            buf_json(&b, parts[0].data ? parts[0].data : "");
+            if (parts[1].n > 0) {
+                buf_str(&b, ",\"reasoning_content\":");
+                buf_json(&b, parts[1].data);
+            }
+            buf_free(&parts[0]);
+            buf_free(&parts[1]);
             buf_str(&b, "},\"logprobs\":");
             if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
@@ -14521,10 +14689,17 @@ static void serve_on_done(Request *r, void *user) {
     int choice = request_choice(r);
     const Hypothesis *h = r->n_hyps > 0 ? &r->hyps[0] : NULL;
     if (c->stream && h && !r->error) {
-        if (c->held[choice].n > 0) send_chunk(srv, c, choice, c->held[choice].data, NULL);
+        StreamedChoice sc = {srv, c, choice};
+        if (serve_thinks(srv, c)) {
+            think_feed(&c->think[choice], c->held[choice].data ? c->held[choice].data : "", c->held[choice].n, serve_think_sink, &sc);
+            think_finish(&c->think[choice], serve_think_sink, &sc);
+        } else if (c->held[choice].n > 0) {
+            send_chunk(srv, c, choice, c->held[choice].data, NULL);
+        }
         buf_free(&c->held[choice]); /* nothing of it is left for the connection's next answer */
         send_chunk(srv, c, choice, NULL, finish_reason(h));
     }
+    think_finish(&c->think[choice], NULL, NULL); /* nor of its reasoning (after an error) */
     if (h) fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s\n", c->id, r->n_prompt, h->n_tokens,
                    now_seconds() - c->started, h->stop);
     if (--c->n_left > 0) return;
@@ -15109,6 +15284,7 @@ int main(int argc, char **argv) {
         usage_error("--min-new-tokens %d is more than the %d positions to run (-n)", o.controls.min_new_tokens, positions);
     if (!t.gguf || o.tokenizer) load_tokenizer(&tok, o.tokenizer ? o.tokenizer : "tokenizer.bin", p->vocab_size);
     if (o.chat_template >= 0) tok.chat_template = o.chat_template;
+    tok.reasoning = o.reasoning;
     Transformer draft;
     Speculator *spec = NULL;
     if (o.draft_file) {

