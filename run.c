@@ -14125,10 +14125,14 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
     *why = "the last message must be the user's";
     if (n == i || strcmp(roles[n - 1], "user") != 0) return NULL;
     int *out = xcalloc((size_t)room + 1, sizeof(int));
+    /* earlier turns as the template renders them: without --reasoning off's
+       empty think block, which only opens the reply asked for */
+    Tokenizer earlier = *tok;
+    earlier.reasoning = REASONING_SHOW;
     for (int first = 1; i < n; i++) {
         if (strcmp(roles[i], "user") == 0) {
             int nt = 0;
-            int *turn = chat_turn_tokens(tok, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
+            int *turn = chat_turn_tokens(i == n - 1 ? tok : &earlier, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
             first = 0;
             if (!turn) break;
             memcpy(out + count, turn, (size_t)nt * sizeof(int));

@@ -9,7 +9,9 @@
      gguf_vocab_dump chat FILE.gguf FIRST SYSTEM USER [FAMILY [REASONING]]
          the ids of one chat turn (FIRST: 1 for the first turn; SYSTEM "" for
          none; FAMILY one of chat_family_names overrides the file's, "" keeps
-         it; REASONING show, hide or off as --reasoning) */
+         it; REASONING show, hide or off as --reasoning)
+     gguf_vocab_dump messages FILE.gguf REASONING ROLE CONTENT [ROLE CONTENT...]
+         the ids of a conversation as serve renders a chat request's messages */
 #define TESTING
 #include "../run.c"
 #include "hex_lines.h"
@@ -35,7 +37,8 @@ static void dump_tokens(const Tokenizer *tok) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: gguf_vocab_dump tokens FILE.gguf | info FILE.gguf | chat FILE.gguf FIRST SYSTEM USER [FAMILY [REASONING]]\n");
+        fprintf(stderr, "usage: gguf_vocab_dump tokens FILE.gguf | info FILE.gguf | chat FILE.gguf FIRST SYSTEM USER [FAMILY [REASONING]] | "
+                        "messages FILE.gguf REASONING ROLE CONTENT...\n");
         return 2;
     }
     Tokenizer tok;
@@ -61,6 +64,22 @@ int main(int argc, char **argv) {
         int n = 0, *ids = chat_turn_tokens(&tok, argv[4], argv[5], atoi(argv[3]), 1 << 20, &n);
         for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
         printf("\nend_of_turn %d\n", turn_end_token(&tok));
+        free(ids);
+    } else if (strcmp(argv[1], "messages") == 0 && argc >= 6 && argc % 2 == 0) {
+        tok.reasoning = strcmp(argv[3], "off") == 0 ? REASONING_OFF : strcmp(argv[3], "hide") == 0 ? REASONING_HIDE : REASONING_SHOW;
+        int m = (argc - 4) / 2;
+        char **roles = xcalloc((size_t)m, sizeof(char *)), **contents = xcalloc((size_t)m, sizeof(char *));
+        for (int i = 0; i < m; i++) {
+            roles[i] = argv[4 + 2 * i];
+            contents[i] = argv[5 + 2 * i];
+        }
+        const char *why = NULL;
+        int n = 0, *ids = chat_messages_tokens(&tok, roles, contents, m, 1 << 20, &n, &why);
+        if (!ids) die(EXIT_USAGE, "%s", why);
+        free(roles);
+        free(contents);
+        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        printf("\n");
         free(ids);
     } else {
         fprintf(stderr, "gguf_vocab_dump: unknown command %s\n", argv[1]);

