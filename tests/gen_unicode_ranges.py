@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Writes (or, with --check, verifies) the table of Unicode general categories
 that run.c's byte-level pre-tokenizers need for GGUF vocabularies, which carry
-no Unicode data: the runs of code points in \\p{L} (letters), \\p{N} (numbers)
-and \\p{P} (punctuation), from Python's own unicodedata.
+no Unicode data: the runs of code points in \\p{L} (letters, by case: 'u' for
+Lu and Lt, 'l' for Ll, 'L' for Lm and Lo, as GPT-4o's expression tells them
+apart), \\p{M} (marks), \\p{N} (numbers), \\p{P} (punctuation) and \\p{S}
+(symbols), from Python's own unicodedata.
 
     python3 tests/gen_unicode_ranges.py          # rewrites the table in run.c
     python3 tests/gen_unicode_ranges.py --check  # exit 1 if run.c's differs
@@ -16,15 +18,17 @@ import unicodedata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_C = os.path.join(ROOT, "run.c")
-CLASSES = "LNP"  # the first letter of the general category
+# the table's class of each general category (none: not in the table)
+CLASSES = {"Lu": "u", "Lt": "u", "Ll": "l", "Lm": "L", "Lo": "L", "Mn": "M", "Mc": "M", "Me": "M",
+           "Nd": "N", "Nl": "N", "No": "N", "Pc": "P", "Pd": "P", "Ps": "P", "Pe": "P", "Pi": "P", "Pf": "P",
+           "Po": "P", "Sm": "S", "Sc": "S", "Sk": "S", "So": "S"}
 
 
 def ranges():
     """[(first, last, class letter)] ascending, maximal runs of one class."""
     out, start, cls = [], 0, None
     for cp in range(0x110001):
-        c = unicodedata.category(chr(cp))[0] if cp <= 0x10FFFF else None
-        c = c if c is not None and c in CLASSES else None
+        c = CLASSES.get(unicodedata.category(chr(cp))) if cp <= 0x10FFFF else None
         if c != cls:
             if cls is not None:
                 out.append((start, cp - 1, cls))
@@ -36,7 +40,7 @@ def table():
     r = ranges()
     lines = ["/* BEGIN_UNICODE_RANGES: Unicode %s (Python %d.%d's unicodedata), written by"
              % (unicodedata.unidata_version, sys.version_info[0], sys.version_info[1]),
-             "   tests/gen_unicode_ranges.py: %d runs of \\p{L}, \\p{N} and \\p{P} */" % len(r),
+             "   tests/gen_unicode_ranges.py: %d runs of \\p{L} by case (u, l, L), \\p{M}, \\p{N}, \\p{P} and \\p{S} */" % len(r),
              "static const UnicodeRange unicode_ranges[] = {"]
     row = []
     for first, last, c in r:

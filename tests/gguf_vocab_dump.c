@@ -6,9 +6,12 @@
      gguf_vocab_dump info FILE.gguf
          bos, eos, the end tokens, end of turn, add_bos, add_eos and the chat
          template family, one "name value" line each
-     gguf_vocab_dump chat FILE.gguf FIRST SYSTEM USER [FAMILY]
+     gguf_vocab_dump chat FILE.gguf FIRST SYSTEM USER [FAMILY [REASONING]]
          the ids of one chat turn (FIRST: 1 for the first turn; SYSTEM "" for
-         none; FAMILY llama2, llama3, chatml or phi3 overrides the file's) */
+         none; FAMILY one of chat_family_names overrides the file's, "" keeps
+         it; REASONING show, hide or off as --reasoning)
+     gguf_vocab_dump messages FILE.gguf REASONING ROLE CONTENT [ROLE CONTENT...]
+         the ids of a conversation as serve renders a chat request's messages */
 #define TESTING
 #include "../run.c"
 #include "hex_lines.h"
@@ -34,7 +37,8 @@ static void dump_tokens(const Tokenizer *tok) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: gguf_vocab_dump tokens FILE.gguf | info FILE.gguf | chat FILE.gguf FIRST SYSTEM USER [FAMILY]\n");
+        fprintf(stderr, "usage: gguf_vocab_dump tokens FILE.gguf | info FILE.gguf | chat FILE.gguf FIRST SYSTEM USER [FAMILY [REASONING]] | "
+                        "messages FILE.gguf REASONING ROLE CONTENT...\n");
         return 2;
     }
     Tokenizer tok;
@@ -48,17 +52,34 @@ int main(int argc, char **argv) {
         for (int i = 0; i < tok.n_end; i++) printf(" %d", tok.end[i]);
         printf("\nend_of_turn %d\nadd_bos %d\nadd_eos %d\nchat %s\n", tok.end_of_turn, tok.add_bos, tok.add_eos,
                chat_family_names[tok.chat_template]);
-    } else if (strcmp(argv[1], "chat") == 0 && (argc == 6 || argc == 7)) {
-        if (argc == 7) {
+    } else if (strcmp(argv[1], "chat") == 0 && argc >= 6 && argc <= 8) {
+        if (argc >= 7 && argv[6][0] != '\0') {
             int f = -1;
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); i++)
                 if (strcmp(argv[6], chat_family_names[i]) == 0) f = i;
             if (f < 0) die(EXIT_USAGE, "unknown family %s", argv[6]);
             tok.chat_template = f;
         }
+        if (argc == 8) tok.reasoning = strcmp(argv[7], "off") == 0 ? REASONING_OFF : strcmp(argv[7], "hide") == 0 ? REASONING_HIDE : REASONING_SHOW;
         int n = 0, *ids = chat_turn_tokens(&tok, argv[4], argv[5], atoi(argv[3]), 1 << 20, &n);
         for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
         printf("\nend_of_turn %d\n", turn_end_token(&tok));
+        free(ids);
+    } else if (strcmp(argv[1], "messages") == 0 && argc >= 6 && argc % 2 == 0) {
+        tok.reasoning = strcmp(argv[3], "off") == 0 ? REASONING_OFF : strcmp(argv[3], "hide") == 0 ? REASONING_HIDE : REASONING_SHOW;
+        int m = (argc - 4) / 2;
+        char **roles = xcalloc((size_t)m, sizeof(char *)), **contents = xcalloc((size_t)m, sizeof(char *));
+        for (int i = 0; i < m; i++) {
+            roles[i] = argv[4 + 2 * i];
+            contents[i] = argv[5 + 2 * i];
+        }
+        const char *why = NULL;
+        int n = 0, *ids = chat_messages_tokens(&tok, roles, contents, m, 1 << 20, &n, &why);
+        if (!ids) die(EXIT_USAGE, "%s", why);
+        free(roles);
+        free(contents);
+        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        printf("\n");
         free(ids);
     } else {
         fprintf(stderr, "gguf_vocab_dump: unknown command %s\n", argv[1]);

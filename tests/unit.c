@@ -2596,6 +2596,40 @@ static int rendered_length(const char *system, const char *user) {
     return n;
 }
 
+/* A ThinkSink for test_think_split: the answer in ctx[0], the reasoning in ctx[1]. */
+static void collect_think(void *ctx, int reasoning, const char *text, size_t n) { buf_add((ByteBuf *)ctx + reasoning, text, n); }
+
+/* ThinkSplit on replies in Qwen3's form (<think>reasoning</think>, blank
+   lines, the answer), fed in pieces of every size: what goes to
+   reasoning_content and content, as llama-server and vLLM split it. */
+static void test_think_split(void) {
+    static const struct { const char *reply, *reasoning, *answer; } cases[] = {
+        {"<think>\nabc\n</think>\n\nHello <b>world</b>", "\nabc\n", "Hello <b>world</b>"},
+        {"\n<think>r</think>a", "r", "a"},
+        {"Just an answer <think>x</think>", "", "Just an answer <think>x</think>"},
+        {"<think>unfinished </thi", "unfinished </thi", ""},
+        {"<thi", "", "<thi"},
+        {"<think></think>", "", ""},
+    };
+    begin("ThinkSplit: the reasoning and the answer of a reply, whatever its pieces");
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        size_t len = strlen(cases[k].reply);
+        for (size_t step = 1; step <= len; step++) {
+            ByteBuf parts[2] = {{0}, {0}};
+            ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+            for (size_t at = 0; at < len; at += step)
+                think_feed(&split, cases[k].reply + at, at + step <= len ? step : len - at, collect_think, parts);
+            think_finish(&split, collect_think, parts);
+            const char *answer = parts[0].data ? parts[0].data : "", *reasoning = parts[1].data ? parts[1].data : "";
+            expect(strcmp(answer, cases[k].answer) == 0 && strcmp(reasoning, cases[k].reasoning) == 0,
+                   "%s in pieces of %zu: reasoning '%s', answer '%s'", cases[k].reply, step, reasoning, answer);
+            buf_free(&parts[0]);
+            buf_free(&parts[1]);
+        }
+    }
+    end();
+}
+
 static void test_conversation(void) {
     Tokenizer tok;
     load_byte_tokenizer(&tok);
@@ -3190,6 +3224,7 @@ int main(void) {
     test_cli_helpers();
     test_file_kinds();
     test_conversation();
+    test_think_split();
     test_context_positions();
     test_engine_cancel();
     test_http_parse();
