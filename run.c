@@ -11330,6 +11330,28 @@ static void stream_text(Request *r, const char *text, size_t n) {
     flush_output();
 }
 
+/* Stops the program when r could never fit the whole cache (--kv-mb): the
+   engine would end it with nothing generated, and the modes that run one
+   request at a time would print nothing and succeed. Called before anything
+   of r is printed. */
+static void require_room(const Engine *e, const Request *r) {
+    if (request_blocks(r, e->t->config.seq_len) <= e->t->state.cache.n_blocks) return;
+    const int beams = r->d.beam.beams;
+    if (beams > 1)
+        die(EXIT_USAGE, "the key/value cache is too small for this request: it needs %d positions for each of %d beams "
+            "and --kv-mb leaves room for %d in all; raise --kv-mb, or lower -n or -b", request_positions(r), beams,
+            e->t->state.cache.n_blocks * KV_BLOCK);
+    die(EXIT_USAGE, "the key/value cache is too small for this request: it needs %d positions and --kv-mb leaves "
+        "room for %d; raise --kv-mb, or lower -n", request_positions(r), e->t->state.cache.n_blocks * KV_BLOCK);
+}
+
+/* Runs r alone to its end. */
+static void run_alone(Engine *e, Request *r) {
+    require_room(e, r);
+    engine_submit(e, r);
+    engine_run(e);
+}
+
 /* A prompt of more tokens than the `steps` positions: llama2.c reads (and
    prints) the first `steps` of them and generates nothing. So does run: a
    request with nothing to generate reads them, and stderr says so. */
@@ -11340,8 +11362,7 @@ static void read_prompt_that_fits(Engine *e, const int *tokens, int n_tokens, in
     memcpy(head, tokens, (size_t)steps * sizeof(int));
     Decoding greedy = {.topp = 0.9f, .seed = 1, .beam = {0, 1.0f, STOP_HEURISTIC}, .n_return = 1, .format = FORMAT_TEXT};
     Request *r = request_new(head, steps, 0, 0, &greedy);
-    engine_submit(e, r);
-    engine_run(e);
+    run_alone(e, r);
     request_free(r);
 }
 
@@ -11362,16 +11383,17 @@ static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, const c
     int n_forced = n_prompt - 1 < steps ? n_prompt - 1 : steps, last_prompt_token = prompt_tokens[n_prompt - 1];
     char *prompt_text = decode_text(tok, prompt_tokens[0], prompt_tokens + 1, n_forced);
     int several = d->format == FORMAT_TEXT && d->n_return > 1 && d->beam.beams > 0;
+    Request *r = steps >= n_prompt ? request_new(prompt_tokens, n_prompt, cap_new_tokens(d, steps - n_prompt + 1),
+                                                 tok->eos_ends_generate, d) : NULL;
+    if (r) require_room(e, r);
     if (d->format == FORMAT_TEXT && !several) {
         fputs(prompt_text, stdout);
         flush_output();
     }
     int stream = d->format == FORMAT_TEXT && d->beam.beams == 0;
-    if (steps >= n_prompt) {
-        Request *r = request_new(prompt_tokens, n_prompt, cap_new_tokens(d, steps - n_prompt + 1), tok->eos_ends_generate, d);
+    if (r) {
         r->on_text = stream ? stream_text : NULL;
-        engine_submit(e, r);
-        engine_run(e);
+        run_alone(e, r);
         print_results(tok, d->format, r->hyps, r->n_hyps < d->n_return ? r->n_hyps : d->n_return, last_prompt_token, prompt_text, stream);
         request_free(r);
     } else {
@@ -11761,8 +11783,7 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         int stream = text_mode && d->beam.beams == 0;
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
         r->on_text = stream ? stream_text : NULL;
-        engine_submit(e, r);
-        engine_run(e);
+        run_alone(e, r);
         Hypothesis *reply = &r->hyps[0];
         print_results(tok, d->format, reply, 1, turn.tokens[turn.n_prompt - 1], "", stream);
         turn_decoding.seed = r->sampler.rng_state;

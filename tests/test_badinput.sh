@@ -107,6 +107,20 @@ check() {
     pass "$name"
 }
 
+# says NAME WANT_STATUS "FIRST WORDS" -- ARGS...   (stdin from /dev/null)
+#   the exit status, and the error's line (the first stderr line that is not
+#   "run: seed", a note or a warning) starts with "run: FIRST WORDS"
+says() {
+    local name="$1" want="$2" words="$3"
+    shift 4
+    timeout "${LIMIT:-10}" "$RUN" "$@" >"$TMP/out" 2>"$TMP/err" </dev/null
+    local status=$? line
+    line=$(grep -v '^run: \(seed \|note:\|warning:\)' "$TMP/err" | head -n 1)
+    if [ "$status" -ne "$want" ]; then fail "$name" "exit status $status, expected $want; stderr: $line"; return; fi
+    if [[ "$line" != "run: $words"* ]]; then fail "$name" "stderr does not start 'run: $words': $line"; return; fi
+    pass "$name"
+}
+
 # --- bad files (exit 1, one line) -------------------------------------------
 check "sanity: the tiny test model runs" 0 ok -- "$MODEL" -z "$TOK" -n 8 -s 1
 check "missing checkpoint" 1 file -- "$TMP/no-such-model.bin" -z "$TOK"
@@ -260,6 +274,18 @@ check "chat with stdin closed at once" 0 ok -- "$S" -z "$T" -m chat -n 64 -s 1
 check "chat with -y and -i, then end of input" 0 any -- "$S" -z "$T" -m chat -y "Be kind." -i "Hi" -n 128 -s 1
 check "chat whose first turn fills the context" 0 line -- "$S" -z "$T" -m chat -y "" -i "$(for i in $(seq 40); do printf 'hello '; done)" -n 16 -s 1
 check "json output" 0 ok -- "$S" -z "$T" -f json -n 16 -s 1
+# a request the whole cache cannot hold: an error, never nothing and exit 0
+for f in text json; do
+    says "beam search larger than --kv-mb ($f)" 2 "the key/value cache is too small for this request" -- \
+        "$S" -z "$T" -i Lily -n 400 -b 4 --kv-mb 1 -f "$f"
+    if [ -s "$TMP/out" ]; then fail "beam search larger than --kv-mb ($f): nothing on stdout" "$(head -c 80 "$TMP/out")"
+    else pass "beam search larger than --kv-mb ($f): nothing on stdout"; fi
+done
+printf '\nHi\n' >"$TMP/chat_in"
+timeout 10 "$RUN" "$S" -z "$T" -m chat -n 400 -b 4 --kv-mb 1 <"$TMP/chat_in" >"$TMP/out" 2>"$TMP/err"
+status=$?
+if [ "$status" -eq 2 ] && grep -q '^run: the key/value cache is too small' "$TMP/err"; then pass "chat beams larger than --kv-mb"
+else fail "chat beams larger than --kv-mb" "exit $status; stderr: $(tail -n 1 "$TMP/err")"; fi
 
 # --- version 3 (4-bit) checkpoints, -I, -m perplexity ------------------------
 # A tiny valid version 3 model (group size 4) and damaged copies.
