@@ -86,7 +86,9 @@
 #include <sys/socket.h>
 #ifdef __linux__
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/syscall.h>
+#include <linux/sockios.h>
 #endif
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -408,6 +410,24 @@ static ptrdiff_t net_send(Socket s, const char *buf, size_t n) {
 
 static void net_close(Socket s) { close(s); }
 
+/* Bytes sent on s that its peer has not taken yet: the kernel's send queue
+   (Linux: SIOCOUTQ; macOS: SO_NWRITE; elsewhere unknown, 0). The kernel
+   grows that queue to megabytes for a client that does not read, so what
+   the process still holds alone says little. (What the peer's kernel has
+   taken and its reader has not, its receive buffer, nothing here can see.) */
+static size_t net_queued(Socket s) {
+    int n = 0;
+#if defined(__linux__)
+    if (ioctl(s, SIOCOUTQ, &n) != 0) n = 0;
+#elif defined(SO_NWRITE)
+    socklen_t len = sizeof(n);
+    if (getsockopt(s, SOL_SOCKET, SO_NWRITE, &n, &len) != 0) n = 0;
+#else
+    (void)s;
+#endif
+    return n > 0 ? (size_t)n : 0;
+}
+
 /* The soft limit on open descriptors raised toward `want` (as far as the
    hard limit allows); returns the soft limit now, and *hard the hard one
    (-1: none). */
@@ -706,6 +726,7 @@ static Socket net_accept(Socket listener) { (void)listener; return NO_SOCKET; }
 static ptrdiff_t net_recv(Socket s, char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static ptrdiff_t net_send(Socket s, const char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static void net_close(Socket s) { (void)s; }
+static size_t net_queued(Socket s) { (void)s; return 0; }
 static long net_raise_descriptors(long want, long *hard) { *hard = -1; return want; }
 static void release_free_memory(void) {}
 #define NET_READ 1
@@ -11976,7 +11997,7 @@ static const char *usage_text =
     "  --max-queue <int>  requests waiting beyond the --parallel running; more get 429 (default 1024)\n"
     "  --header-timeout <float>  seconds a request's header may take, and its body as long again;\n"
     "                     slower clients are dropped (default 5)\n"
-    "  --drain-seconds <float>   on SIGTERM, seconds the running requests have to end (default 5)\n"
+    "  --drain-seconds <float>   on SIGTERM, seconds until the process exits (default 5)\n"
     "\n"
     "Performance:\n"
     "  -T <int>           threads, >= 1 (default: all cores; needs an OpenMP build)\n"
@@ -13458,13 +13479,15 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
    SERVE_IDLE_TIMEOUT; an answer that no byte of leaves for
    SERVE_SEND_TIMEOUT is dropped. A streamed answer whose client does not
    read it is dropped, and its request cancelled (its cache blocks freed),
-   once SERVE_MAX_PENDING bytes of it wait in the process.
+   once SERVE_MAX_PENDING bytes of it wait, in the process or in the
+   kernel's send queue (net_queued).
    Back-pressure: a completion that would make more than --parallel
    running plus --max-queue waiting gets 429 with Retry-After.
    Stopping (SIGTERM or SIGINT): no more connections are accepted, waiting
-   requests get 503, running ones have --drain-seconds to end (then they end
-   at their next token, as a second signal makes them), and the answers
-   SERVE_DRAIN_GRACE more to leave. */
+   requests get 503, running ones have --drain-seconds less SERVE_DRAIN_GRACE
+   to end (then they end at their next token, as a second signal makes
+   them), the answers the rest to leave, and --drain-seconds after the
+   signal the process ends, whatever its connections do. */
 
 #define SERVE_IDLE_TIMEOUT 5.0
 #define SERVE_SEND_TIMEOUT 10.0
@@ -13653,7 +13676,8 @@ static void conn_watch(Server *srv, Conn *c) {
 
 /* Sends what it can of the queued answer; an answer sent in full closes the
    connection, or, kept, readies it for the next request. A stream whose
-   client lets more than SERVE_MAX_PENDING bytes wait is dropped. */
+   client lets more than SERVE_MAX_PENDING bytes wait, here or in the
+   kernel's send queue, is dropped. */
 static void conn_flush(Server *srv, Conn *c) {
     while (c->sent < c->out.n) {
         ptrdiff_t k = net_send(c->s, c->out.data + c->sent, c->out.n - c->sent);
@@ -13663,11 +13687,11 @@ static void conn_flush(Server *srv, Conn *c) {
         c->last = srv->now;
         c->blocked = 0;
     }
+    if (c->phase == CONN_RUNNING && c->out.n - c->sent + net_queued(c->s) > SERVE_MAX_PENDING) {
+        conn_drop(srv, c, "its client does not read its stream");
+        return;
+    }
     if (c->sent < c->out.n) {
-        if (c->phase == CONN_RUNNING && c->out.n - c->sent > SERVE_MAX_PENDING) {
-            conn_drop(srv, c, "its client does not read its stream");
-            return;
-        }
         if (!c->blocked) c->blocked = srv->now;
         if (c->sent > c->out.n / 2) { /* what was sent is let go of */
             memmove(c->out.data, c->out.data + c->sent, c->out.n - c->sent + 1);
@@ -14283,6 +14307,13 @@ static void on_serve_stop(int sig) {
     serve_stop_asked = 1;
 }
 
+/* The last seconds of the drain, left for the answers to leave once the
+   running requests are ended: SERVE_DRAIN_GRACE, or half of a shorter
+   --drain-seconds. */
+static double drain_grace(const Options *o) {
+    return o->drain_seconds < 2 * SERVE_DRAIN_GRACE ? o->drain_seconds / 2 : SERVE_DRAIN_GRACE;
+}
+
 /* Stops accepting: the connections between requests are closed, and the
    waiting requests answered 503 (a stream ends empty); the running ones go
    on until drain_until. */
@@ -14354,10 +14385,10 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
     for (double next_sweep = 0;;) {
         srv->now = now_seconds();
         if (serve_stop_asked && !srv->stopping) serve_stop(srv, &listener);
-        if (srv->stopping && srv->now > srv->drain_until) interrupt_pending = 1; /* the running requests end at their next token */
-        if (srv->stopping && srv->now > srv->drain_until + SERVE_DRAIN_GRACE)
-            for (int i = 0; i < srv->max_conns; i++) conn_close(srv, &srv->conns[i]);
-        if (srv->stopping && srv->n_open == 0) break;
+        /* the running requests end at their next token, their answers leave, and at drain_until the
+           process ends whatever its connections do */
+        if (srv->stopping && srv->now > srv->drain_until - drain_grace(o)) interrupt_pending = 1;
+        if (srv->stopping && (srv->n_open == 0 || srv->now > srv->drain_until)) break;
         int busy = e->n_running > 0 || e->next_waiting < e->n_queue;
         int n = net_poll(srv->poller, events, busy ? 0 : 100);
         srv->now = now_seconds();
@@ -14384,6 +14415,7 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
             serve_flush_step(srv);
         }
     }
+    for (int i = 0; i < srv->max_conns; i++) conn_close(srv, &srv->conns[i]);
     net_poller_free(srv->poller);
     free(events);
     free(srv->conns);
