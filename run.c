@@ -1071,6 +1071,27 @@ static const char *foreign_format(const unsigned char *d, size_t size) {
     return NULL;
 }
 
+/* What a file of text is, or NULL: JSON (its first character, past white
+   space, is { or [; a tokenizer.json or config.json) or any other text (a
+   README, a prompt). Text is 512 leading bytes with no NUL and no control
+   byte but white space; every run.c checkpoint and tokenizer.bin has zero
+   bytes in its first int32s. */
+static const char *text_format(const unsigned char *d, size_t size) {
+    size_t n = size < 512 ? size : 512, at = 0;
+    if (n == 0) return NULL;
+    for (size_t i = 0; i < n; i++)
+        if (d[i] == 0 || (d[i] < 0x20 && !strchr("\t\n\r\f", d[i])) || d[i] == 0x7f) return NULL;
+    while (at < n && strchr(" \t\n\r", d[at])) at++;
+    return at < n && (d[at] == '{' || d[at] == '[') ? "a JSON file" : "a text file";
+}
+
+/* Whether the file is a SentencePiece tokenizer.model: a protobuf whose
+   first field is a piece (field 1, length-delimited: 0x0A, its length) that
+   starts with its text (field 1 again, 0x0A, a shorter length). */
+static int looks_like_sentencepiece(const unsigned char *d, size_t size) {
+    return size >= 8 && d[0] == 0x0A && d[1] >= 3 && d[1] < 0x80 && d[2] == 0x0A && d[3] + 2 <= d[1] && (size_t)d[1] + 2 <= size;
+}
+
 /* Whether the file parses as a whole llama2.c tokenizer.bin: a plausible
    max_token_length, then (score, length <= max, bytes) entries that end
    exactly at the end of the file. A checkpoint fails within a few entries. */
@@ -1112,6 +1133,17 @@ static void refuse_non_checkpoint(const FileCursor *c) {
     if (kind) die(EXIT_BAD_FILE, "%s: is %s, not a run.c checkpoint: %s", c->path, kind, CONVERT_HINT);
     if (looks_like_tokenizer(d, c->size))
         die(EXIT_BAD_FILE, "%s: is a tokenizer, not a checkpoint (the checkpoint comes first; the tokenizer goes after -z)", c->path);
+    if (looks_like_checkpoint(d, c->size)) return;
+    if (looks_like_sentencepiece(d, c->size))
+        die(EXIT_BAD_FILE, "%s: is a SentencePiece tokenizer.model, not a checkpoint: the checkpoint comes first; the tokenizer "
+            "goes after -z, converted with `python3 export.py tokenizer tokenizer.model tokenizer.bin`", c->path);
+    const char *text = text_format(d, c->size);
+    if (text && strcmp(text, "a JSON file") == 0)
+        die(EXIT_BAD_FILE, "%s: is a JSON file, not a checkpoint: the checkpoint (a .bin or .gguf model) comes first; "
+            "a Hugging Face model (config.json, tokenizer.json) is converted with `python3 export.py model DIR out.bin`", c->path);
+    if (text)
+        die(EXIT_BAD_FILE, "%s: is a text file, not a checkpoint: the checkpoint (a .bin or .gguf model) comes first; "
+            "a prompt goes after -i (or -I FILE)", c->path);
 }
 
 static float read_f32(const char *p) { float v; memcpy(&v, p, 4); return v; }
@@ -6468,6 +6500,17 @@ static void refuse_non_tokenizer(const unsigned char *d, size_t size, const char
                   path, kind);
     if (looks_like_checkpoint(d, size))
         die(EXIT_BAD_FILE, "%s: is a checkpoint, not a tokenizer (-z takes a tokenizer.bin)", path);
+    if (looks_like_tokenizer(d, size)) return;
+    if (looks_like_sentencepiece(d, size))
+        die(EXIT_BAD_FILE, "%s: is a SentencePiece tokenizer.model, which -z does not read: convert it with "
+            "`python3 export.py tokenizer tokenizer.model tokenizer.bin` and pass -z tokenizer.bin", path);
+    const char *text = text_format(d, size);
+    if (text && strcmp(text, "a JSON file") == 0)
+        die(EXIT_BAD_FILE, "%s: is a JSON file, which -z does not read: convert a tokenizer.json with "
+            "`python3 export.py tokenizer tokenizer.json tokenizer.bin` and pass -z tokenizer.bin", path);
+    if (text)
+        die(EXIT_BAD_FILE, "%s: is a text file, not a tokenizer: -z takes a tokenizer.bin (`python3 export.py tokenizer "
+            "tokenizer.model tokenizer.bin` makes one)", path);
 }
 
 /* byte_pieces: byte b as the string {b, 0} at 2b, what byte tokens decode to */
@@ -6514,6 +6557,9 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
     t->vocab = xcalloc((size_t)vocab_size, sizeof(char *));
     t->vocab_scores = xcalloc((size_t)vocab_size, sizeof(float));
     for (int i = 0; i < vocab_size; i++) {
+        if (at == size) /* whole, and short: another model's */
+            die(EXIT_BAD_FILE, "%s: tokenizer has %d tokens, the model has %d: wrong tokenizer for this model? "
+                "(each model needs the tokenizer it was trained with)", path, i, vocab_size);
         if (size - at < 8)
             die(EXIT_BAD_FILE, "%s: truncated tokenizer: it ends at token %d, the model has %d tokens", path, i, vocab_size);
         memcpy(&t->vocab_scores[i], data + at, 4);
@@ -14431,6 +14477,16 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
 /* 12. main                                                                 */
 /* ------------------------------------------------------------------------ */
 
+/* Without -z, a checkpoint's tokenizer is ./tokenizer.bin, as in llama2.c;
+   when there is none, says what the checkpoint needs and how to give it. */
+static void require_default_tokenizer(void) {
+    FILE *f = fopen("tokenizer.bin", "rb");
+    if (f) { fclose(f); return; }
+    die(EXIT_USAGE, "no tokenizer: a llama2.c checkpoint needs the tokenizer it was trained with; pass it with -z "
+        "(e.g. -z tok512.bin for stories260K), or put tokenizer.bin in the current directory (`python3 export.py "
+        "tokenizer tokenizer.model tokenizer.bin` makes it from Llama 2's tokenizer.model)");
+}
+
 /* Names the seed that -s 0 (the default) stands for, the clock's as in
    llama2.c, so that `-s N` replays the run. */
 static void name_clock_seed(uint64_t clock_seed) { fprintf(stderr, "run: seed %llu\n", (unsigned long long)clock_seed); }
@@ -14546,6 +14602,7 @@ int main(int argc, char **argv) {
     int positions = o.keep >= 0 ? run_positions(&o, p->seq_len) : resolve_steps(o.steps, p->seq_len);
     if (o.controls.min_new_tokens > positions)
         usage_error("--min-new-tokens %d is more than the %d positions to run (-n)", o.controls.min_new_tokens, positions);
+    if (!t.gguf && !o.tokenizer) require_default_tokenizer();
     if (!t.gguf || o.tokenizer) load_tokenizer(&tok, o.tokenizer ? o.tokenizer : "tokenizer.bin", p->vocab_size);
     if (o.chat_template >= 0) tok.chat_template = o.chat_template;
     Transformer draft;

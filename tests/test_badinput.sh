@@ -160,6 +160,33 @@ else
     echo "SKIP badinput stories260K with the 32000-token tokenizer: models not found in $M"
 fi
 
+# files of the wrong kind are named, with what to do
+printf '# A README\n\nSome text, not a model.\n' >"$TMP/readme.md"
+printf '{"model_type": "llama"}\n' >"$TMP/config.json"
+says "a text file as the checkpoint" 1 "$TMP/readme.md: is a text file, not a checkpoint" -- "$TMP/readme.md" -z "$TOK"
+says "a JSON file as the checkpoint" 1 "$TMP/config.json: is a JSON file, not a checkpoint" -- "$TMP/config.json" -z "$TOK"
+says "a text file as the tokenizer" 1 "$TMP/readme.md: is a text file, not a tokenizer" -- "$MODEL" -z "$TMP/readme.md"
+says "a JSON file as the tokenizer" 1 "$TMP/config.json: is a JSON file, which -z does not read" -- "$MODEL" -z "$TMP/config.json"
+if [ -f "$M/tokenizer.model" ]; then
+    says "tokenizer.model as the checkpoint" 1 "$M/tokenizer.model: is a SentencePiece tokenizer.model, not a checkpoint" -- "$M/tokenizer.model"
+    says "tokenizer.model as -z" 1 "$M/tokenizer.model: is a SentencePiece tokenizer.model, which -z does not read" -- "$MODEL" -z "$M/tokenizer.model"
+else
+    echo "SKIP badinput tokenizer.model as the checkpoint or -z: $M/tokenizer.model not found"
+fi
+# a whole tokenizer of fewer tokens than the model: another model's
+head -c "$("$PY" -c "
+import struct, sys
+d = open(sys.argv[1], 'rb').read(); at = 4
+for _ in range(200): at += 8 + struct.unpack('<i', d[at + 4:at + 8])[0]
+print(at)" "$TOK")" "$TOK" >"$TMP/tok200.bin"
+says "tokenizer with fewer tokens than the model" 1 "$TMP/tok200.bin: tokenizer has 200 tokens, the model has 260: wrong tokenizer" -- "$MODEL" -z "$TMP/tok200.bin"
+# no -z and no ./tokenizer.bin
+mkdir -p "$TMP/empty_dir"
+model_abs=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
+run_abs=$(cd "$(dirname "$RUN")" && pwd)/$(basename "$RUN")
+tmp_abs=$(cd "$TMP" && pwd)
+(cd "$TMP/empty_dir" && TMP="$tmp_abs" RUN="$run_abs" says "no -z and no ./tokenizer.bin" 2 "no tokenizer: a llama2.c checkpoint needs the tokenizer" -- "$model_abs")
+
 # --- bad usage (exit 2, one line "run: ...; see 'run --help'") --------------
 check "no arguments" 2 fullusage --
 check "flag before the checkpoint" 2 usage -- -t 1 "$MODEL"
