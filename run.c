@@ -12166,6 +12166,25 @@ static int parse_kv_type(const char *text) {
     return KV_F32;
 }
 
+/* Refuses an option that does not exist, naming the one meant when it is a
+   common guess (other programs' spellings, OpenAI's field names). */
+static void unknown_option(const char *flag) {
+    static const char *const guesses[][2] = {
+        {"--temperature", "-t"}, {"--temp", "-t"}, {"--seed", "-s"}, {"--prompt", "-i"}, {"--input", "-i"},
+        {"--max-tokens", "--max-new-tokens"}, {"--max_tokens", "--max-new-tokens"}, {"--max_new_tokens", "--max-new-tokens"},
+        {"--n-predict", "--max-new-tokens"}, {"--steps", "-n"}, {"--top-p", "-p"}, {"--top_p", "-p"}, {"--top_k", "--top-k"},
+        {"--tokenizer", "-z"}, {"--mode", "-m"}, {"--system", "-y"}, {"--system-prompt", "-y"}, {"--threads", "-T"},
+        {"--beams", "-b"}, {"--num-beams", "-b"}, {"--num_beams", "-b"}, {"--format", "-f"}, {"--file", "-I"},
+    };
+    size_t len = strcspn(flag, "="); /* --seed=1 is --seed */
+    for (size_t g = 0; g < sizeof(guesses) / sizeof(guesses[0]); g++)
+        if (strlen(guesses[g][0]) == len && strncmp(flag, guesses[g][0], len) == 0)
+            usage_error("unknown option '%s' (did you mean %s?)", flag, guesses[g][1]);
+    if (flag[0] != '-')
+        usage_error("unexpected argument '%s': a prompt goes after -i (-i \"%s\")", flag, flag);
+    usage_error("unknown option '%s'", flag);
+}
+
 /* A long option: `--name value`, or `--name` alone for a switch. Returns how
    many arguments it took (1 or 2). Each option is one `if` here. */
 static int parse_long_option(Options *o, int argc, char **argv, int i) {
@@ -12206,7 +12225,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml or phi3, got '%s'", v);
         return 2;
     }
-    usage_error("unknown option '%s'", flag);
+    unknown_option(flag);
     return 1;
 }
 
@@ -12217,8 +12236,14 @@ static void parse_short_option(Options *o, const char *flag, const char *val) {
     case 'p': o->topp = (float)parse_number(flag, val, 0.0, 1.0); break;
     case 's': o->seed = (uint64_t)parse_integer(flag, val, 0, LLONG_MAX); break;
     case 'n': o->steps = (int)parse_integer(flag, val, 0, INT_MAX); o->steps_given = 1; break;
-    case 'i': o->prompt = val; break;
-    case 'I': o->prompt_file = val; break;
+    case 'i':
+        if (o->prompt) usage_error("-i given twice: one prompt a run (put it all in one -i, or in a file for -I)");
+        o->prompt = val;
+        break;
+    case 'I':
+        if (o->prompt_file) usage_error("-I given twice: one prompt file a run");
+        o->prompt_file = val;
+        break;
     case 'z': o->tokenizer = val; break;
     case 'm':
         if (strcmp(val, "generate") != 0 && strcmp(val, "chat") != 0 && strcmp(val, "tokenize") != 0 &&
@@ -12294,8 +12319,7 @@ static Options parse_options(int argc, char **argv) {
             i += parse_long_option(&o, argc, argv, i);
             continue;
         }
-        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsniIzmyfTbler", flag[1]))
-            usage_error("unknown option '%s'", flag);
+        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsniIzmyfTbler", flag[1])) unknown_option(flag);
         if (i + 1 >= argc) usage_error("%s needs a value", flag);
         parse_short_option(&o, flag, argv[i + 1]);
         i += 2;

@@ -239,6 +239,13 @@ check "unknown flag --foo" 2 usage -- "$MODEL" -z "$TOK" --foo
 check "unknown flag -tt" 2 usage -- "$MODEL" -z "$TOK" -tt 1
 check "stray argument" 2 usage -- "$MODEL" -z "$TOK" extra
 check "lone dash" 2 usage -- "$MODEL" -z "$TOK" -
+# a bare prompt and other programs' spellings: the option meant is named
+says "a bare prompt after the model" 2 "unexpected argument 'Once upon a time': a prompt goes after -i" -- "$MODEL" -z "$TOK" "Once upon a time"
+says "--temperature" 2 "unknown option '--temperature' (did you mean -t?)" -- "$MODEL" -z "$TOK" --temperature 0.5
+says "--seed=3" 2 "unknown option '--seed=3' (did you mean -s?)" -- "$MODEL" -z "$TOK" --seed=3
+says "--max-tokens" 2 "unknown option '--max-tokens' (did you mean --max-new-tokens?)" -- "$MODEL" -z "$TOK" --max-tokens 5
+says "--prompt" 2 "unknown option '--prompt' (did you mean -i?)" -- "$MODEL" -z "$TOK" --prompt hi
+says "-i twice" 2 "-i given twice" -- "$MODEL" -z "$TOK" -i A -i B
 # the generation controls (tiny.bin: vocabulary 260, context 32)
 for flag in --min-new-tokens --repetition-penalty --no-repeat-ngram-size --top-k --min-p --stop; do
     check "$flag without a value" 2 usage -- "$MODEL" -z "$TOK" "$flag"
