@@ -12023,7 +12023,9 @@ static const char *usage_text =
     "\n"
     "Engines and modes:\n"
     "  --batch <file>     many requests at once: JSON Lines in ('-' for stdin), a JSON line out for\n"
-    "                     each; fields \"prompt\", \"id\", \"steps\" and the options' names (default: off)\n"
+    "                     each; fields \"prompt\", \"id\", the long options' names with _ for -, and\n"
+    "                     \"steps\" (-n), \"temperature\", \"top_p\", \"seed\", \"beams\", \"response_format\"\n"
+    "                     (--json, --json-schema): see docs/options.md (default: off)\n"
     "  --ordered          --batch: print the results in input order (default: as they end)\n"
     "  --parallel <int>   requests run at once, --batch and serve (default 8)\n"
     "  --draft <file>     speculative decoding with this draft model (same vocabulary); the same\n"
@@ -12588,6 +12590,19 @@ static void add_batch_stop(const JsonCursor *j, BatchLine *line, const char *tex
     c->n_stops++;
 }
 
+/* Refuses a field no request has; where it is another program's name or
+   an option's that the batch spells otherwise, names the field meant. */
+static void unknown_batch_field(const JsonCursor *j, const char *name) {
+    static const char *const guesses[][2] = {
+        {"json", "response_format"}, {"json_schema", "response_format"}, {"json_object", "response_format"},
+        {"max_tokens", "max_new_tokens"}, {"n", "steps"}, {"num_beams", "beams"}, {"b", "beams"},
+        {"t", "temperature"}, {"p", "top_p"}, {"s", "seed"}, {"i", "prompt"}, {"input", "prompt"}, {"text", "prompt"},
+    };
+    for (size_t g = 0; g < sizeof(guesses) / sizeof(guesses[0]); g++)
+        if (strcmp(name, guesses[g][0]) == 0) json_fail(j, "unknown field '%s' (did you mean '%s'?)", name, guesses[g][1]);
+    json_fail(j, "unknown field '%s'", name);
+}
+
 /* Applies field `name` with value (kind, text) to the line. */
 static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, JsonKind kind, const char *text, int vocab) {
     Options *o = &line->o;
@@ -12625,7 +12640,7 @@ static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, 
         else if (kind == JSON_NUMBER && strcmp(text, "1") == 0) o->early_stopping = STOP_EARLY;
         else json_fail(j, "field 'early_stopping': must be 0, 1 or \"never\"");
     } else {
-        json_fail(j, "unknown field '%s'", name);
+        unknown_batch_field(j, name);
     }
 }
 

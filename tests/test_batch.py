@@ -259,6 +259,9 @@ def suite_bad():
     refused(b'not json', 'not a JSON object', 'not_json')
     refused(b'{"prompt":"a","colour":"red"}', "unknown field 'colour'", 'unknown_field')
     refused(b'{"id":"u","prompt":"a","colour":"red"}', "unknown field 'colour'", 'unknown_field_after_id', 'u')
+    refused(b'{"prompt":"a","json":true}', "unknown field 'json' (did you mean 'response_format'?)", 'json_names_response_format')
+    refused(b'{"prompt":"a","max_tokens":5}', "unknown field 'max_tokens' (did you mean 'max_new_tokens'?)",
+            'max_tokens_names_max_new_tokens')
     refused(b'{"prompt":5}', "'prompt'", 'prompt_not_string')
     refused(b'{"id":7,"prompt":"a","temperature":"hot"}', "field 'temperature'", 'wrong_type', 7)
     refused(b'{"prompt":"a","top_p":1.5}', "'top_p'", 'out_of_range')
