@@ -12414,7 +12414,8 @@ static JsonSchema *schema_of_options(const Options *o) {
 
 typedef enum { JSON_STRING, JSON_NUMBER, JSON_TRUE, JSON_FALSE, JSON_NULL, JSON_COMPOUND } JsonKind;
 
-/* A cursor over one line of JSON text; `where` names the line for errors. */
+/* A cursor over one line of JSON text; `where` names the line for errors
+   (NULL: the caller reports them). */
 typedef struct {
     const char *p, *end;
     const char *where;
@@ -12425,7 +12426,7 @@ static void json_fail(const JsonCursor *j, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(error_text, sizeof(error_text), fmt, ap);
     va_end(ap);
-    fprintf(stderr, "run: %s: %s\n", j->where, error_text);
+    if (j->where) fprintf(stderr, "run: %s: %s\n", j->where, error_text);
     leave(EXIT_USAGE);
 }
 
@@ -13294,7 +13295,7 @@ typedef struct {
     int logprobs;            /* log-probabilities asked for (completions: "logprobs" given; chat: true) */
     int top_logprobs;        /* alternatives per token; -1: not given */
     char **roles, **contents; /* (n_messages) chat */
-    int n_messages;
+    int n_messages, messages_given;
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
 } ServeFields;
@@ -13383,6 +13384,7 @@ static void message_field(JsonCursor *j, ServeFields *f, char *name) {
 /* "messages": a list of {"role", "content"} objects. */
 static void parse_messages(JsonCursor *j, ServeFields *f) {
     if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages': must be a list of objects");
+    f->messages_given = 1;
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'messages': expected ',' or ']'");) {
@@ -13497,11 +13499,13 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
 /* Reads a request body (n bytes) into f (whose line.o holds the defaults);
    a bad one fails through json_fail. */
 static void parse_request_body(ServeFields *f, const char *body, size_t n) {
-    JsonCursor j = {body, body + n, "request"};
+    JsonCursor j = {body, body + n, NULL}; /* not logged here: the answer's 400 is, once */
     json_object(&j, f, request_field);
     json_space(&j);
     if (j.p < j.end) json_fail(&j, "text after the object");
-    if (f->chat && f->n_messages == 0) json_fail(&j, "missing field 'messages'");
+    if (f->chat && f->n_messages == 0)
+        json_fail(&j, f->messages_given ? "field 'messages': the list is empty; it needs a user message at least"
+                                        : "missing field 'messages'");
     if (!f->chat && !f->line.prompt) json_fail(&j, "missing field 'prompt'");
 }
 
@@ -14027,6 +14031,19 @@ static void answer_choices(Server *srv, Conn *c) {
     buf_free(&b);
 }
 
+/* The log line of a finished completion: its tokens in and out (all its
+   choices'), seconds, and how it ended (the first choice's; "N choices"). */
+static void serve_log_done(const Conn *c) {
+    int out = 0;
+    for (int i = 0; i < c->n_choices; i++) out += c->req[i]->n_hyps > 0 ? c->req[i]->hyps[0].n_tokens : 0;
+    const Request *first = c->req[0];
+    if (first->n_hyps == 0) return; /* failed: its error answer is logged */
+    fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s", c->id, first->n_prompt, out, now_seconds() - c->started,
+            first->hyps[0].stop);
+    if (c->n_choices > 1) fprintf(stderr, " (%d choices)", c->n_choices);
+    fputc('\n', stderr);
+}
+
 /* The engine's on_done for one choice: its stream's last events, a log
    line; once every choice is done, the answer (or the stream's end), and
    the requests are freed. Every choice needs the same cache, so when one
@@ -14041,9 +14058,8 @@ static void serve_on_done(Request *r, void *user) {
         buf_free(&c->held[choice]); /* nothing of it is left for the connection's next answer */
         send_chunk(srv, c, choice, NULL, finish_reason(h));
     }
-    if (h) fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s\n", c->id, r->n_prompt, h->n_tokens,
-                   now_seconds() - c->started, h->stop);
     if (--c->n_left > 0) return;
+    serve_log_done(c);
     const char *error = NULL;
     for (int i = 0; i < c->n_choices; i++)
         if (c->req[i]->error || c->req[i]->n_hyps == 0) error = c->req[i]->error ? c->req[i]->error : "the request produced nothing";
