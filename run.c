@@ -12725,6 +12725,10 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
 
 /* How a request with options o continues its prompt; seed 0 takes the
    run's clock seed. */
+/* Whether o's tokens are drawn at random (a temperature above 0 and no
+   beam search): only then does a seed change them, and is one named. */
+static int samples(const Options *o) { return o->temperature > 0 && o->beams == 0; }
+
 static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
     /* one beam is greedy search, as in the library: it stops at the first
        end token whatever -e says */
@@ -13067,7 +13071,7 @@ static void take_line(BatchRun *b, const char *text, size_t n) {
         line.id = xcalloc(16, 1);
         snprintf(line.id, 16, "%d", b->in.line_no);
     }
-    if (line.o.seed == 0 && !b->seed_named) {
+    if (line.o.seed == 0 && samples(&line.o) && !b->seed_named) {
         name_clock_seed(b->clock_seed);
         b->seed_named = 1;
     }
@@ -14583,7 +14587,7 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     engine_setup(e, t, tok, 1, o->beams > 1 ? o->beams : 1, steps, o->kv_mb, o->kv_type, spec);
     Decoding d = decoding_of(o, clock_seed);
     e->stats.keeping = d.rolling;
-    if (o->seed == 0) name_clock_seed(clock_seed);
+    if (o->seed == 0 && samples(o)) name_clock_seed(clock_seed);
     if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
     else generate(e, tok, &d, o->prompt ? o->prompt : "", run_positions(o, p->seq_len));
     return 0;

@@ -162,7 +162,13 @@ replay() {
 }
 replay "clock seed replayed: generate" "$MODEL" -z "$T" -n 100 -t 1.5
 replay "clock seed replayed: chat" "$MODEL" -z "$T" -m chat -y "Be kind." -n 200 -t 1.5
-replay "clock seed replayed: beam" "$MODEL" -z "$T" -n 40 -b 3 -r 2
+# no seed is named where none is used: greedy, beam search, a greedy batch
+for args in "-n 40 -b 3 -r 2" "-n 40 -t 0" "-m tokenize -i hello" "--batch $TMP/batch.jsonl"; do
+    # shellcheck disable=SC2086
+    "$RUN" "$MODEL" -z "$T" $args >"$TMP/out" 2>"$TMP/err" </dev/null
+    if grep -q '^run: seed' "$TMP/err"; then fail "no seed named: $args" "$(grep '^run: seed' "$TMP/err")"
+    else pass "no seed named: $args"; fi
+done
 
 # --- chat: a script on a pipe, many more turns than the context holds --------
 for i in $(seq 40); do echo "the cat saw the dog in the park on day $i"; done >"$TMP/many"
