@@ -11421,10 +11421,12 @@ static void run_alone(Engine *e, Request *r) {
 
 /* A prompt of more tokens than the `steps` positions: llama2.c reads (and
    prints) the first `steps` of them and generates nothing. So does run: a
-   request with nothing to generate reads them, and stderr says so. */
+   request with nothing to generate reads them, and stderr says so, naming
+   the limit: -n, or the context (-n 0, or -n beyond it). */
 static void read_prompt_that_fits(Engine *e, const int *tokens, int n_tokens, int steps) {
-    fprintf(stderr, "run: warning: the prompt is %d tokens (BOS included) but -n allows %d positions: "
-            "printing the %d that fit, generating nothing\n", n_tokens, steps, steps);
+    const char *limit = steps == e->t->config.seq_len ? "the model's context" : "-n";
+    fprintf(stderr, "run: warning: the prompt is %d tokens (BOS included) but %s allows %d positions: "
+            "printing the %d that fit, generating nothing\n", n_tokens, limit, steps, steps);
     int *head = xcalloc((size_t)steps, sizeof(int));
     memcpy(head, tokens, (size_t)steps * sizeof(int));
     Decoding greedy = {.topp = 0.9f, .seed = 1, .beam = {0, 1.0f, STOP_HEURISTIC}, .n_return = 1, .format = FORMAT_TEXT};

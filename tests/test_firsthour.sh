@@ -128,6 +128,11 @@ elif [ "$(cat "$TMP/out")" != "abc" ]; then fail "prompt longer than -n" "stdout
 elif [ "$(grep -c '^run: warning: the prompt is 10 tokens .*-n allows 4' "$TMP/err")" -ne 1 ]; then fail "prompt longer than -n" "stderr: $(cat "$TMP/err")"
 elif ! grep -q '^stats: prompt 4 tokens, .*generated 0 tokens' "$TMP/err"; then fail "prompt longer than -n" "stats: $(grep stats "$TMP/err")"
 else pass "prompt longer than -n: prints what fits, warns once, counts 4 prompt tokens"; fi
+# with -n 0 the limit is the model's context, and the warning names it
+"$RUN" "$MODEL" -z "$T" -t 0 -n 0 -i "$(for i in $(seq 600); do printf 'a '; done)" >"$TMP/out" 2>"$TMP/err"
+if grep -q "^run: warning: the prompt is [0-9]* tokens (BOS included) but the model's context allows [0-9]* positions" "$TMP/err"; then
+    pass "prompt longer than the context with -n 0: the warning names the context"
+else fail "prompt longer than the context with -n 0: the warning names the context" "$(grep warning "$TMP/err")"; fi
 
 # --- --max-new-tokens N = -n (prompt tokens with BOS) + N - 1 ----------------
 for mode in "-t 0" "-s 9" "-b 3"; do
