@@ -297,8 +297,30 @@ static void release_pages(const void *p, size_t bytes) {
 }
 
 /* One line of any length from f, with its newline: its length, or -1 at
-   the end of input (getline's contract). */
-static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
+   the end of input (getline's contract). From a terminal, each read is what
+   the user sent: a line ended by Enter, or part of one sent by Ctrl-D, which
+   is taken as the whole line (getline would wait for a second Ctrl-D), or
+   nothing (Ctrl-D at a line's start: the end). */
+static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) {
+    if (!isatty(fileno(f))) return getline(line, cap, f);
+    size_t n = 0;
+    for (;;) {
+        if (*cap < n + 4097) {
+            char *p = realloc(*line, n + 8192);
+            if (!p) return -1;
+            *line = p;
+            *cap = n + 8192;
+        }
+        size_t room = *cap - n - 1;
+        ptrdiff_t k = read(fileno(f), *line + n, room);
+        if (k <= 0) break;
+        n += (size_t)k;
+        if ((*line)[n - 1] == '\n' || (size_t)k < room) break; /* Enter, or Ctrl-D; else a line longer than the room */
+    }
+    if (n == 0) return -1;
+    (*line)[n] = '\0';
+    return (ptrdiff_t)n;
+}
 
 /* Input read as it arrives (--batch): a file descriptor of `path` (- for
    standard input), or -1 with errno set. */
@@ -11526,6 +11548,7 @@ static char *read_line(const char *guide, OutputFormat format) {
         return NULL;
     }
     if (len > 0 && line[len - 1] == '\n') line[len - 1] = '\0';
+    else if (format == FORMAT_TEXT && isatty(STDIN_FILENO)) putchar('\n'); /* Ctrl-D ended it: the reply goes on its own line */
     return line;
 }
 

@@ -175,6 +175,35 @@ for args in "-n 40 -b 3 -r 2" "-n 40 -t 0" "-m tokenize -i hello" "--batch $TMP/
     else pass "no seed named: $args"; fi
 done
 
+# --- chat on a terminal: Ctrl-D after half a line sends it -----------------
+# (a pseudo-terminal; before, a second Ctrl-D was needed, and the reply
+# followed the typed text on its line)
+if out=$("$PY" - "$RUN" "$MODEL" "$T" <<'EOF'
+import os, pty, select, sys, time
+run, model, tok = sys.argv[1:4]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(run, [run, model, '-z', tok, '-m', 'chat', '-y', '', '-s', '1', '-n', '100'])
+def read_for(seconds, until=None):
+    out, end = b'', time.time() + seconds
+    while time.time() < end and not (until and until in out):
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                out += os.read(fd, 4096)
+            except OSError:
+                break
+    return out
+read_for(10, b'User: ')
+os.write(fd, b'Hi there\x04')
+out = read_for(10, b'Assistant: ')
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.stdout.write(repr(out))
+sys.exit(0 if b'Hi there\r\nAssistant: ' in out else 1)
+EOF
+); then pass "chat on a terminal: Ctrl-D after half a line sends it, the reply on its own line"
+else fail "chat on a terminal: Ctrl-D after half a line sends it, the reply on its own line" "terminal: $out"; fi
+
 # --- chat: a script on a pipe, many more turns than the context holds --------
 for i in $(seq 40); do echo "the cat saw the dog in the park on day $i"; done >"$TMP/many"
 timeout 60 "$RUN" "$MODEL" -z "$T" -m chat -y "Be kind." -s 5 -n 160 --max-new-tokens 40 <"$TMP/many" >"$TMP/out" 2>"$TMP/err"
