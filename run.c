@@ -8865,6 +8865,7 @@ typedef struct {
     int defs;        /* the root's "$defs" or "definitions" object; -1: none */
     int *def_node;   /* (n_v) the node compiled for a definition's value; -1: not yet */
     int depth;       /* sub-schemas being compiled, $refs followed included */
+    int strict;      /* response_format's "strict": true: every object closed, every property required */
 } SchemaCompiler;
 
 static void schema_fail(SchemaCompiler *c, const char *fmt, ...) {
@@ -9166,6 +9167,12 @@ static void add_literals(SchemaCompiler *c, int at, int v, int is_enum) {
 /* Checks what the keywords of node `at` (from value v) say together. */
 static void check_node(SchemaCompiler *c, int at, int v, int required) {
     SchemaNode *nd = &c->s->nodes[at];
+    if (c->strict && (nd->types & JT_OBJECT) && !nd->n_any) { /* OpenAI's strict mode: objects closed */
+        int extra = jv_member(c, v, "additionalProperties");
+        if (extra >= 0 && c->v[extra].kind == JV_TRUE)
+            schema_fail(c, "additionalProperties: true cannot be \"strict\" (strict objects are closed)");
+        nd->closed = 1;
+    }
     if (nd->n_any && c->v[v].n > 1) {
         for (int m = c->v[v].first; m >= 0; m = c->v[m].next)
             if (!is_annotation(jv_key(c, m)) && strcmp(jv_key(c, m), "anyOf") != 0 && strcmp(jv_key(c, m), "$ref") != 0 &&
@@ -9214,6 +9221,8 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
                 if (strcmp(nd->props[k].name, name.data ? name.data : "") == 0) nd->required |= 1ull << k;
             free(name.data);
         }
+    if (nd->closed && c->strict) /* and every property required */
+        nd->required = nd->n_props == SCHEMA_MAX_PROPS ? ~0ull : (1ull << nd->n_props) - 1;
     if (nd->lits) {
         int kept = 0;
         if (nd->n_props || jv_member(c, v, "items") >= 0) schema_fail(c, "enum/const beside properties or items is not supported");
@@ -9383,7 +9392,10 @@ static void compile_response_format(SchemaCompiler *c, int format, int *plain) {
     for (int m = c->v[inner].first; m >= 0; m = c->v[m].next) {
         const char *key = jv_key(c, m);
         if (strcmp(key, "schema") == 0) schema = m;
-        else if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0 && strcmp(key, "strict") != 0)
+        else if (strcmp(key, "strict") == 0) {
+            if (c->v[m].kind != JV_TRUE && c->v[m].kind != JV_FALSE) schema_fail(c, "json_schema: strict must be true or false");
+            c->strict = c->v[m].kind == JV_TRUE;
+        } else if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0)
             schema_fail(c, "json_schema: unknown field '%.60s'", key);
     }
     if (schema < 0) schema_fail(c, "json_schema: missing field 'schema'");
