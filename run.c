@@ -8788,6 +8788,8 @@ static char *hypothesis_text(const Tokenizer *tok, const Hypothesis *h, int last
 #define JSON_MAX_ALTS 8       /* readings (anyOf branches) held at once; more are dropped */
 #define JSON_MAX_BRANCHES 64  /* alternatives one value may open (nested anyOf), at most */
 #define JSON_MAX_DIGITS 18    /* digits before (and after) a number's point; |integers| < 10^18 */
+#define NUMBER_SCALE_DIGITS 6 /* a bounded number: at most 6 digits after the point, */
+#define NUMBER_INT_DIGITS 12  /* 12 before it, and no exponent, so its millionths fit an int64 */
 
 enum { JT_OBJECT = 1, JT_ARRAY = 2, JT_STRING = 4, JT_INTEGER = 8, JT_NUMBER = 16, JT_BOOLEAN = 32, JT_NULL = 64, JT_ALL = 127 };
 
@@ -8807,7 +8809,8 @@ typedef struct {
     uint64_t required;        /* bit i: props[i] is required */
     int items;                /* the node of an array's items */
     int min_items, max_items, min_len, max_len;
-    long long minimum, maximum; /* of integers */
+    long long minimum, maximum; /* of integers; of numbers in millionths (NUMBER_SCALE), when `bounded` */
+    int bounded;              /* a number with minimum, maximum or their exclusive forms */
     char **lits;              /* (n_lits) enum/const: the values as compact JSON texts, sorted (strcmp) */
     int n_lits;
     int *any;                 /* (n_any) anyOf: the branches' nodes; 0 branches: not an anyOf */
@@ -9070,6 +9073,37 @@ static int utf8_length(const char *s) {
     return n;
 }
 
+/* x (a JSON number's text) times 10^scale, rounded up (round_up) or down
+   to an integer, exactly (decimal digits, no floating point): *out. Returns
+   0 when its magnitude reaches 10^18. */
+static int decimal_scaled(const char *x, int scale, int round_up, long long *out) {
+    int negative = *x == '-', n = 0, point = -1, rest = 0;
+    const char *p = x + negative, *q = p;
+    for (; (*q >= '0' && *q <= '9') || *q == '.'; q++) {
+        if (*q == '.') point = n;
+        else n++;
+    }
+    if (point < 0) point = n;
+    long exp = *q == 'e' || *q == 'E' ? strtol(q + 1, NULL, 10) : 0;
+    if (exp < -100) exp = -100; /* every digit is below the point either way */
+    if (exp > 40) exp = 40;     /* too large, unless every digit is 0 */
+    long whole = point + exp + scale, i = 0; /* the leading digits that make the integer */
+    long long v = 0;
+    for (; p < q; p++) {
+        if (*p == '.') continue;
+        if (i++ >= whole) { rest |= *p != '0'; continue; }
+        if (v >= 100000000000000000LL) return 0;
+        v = v * 10 + (*p - '0');
+    }
+    for (; i < whole; i++) {
+        if (v >= 100000000000000000LL) return 0;
+        v *= 10;
+    }
+    if (rest && round_up != negative) v++; /* up for a positive value, down (toward -inf) for a negative one */
+    *out = negative ? -v : v;
+    return 1;
+}
+
 /* Whether value v is allowed by node nd's type and bounds (enum and const
    values are kept only if so). */
 static int literal_fits(const SchemaCompiler *c, const SchemaNode *nd, int v) {
@@ -9084,9 +9118,13 @@ static int literal_fits(const SchemaCompiler *c, const SchemaNode *nd, int v) {
     case JV_ARRAY: return (nd->types & JT_ARRAY) && x->n >= nd->min_items && x->n <= nd->max_items;
     case JV_OBJECT: return (nd->types & JT_OBJECT) != 0;
     case JV_NUMBER: {
-        if (nd->types & JT_NUMBER) return 1;
-        double d = strtod(jv_str(c, v), NULL);
-        return (nd->types & JT_INTEGER) && d == floor(d) && d >= (double)nd->minimum && d <= (double)nd->maximum;
+        long long lo, hi;
+        if (nd->types & JT_NUMBER) /* a literal the automaton writes: exact in millionths, in range */
+            return !nd->bounded || (decimal_scaled(jv_str(c, v), NUMBER_SCALE_DIGITS, 1, &lo) &&
+                                    decimal_scaled(jv_str(c, v), NUMBER_SCALE_DIGITS, 0, &hi) && lo == hi &&
+                                    lo >= nd->minimum && lo <= nd->maximum);
+        return (nd->types & JT_INTEGER) && decimal_scaled(jv_str(c, v), 0, 1, &lo) && decimal_scaled(jv_str(c, v), 0, 0, &hi) &&
+               lo == hi && lo >= nd->minimum && lo <= nd->maximum;
     }
     }
     return 0;
@@ -9164,6 +9202,39 @@ static void add_literals(SchemaCompiler *c, int at, int v, int is_enum) {
     }
 }
 
+/* Whether key is one of the numeric bounds. */
+static int is_bound_keyword(const char *key) {
+    return strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0 || strcmp(key, "exclusiveMinimum") == 0 ||
+           strcmp(key, "exclusiveMaximum") == 0;
+}
+
+/* The bounds of node nd (from value v): of an integer, as integers; of a
+   number, in millionths, rounded inward (a bound with more digits keeps the
+   numbers strictly inside it), and such a number is written with at most
+   NUMBER_SCALE_DIGITS after its point, NUMBER_INT_DIGITS before, and no
+   exponent: whatever is written is in range. */
+static void set_bounds(SchemaCompiler *c, SchemaNode *nd, int v) {
+    static const char *const keys[] = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"};
+    int real = (nd->types & JT_NUMBER) != 0, scale = real ? NUMBER_SCALE_DIGITS : 0;
+    for (int k = 0; k < 4; k++) {
+        int m = jv_member(c, v, keys[k]);
+        if (m < 0) continue;
+        if (!(nd->types & (JT_INTEGER | JT_NUMBER))) schema_fail(c, "%s: applies to \"type\": \"integer\" or \"number\"", keys[k]);
+        int lower = k < 2, exclusive = k % 2;
+        long long b;
+        /* a lower bound rounds up, an upper one down; an exclusive one then steps inward when it was exact */
+        if (!decimal_scaled(jv_str(c, m), scale, lower, &b))
+            schema_fail(c, "%s: must be below 10^%d in magnitude", keys[k], real ? 12 : 18);
+        long long other;
+        decimal_scaled(jv_str(c, m), scale, !lower, &other);
+        if (exclusive && b == other) b += lower ? 1 : -1;
+        if (lower && b > nd->minimum) nd->minimum = b;
+        if (!lower && b < nd->maximum) nd->maximum = b;
+        nd->bounded = real;
+    }
+    if (nd->minimum > nd->maximum) schema_fail(c, "minimum is greater than maximum (no value is allowed)");
+}
+
 /* Checks what the keywords of node `at` (from value v) say together. */
 static void check_node(SchemaCompiler *c, int at, int v, int required) {
     SchemaNode *nd = &c->s->nodes[at];
@@ -9181,9 +9252,7 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
         if (jv_member(c, v, "anyOf") >= 0 && jv_member(c, v, "$ref") >= 0) schema_fail(c, "anyOf and $ref together are not supported");
     }
     if (nd->types & JT_NUMBER) nd->types &= ~JT_INTEGER; /* numbers include the integers */
-    if ((jv_member(c, v, "minimum") >= 0 || jv_member(c, v, "maximum") >= 0) && (!(nd->types & JT_INTEGER) || (nd->types & JT_NUMBER)))
-        schema_fail(c, "minimum/maximum: supported for \"type\": \"integer\" only");
-    if (nd->minimum > nd->maximum) schema_fail(c, "minimum is greater than maximum");
+    set_bounds(c, nd, v);
     if (nd->min_items > nd->max_items) schema_fail(c, "minItems is greater than maxItems");
     if (nd->min_len > nd->max_len) schema_fail(c, "minLength is greater than maxLength");
     if (required >= 0) {
@@ -9252,6 +9321,7 @@ static void compile_into(SchemaCompiler *c, int v, int at) {
     int required = -1;
     static const char *const keywords[] = {"type", "properties", "required", "additionalProperties", "enum", "const", "items",
                                            "minItems", "maxItems", "minLength", "maxLength", "minimum", "maximum", "anyOf",
+                                           "exclusiveMinimum", "exclusiveMaximum",
                                            "$ref", "$defs", "definitions"};
     unsigned seen = 0;
     for (int m = x->kind == JV_OBJECT ? x->first : -1; m >= 0; m = c->v[m].next) {
@@ -9294,11 +9364,8 @@ static void compile_into(SchemaCompiler *c, int v, int at) {
         else if (strcmp(key, "maxItems") == 0) c->s->nodes[at].max_items = count_value(c, m, key);
         else if (strcmp(key, "minLength") == 0) c->s->nodes[at].min_len = count_value(c, m, key);
         else if (strcmp(key, "maxLength") == 0) c->s->nodes[at].max_len = count_value(c, m, key);
-        else if (strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0) {
-            double d = val->kind == JV_NUMBER ? strtod(jv_str(c, m), NULL) : NAN;
-            if (!(fabs(d) < 1e18)) schema_fail(c, "%s: must be a number below 10^18 in magnitude", key);
-            if (key[1] == 'i') c->s->nodes[at].minimum = (long long)ceil(d);
-            else c->s->nodes[at].maximum = (long long)floor(d);
+        else if (is_bound_keyword(key)) {
+            if (val->kind != JV_NUMBER) schema_fail(c, "%s: must be a number", key);
         } else if (strcmp(key, "anyOf") == 0 || strcmp(key, "$ref") == 0) {
             int is_any = key[0] == 'a', n = is_any ? val->n : 1;
             if (is_any && (val->kind != JV_ARRAY || n == 0)) schema_fail(c, "anyOf: must be a non-empty list of schemas");
@@ -9680,13 +9747,63 @@ static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
     return STEP_TAKEN;
 }
 
-/* Whether a number frame holds a complete number (an integer in range). */
+/* 10^k, k <= 18. */
+static long long power_of_ten(int k) {
+    long long p = 1;
+    while (k-- > 0) p *= 10;
+    return p;
+}
+
+/* Whether the values of sign `negative` and magnitude in [lo, hi]
+   millionths meet a bounded number's [minimum, maximum]. */
+static int millionths_meet(const SchemaNode *nd, int negative, long long lo, long long hi) {
+    if (negative) { long long t = -hi; hi = -lo; lo = t; }
+    return hi >= nd->minimum && lo <= nd->maximum;
+}
+
+/* Whether a bounded number written so far (frame f) can still end in range:
+   the magnitudes, in millionths, that its completions can have (more digits
+   before the point, up to NUMBER_INT_DIGITS, then up to NUMBER_SCALE_DIGITS
+   after it) meet [minimum, maximum]. */
+static int number_reachable(const SchemaNode *nd, const Frame *f) {
+    const long long unit = power_of_ten(NUMBER_SCALE_DIGITS), v = (long long)f->seen;
+    switch (f->phase) {
+    case N_MINUS: return millionths_meet(nd, 1, 0, power_of_ten(NUMBER_INT_DIGITS) * unit - 1);
+    case N_ZERO:
+    case N_DOT: return millionths_meet(nd, f->x, v * unit, v * unit + unit - 1);
+    case N_FRAC: {
+        long long step = power_of_ten(NUMBER_SCALE_DIGITS - f->b), base = v * unit + f->c * step;
+        return millionths_meet(nd, f->x, base, base + step - 1);
+    }
+    default: /* N_INT: a digits so far */
+        for (long long scale = 1, k = 0; f->a + k <= NUMBER_INT_DIGITS; k++, scale *= 10)
+            if (millionths_meet(nd, f->x, v * scale * unit, (v + 1) * scale * unit - 1)) return 1;
+        return 0;
+    }
+}
+
+/* Whether a number frame holds a complete number (an integer in range; a
+   bounded number in range). */
 static int number_complete(const JsonSchema *s, const Frame *f) {
     const SchemaNode *nd = &s->nodes[f->node];
     if (f->phase != N_ZERO && f->phase != N_INT && f->phase != N_FRAC && f->phase != N_EXP_DIGITS) return 0;
+    if (nd->bounded) {
+        long long m = (long long)f->seen * power_of_ten(NUMBER_SCALE_DIGITS) +
+                      (f->phase == N_FRAC ? f->c * power_of_ten(NUMBER_SCALE_DIGITS - f->b) : 0);
+        return millionths_meet(nd, f->x, m, m);
+    }
     if (nd->types & JT_NUMBER) return 1;
     long long v = f->x ? -(long long)f->seen : (long long)f->seen;
     return v >= nd->minimum && v <= nd->maximum;
+}
+
+/* What a byte taken by a number leaves: taken while the number can still
+   end in range (integers: integer_reachable; bounded numbers:
+   number_reachable; other numbers: always). */
+static StepResult number_taken(const SchemaNode *nd, const Frame *f) {
+    if (nd->bounded) return number_reachable(nd, f) ? STEP_TAKEN : STEP_FAIL;
+    if (nd->types & JT_NUMBER) return STEP_TAKEN;
+    return integer_reachable(nd, f->x, (long long)f->seen, f->phase == N_MINUS ? 0 : f->a) ? STEP_TAKEN : STEP_FAIL;
 }
 
 static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
@@ -9697,7 +9814,7 @@ static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
         if (ch == '-') {
             f->x = 1;
             f->phase = N_MINUS;
-            return real || integer_reachable(nd, 1, 0, 0) ? STEP_TAKEN : STEP_FAIL;
+            return number_taken(nd, f);
         }
         /* fall through */
     case N_MINUS:
@@ -9705,27 +9822,32 @@ static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
         f->phase = ch == '0' ? N_ZERO : N_INT;
         f->a = 1;
         f->seen = (uint64_t)(ch - '0');
-        return real || integer_reachable(nd, f->x, (long long)f->seen, 1) ? STEP_TAKEN : STEP_FAIL;
+        return number_taken(nd, f);
     case N_INT:
         if (digit) {
-            if (f->a == JSON_MAX_DIGITS) return STEP_FAIL;
+            if (f->a == (nd->bounded ? NUMBER_INT_DIGITS : JSON_MAX_DIGITS)) return STEP_FAIL;
             f->a++;
             f->seen = f->seen * 10 + (uint64_t)(ch - '0');
-            return real || integer_reachable(nd, f->x, (long long)f->seen, f->a) ? STEP_TAKEN : STEP_FAIL;
+            return number_taken(nd, f);
         }
         /* fall through */
     case N_ZERO:
-        if (ch == '.' && real) { f->phase = N_DOT; return STEP_TAKEN; }
+        if (ch == '.' && real) { f->phase = N_DOT; return number_taken(nd, f); }
         /* fall through */
     case N_FRAC:
-        if (f->phase == N_FRAC && digit) return ++f->b > JSON_MAX_DIGITS ? STEP_FAIL : STEP_TAKEN;
-        if ((ch == 'e' || ch == 'E') && real) { f->phase = N_EXP; return STEP_TAKEN; }
+        if (f->phase == N_FRAC && digit) {
+            if (++f->b > (nd->bounded ? NUMBER_SCALE_DIGITS : JSON_MAX_DIGITS)) return STEP_FAIL;
+            if (nd->bounded) f->c = f->c * 10 + (ch - '0'); /* at most NUMBER_SCALE_DIGITS of them */
+            return number_taken(nd, f);
+        }
+        if ((ch == 'e' || ch == 'E') && real && !nd->bounded) { f->phase = N_EXP; return STEP_TAKEN; }
         return number_complete(s, f) ? STEP_DONE_BEFORE : STEP_FAIL;
     case N_DOT:
         if (!digit) return STEP_FAIL;
         f->phase = N_FRAC;
         f->b = 1;
-        return STEP_TAKEN;
+        f->c = ch - '0';
+        return number_taken(nd, f);
     case N_EXP:
         if (ch == '+' || ch == '-') { f->phase = N_EXP_SIGN; return STEP_TAKEN; }
         /* fall through */

@@ -86,6 +86,14 @@ SCHEMAS = [
     ('null', {'type': 'null'}),
     ('definitions_draft7', {'definitions': {'c': {'enum': ['a', 'b']}}, 'type': 'array',
                             'items': {'$ref': '#/definitions/c'}, 'maxItems': 4}),
+    # numbers with bounds: at most 12 digits before the point and 6 after, no exponent
+    ('number_range', {'type': 'number', 'minimum': 2.5, 'maximum': 3.75}),
+    ('number_exclusive', {'type': 'object', 'properties': {
+        'x': {'type': 'number', 'exclusiveMinimum': -1, 'exclusiveMaximum': 0.001},
+        'y': {'type': 'number', 'minimum': 0.0015, 'maximum': 0.0025}}, 'required': ['x', 'y'],
+        'additionalProperties': False}),
+    ('integer_exclusive', {'type': 'array', 'items': {'type': 'integer', 'exclusiveMinimum': 5, 'exclusiveMaximum': 8},
+                           'minItems': 2, 'maxItems': 4}),
 ]
 # bounded except for numbers and open objects: "length" is allowed, and then
 # the text is not checked
@@ -284,12 +292,12 @@ REFUSED = [
     ({'not': {'type': 'string'}}, 'not'),
     ({'type': 'object', 'patternProperties': {'a': {}}}, 'patternProperties'),
     ({'type': 'array', 'prefixItems': [{}]}, 'prefixItems'),
-    ({'type': 'integer', 'exclusiveMinimum': 3}, 'exclusiveMinimum'),
+    ({'type': 'string', 'exclusiveMinimum': 3}, 'exclusiveMinimum'),
     ({'type': 'number', 'multipleOf': 2}, 'multipleOf'),
     ({'type': 'array', 'uniqueItems': True}, 'uniqueItems'),
     ({'type': 'object', 'minProperties': 1}, 'minProperties'),
     ({'type': 'object', 'properties': {'a': {'type': 'string', 'contentEncoding': 'base64'}}}, 'contentEncoding'),
-    ({'type': 'number', 'minimum': 0}, 'minimum'),
+    ({'type': 'number', 'minimum': 1e13}, 'minimum'),
     ({'type': 'object', 'additionalProperties': {'type': 'string'}}, 'additionalProperties'),
     ({'type': 'strin'}, 'strin'),
     ({'$ref': '#/$defs/missing'}, 'missing'),
