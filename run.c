@@ -11597,9 +11597,7 @@ static void read_prompt_that_fits(Engine *e, const int *tokens, int n_tokens, in
    llama2.c (a sampled EOS prints as its piece and generation goes on), so
    that the output stays byte-identical; beam search ends hypotheses at BOS or
    EOS, as the library does. Sampled text streams to stdout as it comes. */
-static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, const char *prompt, int steps) {
-    int n_prompt = 0;
-    int *prompt_tokens = encode_prompt(tok, prompt, INT_MAX, &n_prompt);
+static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, int *prompt_tokens, int n_prompt, int steps) {
     if (d->rolling && n_prompt > e->t->config.seq_len && steps > e->t->config.seq_len)
         die(EXIT_USAGE, "the prompt is %d tokens (BOS included), more than the model's context of %d positions; "
             "--keep drops generated positions, not the prompt's", n_prompt, e->t->config.seq_len);
@@ -12095,6 +12093,7 @@ typedef struct {
     const char *tokenizer;
     const char *prompt;        /* NULL: empty */
     const char *prompt_file;   /* -I: read the prompt from this file ("-": stdin); NULL: none */
+    const char *prompt_ids;    /* --prompt-ids: the prompt as token ids; NULL: none */
     const char *system_prompt; /* NULL: asked for in chat */
     const char *mode;
     float temperature;
@@ -12145,6 +12144,7 @@ static const char *usage_text =
     "                     model's own vocabulary, else tokenizer.bin)\n"
     "  -i <string>        prompt (default empty); in chat the first message\n"
     "  -I <file>          the prompt read from a file, '-' for stdin, byte for byte (not with -i)\n"
+    "  --prompt-ids <ids> the prompt as token ids, e.g. 1,403,407 (generate; BOS first, as given)\n"
     "  -y <string>        system prompt in chat (default: asked for)\n"
     "\n"
     "Generation:\n"
@@ -12377,6 +12377,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--stop") == 0) { add_stop(c, option_value(argc, argv, i)); return 2; }
     if (strcmp(flag, "--json") == 0) { o->json_object = 1; return 1; }
     if (strcmp(flag, "--json-schema") == 0) { o->schema_file = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--prompt-ids") == 0) { o->prompt_ids = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
     if (strcmp(flag, "--chat-template") == 0) {
         const char *v = option_value(argc, argv, i);
@@ -12486,6 +12487,9 @@ static Options parse_options(int argc, char **argv) {
         i += 2;
     }
     if (o.prompt && o.prompt_file) usage_error("-i and -I both give the prompt: use one");
+    if (o.prompt_ids && (o.prompt || o.prompt_file)) usage_error("--prompt-ids and -i or -I all give the prompt: use one");
+    if (o.prompt_ids && (strcmp(o.mode, "generate") != 0 || o.batch_file))
+        usage_error("--prompt-ids applies to -m generate (a --batch line has the field \"prompt_ids\")");
     if (o.batch_file && o.format_given && o.format != FORMAT_JSON)
         usage_error("--batch writes JSON lines only (-f json)");
     if (o.draft_file || o.lookup) check_speculation(&o);
@@ -12689,6 +12693,7 @@ static JsonKind json_value(JsonCursor *j, const char *what, char **text) {
 typedef struct {
     Options o;
     char *prompt;
+    int *ids, n_ids;        /* the prompt as token ids ("prompt_ids"; the server's "prompt" list); NULL: none */
     char *id;
     char *stops[MAX_STOPS]; /* the texts o.controls.stops points to */
     JsonSchema *schema;     /* its "response_format"'s, which o.schema points to; NULL: none */
@@ -12822,6 +12827,37 @@ static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
     j->p++; /* ] */
 }
 
+/* A prompt as token ids (field `field`): a list of integers in [0, vocab),
+   or, where `nested`, a list of one such list (OpenAI's list of prompts, of
+   one prompt here). They are the prompt exactly: BOS is not added. */
+static void parse_token_ids(JsonCursor *j, BatchLine *line, const char *field, int vocab, int nested, char **text) {
+    j->p++; /* [ */
+    json_space(j);
+    if (nested && j->p < j->end && *j->p == '[') {
+        parse_token_ids(j, line, field, vocab, 0, text);
+        json_space(j);
+        if (j->p >= j->end || *j->p != ']')
+            json_fail(j, "field '%s': one prompt a request (send the others as requests of their own)", field);
+        j->p++;
+        return;
+    }
+    free(line->ids);
+    line->ids = NULL;
+    line->n_ids = 0;
+    for (int first = 1; json_next_item(j, ']', &first, "expected ',' or ']' in the list of token ids");) {
+        JsonKind kind = json_value(j, field, text);
+        long long id = integer_field(j, field, kind, *text, 0, vocab - 1);
+        free(*text);
+        *text = NULL;
+        line->ids = realloc(line->ids, (size_t)(line->n_ids + 1) * sizeof(int));
+        if (!line->ids) die(EXIT_BAD_FILE, "out of memory");
+        line->ids[line->n_ids++] = (int)id;
+        json_space(j);
+    }
+    j->p++; /* ] */
+    if (line->n_ids == 0) json_fail(j, "field '%s': an empty list of token ids", field);
+}
+
 /* Field "response_format", OpenAI's: {"type": "text"}, {"type":
    "json_object"} or {"type": "json_schema", "json_schema": {"name",
    "schema", "strict", "description"}}; the line's answers follow it. */
@@ -12859,6 +12895,9 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
             if (strcmp(tmp->names[i], name) == 0) json_fail(j, "field '%s' appears twice", name);
         if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
             parse_stop_list(j, line, &tmp->text);
+        } else if (strcmp(name, "prompt_ids") == 0) {
+            if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'prompt_ids': must be a list of token ids");
+            parse_token_ids(j, line, name, vocab, 0, &tmp->text);
         } else if (strcmp(name, "response_format") == 0) {
             apply_response_format(j, line);
         } else {
@@ -12873,7 +12912,8 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
     json_space(j);
     if (j->p < j->end) json_fail(j, "text after the object");
     json_temps_free(tmp);
-    if (!line->prompt) json_fail(j, "missing field 'prompt'");
+    if (!line->prompt && !line->ids) json_fail(j, "missing field 'prompt' (or 'prompt_ids')");
+    if (line->prompt && line->ids) json_fail(j, "fields 'prompt' and 'prompt_ids' both give the prompt: use one");
     int positions = line->o.keep >= 0 ? run_positions(&line->o, seq_len) : resolve_steps(line->o.steps, seq_len);
     if (line->o.controls.min_new_tokens > positions)
         json_fail(j, "field 'min_new_tokens': %d is more than the %d positions to run (steps)", line->o.controls.min_new_tokens,
@@ -13031,6 +13071,8 @@ static int parse_line(const char *text, size_t n, const char *where, BatchLine *
         json_temps_free(tmp);
         free(line->prompt);
         line->prompt = NULL;
+        free(line->ids);
+        line->ids = NULL;
         free_batch_stops(line);
         free_schema(line->schema);
         line->schema = NULL;
@@ -13177,6 +13219,18 @@ static int *line_prompt(const Tokenizer *tok, const char *text, int room, int *n
     return tokens;
 }
 
+/* A line's prompt given as token ids, taken from it, or NULL (freed) when
+   they do not fit `room` positions. */
+static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why) {
+    int *ids = line->ids;
+    *n_tokens = line->n_ids;
+    line->ids = NULL;
+    *why = "the prompt does not fit the model's context";
+    if (*n_tokens <= room) return ids;
+    free(ids);
+    return NULL;
+}
+
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
    at place i: submitted to the engine, or done at once when it cannot run
    or has nothing to generate. */
@@ -13184,7 +13238,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     const int seq_len = b->limits.seq_len;
     int steps = run_positions(&line->o, seq_len), n_prompt = 0;
     const char *why;
-    int *prompt = line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
+    int *prompt = line->ids ? take_ids(line, seq_len, &n_prompt, &why) : line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
     for (int k = 0; k < line->o.controls.n_stops; k++) /* the request frees them all: the command line's are copied */
         if (!line->stops[k]) line->o.controls.stops[k] = line->stops[k] = strdup(line->o.controls.stops[k]);
@@ -13465,6 +13519,7 @@ typedef struct {
 
 static void free_serve_fields(ServeFields *f) {
     free(f->line.prompt);
+    free(f->line.ids);
     free_schema(f->line.schema);
     for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
     for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
@@ -13628,8 +13683,13 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
         } else {
             int compound = j->p < j->end && (*j->p == '{' || *j->p == '[');
             JsonKind kind = compound ? JSON_COMPOUND : JSON_NULL;
-            if (compound) {
-                if (strcmp(name, "prompt") == 0 && !f->chat) json_fail(j, "field 'prompt': must be a string");
+            if (compound && strcmp(name, "prompt") == 0 && !f->chat) {
+                if (*j->p != '[') json_fail(j, "field 'prompt': must be a string or a list of token ids");
+                free(f->line.prompt);
+                f->line.prompt = NULL;
+                parse_token_ids(j, &f->line, name, f->vocab, 1, &f->text);
+                kind = JSON_NULL; /* read */
+            } else if (compound) {
                 json_skip(j, 0);
             } else {
                 kind = json_value(j, name, &f->text);
@@ -13642,6 +13702,8 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
                 if (strcmp(name, "prompt") == 0) { /* a repeated field: the last one counts */
                     free(f->line.prompt);
                     f->line.prompt = NULL;
+                    free(f->line.ids);
+                    f->line.ids = NULL;
                 }
                 apply_field(j, &f->line, name, kind, f->text, f->vocab);
             } else if (strcmp(name, "max_tokens") == 0 || strcmp(name, "max_completion_tokens") == 0) {
@@ -13669,7 +13731,7 @@ static void parse_request_body(ServeFields *f, const char *body, size_t n) {
     if (f->chat && f->n_messages == 0)
         json_fail(&j, f->messages_given ? "field 'messages': the list is empty; it needs a user message at least"
                                         : "missing field 'messages'");
-    if (!f->chat && !f->line.prompt) json_fail(&j, "missing field 'prompt'");
+    if (!f->chat && !f->line.prompt && !f->line.ids) json_fail(&j, "missing field 'prompt'");
 }
 
 /* The tokens of a whole conversation in the tokenizer's chat template, as
@@ -14326,6 +14388,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     int n_prompt = 0, *prompt = NULL;
     const char *why = "the prompt does not fit the model's context";
     if (!refusal && chat) prompt = chat_messages_tokens(srv->tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt, &why);
+    else if (!refusal && f->line.ids) prompt = take_ids(&f->line, srv->steps, &n_prompt, &why);
     else if (!refusal) prompt = encode_prompt(srv->tok, f->line.prompt, srv->steps, &n_prompt);
     error_trap = NULL;
     if (!refusal && !prompt) refusal = why;
@@ -14347,7 +14410,10 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     f->line.o.controls.n_stops = 0;
     c->chat = chat;
     c->stream = f->stream;
-    if (f->echo) {
+    if (f->echo && !f->line.prompt) /* token ids: their text, as a prompt's is printed (after BOS) */
+        c->echo = prompt[0] == srv->tok->bos ? decode_text(srv->tok, prompt[0], prompt + 1, n_prompt - 1)
+                                             : decode_text(srv->tok, srv->tok->bos, prompt, n_prompt);
+    else if (f->echo) {
         c->echo = f->line.prompt;
         f->line.prompt = NULL;
     }
@@ -14705,6 +14771,27 @@ static void require_default_tokenizer(void) {
         "tokenizer tokenizer.model tokenizer.bin` makes it from Llama 2's tokenizer.model)");
 }
 
+/* --prompt-ids: token ids separated by commas or spaces, each in [0,
+   vocab), at least one; the prompt exactly, the first in BOS's place (not
+   printed). The caller frees them. */
+static int *parse_prompt_ids(const char *text, int vocab, int *n) {
+    int *ids = xcalloc(strlen(text) / 2 + 1, sizeof(int));
+    *n = 0;
+    for (const char *p = text; *p;) {
+        if (*p == ',' || *p == ' ') { p++; continue; }
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v >= vocab || (*end && *end != ',' && *end != ' '))
+            usage_error("--prompt-ids: '%.*s' is not a token id in [0, %d) (ids as -m tokenize prints them: 1,403,407)",
+                        (int)strcspn(p, ", "), p, vocab);
+        ids[(*n)++] = (int)v;
+        p = end;
+    }
+    if (*n == 0) usage_error("--prompt-ids: no token ids (e.g. --prompt-ids 1,403,407)");
+    return ids;
+}
+
 /* Names the seed that -s 0 (the default) stands for, the clock's as in
    llama2.c, so that `-s N` replays the run. */
 static void name_clock_seed(uint64_t clock_seed) { fprintf(stderr, "run: seed %llu\n", (unsigned long long)clock_seed); }
@@ -14746,9 +14833,13 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     engine_setup(e, t, tok, 1, o->beams > 1 ? o->beams : 1, steps, o->kv_mb, o->kv_type, spec);
     Decoding d = decoding_of(o, clock_seed);
     e->stats.keeping = d.rolling;
+    int n_prompt = 0, *prompt = o->prompt_ids ? parse_prompt_ids(o->prompt_ids, p->vocab_size, &n_prompt) : NULL;
     if (o->seed == 0 && samples(o)) name_clock_seed(clock_seed);
     if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
-    else generate(e, tok, &d, o->prompt ? o->prompt : "", run_positions(o, p->seq_len));
+    else {
+        if (!prompt) prompt = encode_prompt(tok, o->prompt ? o->prompt : "", INT_MAX, &n_prompt);
+        generate(e, tok, &d, prompt, n_prompt, run_positions(o, p->seq_len));
+    }
     return 0;
 }
 

@@ -246,6 +246,11 @@ says "--seed=3" 2 "unknown option '--seed=3' (did you mean -s?)" -- "$MODEL" -z 
 says "--max-tokens" 2 "unknown option '--max-tokens' (did you mean --max-new-tokens?)" -- "$MODEL" -z "$TOK" --max-tokens 5
 says "--prompt" 2 "unknown option '--prompt' (did you mean -i?)" -- "$MODEL" -z "$TOK" --prompt hi
 says "-i twice" 2 "-i given twice" -- "$MODEL" -z "$TOK" -i A -i B
+says "--prompt-ids with a word" 2 "--prompt-ids: 'x' is not a token id" -- "$MODEL" -z "$TOK" --prompt-ids 1,x
+says "--prompt-ids beyond the vocabulary" 2 "--prompt-ids: '260' is not a token id" -- "$MODEL" -z "$TOK" --prompt-ids 1,260
+says "--prompt-ids empty" 2 "--prompt-ids: no token ids" -- "$MODEL" -z "$TOK" --prompt-ids ,
+says "--prompt-ids with -i" 2 "--prompt-ids and -i or -I all give the prompt" -- "$MODEL" -z "$TOK" --prompt-ids 1 -i a
+says "--prompt-ids in chat" 2 "--prompt-ids applies to -m generate" -- "$MODEL" -z "$TOK" --prompt-ids 1 -m chat
 # the generation controls (tiny.bin: vocabulary 260, context 32)
 for flag in --min-new-tokens --repetition-penalty --no-repeat-ngram-size --top-k --min-p --stop; do
     check "$flag without a value" 2 usage -- "$MODEL" -z "$TOK" "$flag"
@@ -308,6 +313,11 @@ check "chat with stdin closed at once" 0 ok -- "$S" -z "$T" -m chat -n 64 -s 1
 check "chat with -y and -i, then end of input" 0 any -- "$S" -z "$T" -m chat -y "Be kind." -i "Hi" -n 128 -s 1
 check "chat whose first turn fills the context" 0 line -- "$S" -z "$T" -m chat -y "" -i "$(for i in $(seq 40); do printf 'hello '; done)" -n 16 -s 1
 check "json output" 0 ok -- "$S" -z "$T" -f json -n 16 -s 1
+# --prompt-ids: the tokens of -i, the same output
+a=$(timeout 10 "$RUN" "$S" -z "$T" -t 0 -n 40 -i "Once upon a time" 2>/dev/null)
+b=$(timeout 10 "$RUN" "$S" -z "$T" -t 0 -n 40 --prompt-ids 1,403,407,261,378 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then pass "--prompt-ids prints what -i of the same tokens prints"
+else fail "--prompt-ids prints what -i of the same tokens prints" "'$a' vs '$b'"; fi
 # a request the whole cache cannot hold: an error, never nothing and exit 0
 for f in text json; do
     says "beam search larger than --kv-mb ($f)" 2 "the key/value cache is too small for this request" -- \

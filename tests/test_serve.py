@@ -479,6 +479,27 @@ def test_log_once():
     assert len(done) == 1 and done[0].endswith('(2 choices)') and ' 6 out' in done[0], 'the n: 2 request is logged as %r' % done
 
 
+def test_prompt_ids():
+    """"prompt" as token ids (and a list of one such list): the completion of
+    the same tokens as text; several prompts, an empty list and an id out
+    of the vocabulary are 400 naming the field."""
+    srv = Server()
+    try:
+        ids = [1, 403, 407, 261, 378]  # "Once upon a time", BOS first, as -m tokenize gives them
+        want = srv.post('/v1/completions', {'prompt': 'Once upon a time', 'max_tokens': 12, 'temperature': 0, 'echo': True})
+        for prompt in (ids, [ids]):
+            status, got = srv.post('/v1/completions', {'prompt': prompt, 'max_tokens': 12, 'temperature': 0, 'echo': True})
+            assert status == 200 and got['choices'][0]['text'] == want[1]['choices'][0]['text'], (status, got, want)
+            assert got['usage'] == want[1]['usage'], (got['usage'], want[1]['usage'])
+        for prompt, words in (([ids, ids], 'one prompt a request'), ([], 'empty'), ([1, 512], 'outside'),
+                              ([1, 'a'], "'prompt'")):
+            status, out = srv.post('/v1/completions', {'prompt': prompt})
+            assert status == 400 and words in out['error']['message'] and 'prompt' in out['error']['message'], (prompt, out)
+    finally:
+        code = srv.stop()
+    assert code == 0, 'exit %r' % code
+
+
 def main():
     if not (os.path.exists(MODEL) and os.path.exists(TOK)):
         case('serve', lambda: (_ for _ in ()).throw(Skip('stories260K.bin or tok512.bin not in MODELS_DIR')))
@@ -503,6 +524,7 @@ def main():
     case('serve_api_key', test_api_key)
     case('serve_stop_default_replaced', test_stop_default)
     case('serve_errors_and_choices_logged_once', test_log_once)
+    case('serve_prompt_as_token_ids', test_prompt_ids)
 
 
 if __name__ == '__main__':
