@@ -2131,10 +2131,105 @@ def tokenizer_entries(data):
     return max_len, n, seen
 
 
+# GGUF metadata value types beyond those written above, for reading: the
+# struct format of each scalar type (7 bool, 8 string and 9 array apart)
+GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# tensor type names (llama.cpp's ggml_type numbers)
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+                   10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+
+
+def read_gguf_infos(path):
+    """A GGUF's version, metadata {key: value} and tensors [(name, type, ne)],
+    read without numpy (arrays of numbers are skipped and kept as their
+    length, strings arrays kept whole); raises ExportError if malformed."""
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = [4]
+
+    def take(fmt):
+        n = struct.calcsize("<" + fmt)
+        if pos[0] + n > len(data):
+            fail("%s: GGUF file truncated at byte %d" % (path, pos[0]))
+        v = struct.unpack_from("<" + fmt, data, pos[0])
+        pos[0] += n
+        return v[0]
+
+    def string():
+        n = take("Q")
+        if pos[0] + n > len(data):
+            fail("%s: GGUF file truncated at byte %d" % (path, pos[0]))
+        pos[0] += n
+        return data[pos[0] - n:pos[0]].decode("utf-8", "replace")
+
+    def value(vtype):
+        if vtype == GV_STRING:
+            return string()
+        if vtype == GV_ARRAY:
+            etype, count = take("I"), take("Q")
+            if etype in GGUF_SCALAR:  # numbers: skipped, their count kept
+                pos[0] += count * struct.calcsize("<" + GGUF_SCALAR[etype])
+                return count
+            return [value(etype) for _ in range(count)]
+        if vtype not in GGUF_SCALAR:
+            fail("%s: unknown GGUF value type %d" % (path, vtype))
+        return take(GGUF_SCALAR[vtype])
+
+    version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = value(take("I"))
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        ne = [take("Q") for _ in range(take("I"))]
+        tensors.append((name, take("I"), ne))
+        take("Q")  # offset
+    return version, meta, tensors
+
+
+def gguf_info(path):
+    """Describe a GGUF file: architecture, shapes, weight types, vocabulary, template."""
+    version, meta, tensors = read_gguf_infos(path)
+    arch = meta.get("general.architecture", "?")
+    print("%s: GGUF version %d, architecture %s%s" % (path, version, arch,
+          ", name %s" % meta["general.name"] if "general.name" in meta else ""))
+    for k in ("embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+              "attention.head_count_kv", "context_length", "rope.freq_base", "attention.layer_norm_rms_epsilon"):
+        if "%s.%s" % (arch, k) in meta:
+            v = meta["%s.%s" % (arch, k)]
+            print("  %-34s %s" % (k, "%g" % v if isinstance(v, float) else v))
+    counts = {}
+    for _name, t, _ne in tensors:
+        tname = GGML_TYPE_NAMES.get(t, "type %d" % t)
+        counts[tname] = counts.get(tname, 0) + 1
+    print("  %-34s %d (%s)" % ("tensors", len(tensors), ", ".join("%d %s" % (n, t) for t, n in sorted(counts.items()))))
+    for name, t, ne in tensors:
+        if name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+            print("  %-34s %s %s" % (name, GGML_TYPE_NAMES.get(t, "type %d" % t), "x".join(map(str, ne))))
+    print("  %-34s %s" % ("parameters", sum(math.prod(ne) for _n, _t, ne in tensors)))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list):
+        print("  %-34s %s, %d tokens" % ("vocabulary", meta.get("tokenizer.ggml.model", "?"), len(tokens)))
+        for k in ("bos_token_id", "eos_token_id", "eot_token_id"):
+            if "tokenizer.ggml." + k in meta:
+                i = meta["tokenizer.ggml." + k]
+                print("  %-34s %d %r" % (k, i, tokens[i] if 0 <= i < len(tokens) else "?"))
+    else:
+        print("  %-34s none (run.c needs one: a vocabulary GGUF or -z)" % "vocabulary")
+    tmpl = meta.get("tokenizer.chat_template")
+    print("  %-34s %s" % ("chat template", "none" if tmpl is None else "%d characters: %r"
+                          % (len(tmpl), tmpl if len(tmpl) <= 60 else tmpl[:57] + "...")))
+
+
 def cmd_info(args):
     path = args.file
     if not os.path.isfile(path):
         fail("%s: no such file" % path)
+    with open(path, "rb") as f:
+        if f.read(4) == GGUF_MAGIC:
+            return gguf_info(path)
     err = None
     try:
         cfg, info = read_runc_header(path)
@@ -2142,10 +2237,11 @@ def cmd_info(args):
         cfg, err = None, str(e)
     if cfg is not None and (info["size"] == info["expected_size"] or info["version"] > 0):
         v = info["version"]
-        names = {0: "legacy llama2.c (float32)", 1: "ak42 version 1 (float32)", 2: "ak42 version 2 (int8 Q8_0)",
-                 3: "ak42 version 3 (4-bit)",
-                 4: "ak42 version 4 (%s)" % {1: "float32", 2: "int8 Q8_0", 3: "4-bit"}[info["layout"]]}
-        print("%s: run.c checkpoint, %s" % (path, names[v]))
+        # version 4 names its encoding by layout; the others' layout is their version
+        encodings = {0: "float32", 1: "float32", 2: "int8 Q8_0", 3: "4-bit"}
+        name = ("legacy llama2.c (float32)" if v == 0 else
+                "ak42 version %d (%s)" % (v, encodings[info["layout"]]))
+        print("%s: run.c checkpoint, %s" % (path, name))
         for k in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
             print("  %-18s %d" % (k, cfg[k]))
         print("  %-18s %d" % ("head_size", cfg["dim"] // cfg["n_heads"]))
@@ -2252,7 +2348,7 @@ def build_parser():
     out_opts(r)
     r.set_defaults(func=cmd_random)
 
-    i = sub.add_parser("info", help="print the header of a checkpoint or tokenizer.bin")
+    i = sub.add_parser("info", help="print the header of a checkpoint or tokenizer.bin, or describe a GGUF")
     i.add_argument("file", metavar="FILE")
     i.set_defaults(func=cmd_info)
     return p

@@ -89,7 +89,9 @@
 #include <sys/socket.h>
 #ifdef __linux__
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/syscall.h>
+#include <linux/sockios.h>
 #endif
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -298,8 +300,30 @@ static void release_pages(const void *p, size_t bytes) {
 }
 
 /* One line of any length from f, with its newline: its length, or -1 at
-   the end of input (getline's contract). */
-static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
+   the end of input (getline's contract). From a terminal, each read is what
+   the user sent: a line ended by Enter, or part of one sent by Ctrl-D, which
+   is taken as the whole line (getline would wait for a second Ctrl-D), or
+   nothing (Ctrl-D at a line's start: the end). */
+static ptrdiff_t read_line_raw(char **line, size_t *cap, FILE *f) {
+    if (!isatty(fileno(f))) return getline(line, cap, f);
+    size_t n = 0;
+    for (;;) {
+        if (*cap < n + 4097) {
+            char *p = realloc(*line, n + 8192);
+            if (!p) return -1;
+            *line = p;
+            *cap = n + 8192;
+        }
+        size_t room = *cap - n - 1;
+        ptrdiff_t k = read(fileno(f), *line + n, room);
+        if (k <= 0) break;
+        n += (size_t)k;
+        if ((*line)[n - 1] == '\n' || (size_t)k < room) break; /* Enter, or Ctrl-D; else a line longer than the room */
+    }
+    if (n == 0) return -1;
+    (*line)[n] = '\0';
+    return (ptrdiff_t)n;
+}
 
 /* Input read as it arrives (--batch): a file descriptor of `path` (- for
    standard input), or -1 with errno set. */
@@ -410,6 +434,24 @@ static ptrdiff_t net_send(Socket s, const char *buf, size_t n) {
 }
 
 static void net_close(Socket s) { close(s); }
+
+/* Bytes sent on s that its peer has not taken yet: the kernel's send queue
+   (Linux: SIOCOUTQ; macOS: SO_NWRITE; elsewhere unknown, 0). The kernel
+   grows that queue to megabytes for a client that does not read, so what
+   the process still holds alone says little. (What the peer's kernel has
+   taken and its reader has not, its receive buffer, nothing here can see.) */
+static size_t net_queued(Socket s) {
+    int n = 0;
+#if defined(__linux__)
+    if (ioctl(s, SIOCOUTQ, &n) != 0) n = 0;
+#elif defined(SO_NWRITE)
+    socklen_t len = sizeof(n);
+    if (getsockopt(s, SOL_SOCKET, SO_NWRITE, &n, &len) != 0) n = 0;
+#else
+    (void)s;
+#endif
+    return n > 0 ? (size_t)n : 0;
+}
 
 /* The soft limit on open descriptors raised toward `want` (as far as the
    hard limit allows); returns the soft limit now, and *hard the hard one
@@ -709,6 +751,7 @@ static Socket net_accept(Socket listener) { (void)listener; return NO_SOCKET; }
 static ptrdiff_t net_recv(Socket s, char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static ptrdiff_t net_send(Socket s, const char *buf, size_t n) { (void)s, (void)buf, (void)n; return -1; }
 static void net_close(Socket s) { (void)s; }
+static size_t net_queued(Socket s) { (void)s; return 0; }
 static long net_raise_descriptors(long want, long *hard) { *hard = -1; return want; }
 static void release_free_memory(void) {}
 #define NET_READ 1
@@ -1146,6 +1189,27 @@ static const char *foreign_format(const unsigned char *d, size_t size) {
     return NULL;
 }
 
+/* What a file of text is, or NULL: JSON (its first character, past white
+   space, is { or [; a tokenizer.json or config.json) or any other text (a
+   README, a prompt). Text is 512 leading bytes with no NUL and no control
+   byte but white space; every run.c checkpoint and tokenizer.bin has zero
+   bytes in its first int32s. */
+static const char *text_format(const unsigned char *d, size_t size) {
+    size_t n = size < 512 ? size : 512, at = 0;
+    if (n == 0) return NULL;
+    for (size_t i = 0; i < n; i++)
+        if (d[i] == 0 || (d[i] < 0x20 && !strchr("\t\n\r\f", d[i])) || d[i] == 0x7f) return NULL;
+    while (at < n && strchr(" \t\n\r", d[at])) at++;
+    return at < n && (d[at] == '{' || d[at] == '[') ? "a JSON file" : "a text file";
+}
+
+/* Whether the file is a SentencePiece tokenizer.model: a protobuf whose
+   first field is a piece (field 1, length-delimited: 0x0A, its length) that
+   starts with its text (field 1 again, 0x0A, a shorter length). */
+static int looks_like_sentencepiece(const unsigned char *d, size_t size) {
+    return size >= 8 && d[0] == 0x0A && d[1] >= 3 && d[1] < 0x80 && d[2] == 0x0A && d[3] + 2 <= d[1] && (size_t)d[1] + 2 <= size;
+}
+
 /* Whether the file parses as a whole llama2.c tokenizer.bin: a plausible
    max_token_length, then (score, length <= max, bytes) entries that end
    exactly at the end of the file. A checkpoint fails within a few entries. */
@@ -1187,6 +1251,17 @@ static void refuse_non_checkpoint(const FileCursor *c) {
     if (kind) die(EXIT_BAD_FILE, "%s: is %s, not a run.c checkpoint: %s", c->path, kind, CONVERT_HINT);
     if (looks_like_tokenizer(d, c->size))
         die(EXIT_BAD_FILE, "%s: is a tokenizer, not a checkpoint (the checkpoint comes first; the tokenizer goes after -z)", c->path);
+    if (looks_like_checkpoint(d, c->size)) return;
+    if (looks_like_sentencepiece(d, c->size))
+        die(EXIT_BAD_FILE, "%s: is a SentencePiece tokenizer.model, not a checkpoint: the checkpoint comes first; the tokenizer "
+            "goes after -z, converted with `python3 export.py tokenizer tokenizer.model tokenizer.bin`", c->path);
+    const char *text = text_format(d, c->size);
+    if (text && strcmp(text, "a JSON file") == 0)
+        die(EXIT_BAD_FILE, "%s: is a JSON file, not a checkpoint: the checkpoint (a .bin or .gguf model) comes first; "
+            "a Hugging Face model (config.json, tokenizer.json) is converted with `python3 export.py model DIR out.bin`", c->path);
+    if (text)
+        die(EXIT_BAD_FILE, "%s: is a text file, not a checkpoint: the checkpoint (a .bin or .gguf model) comes first; "
+            "a prompt goes after -i (or -I FILE)", c->path);
 }
 
 static float read_f32(const char *p) { float v; memcpy(&v, p, 4); return v; }
@@ -6993,6 +7068,17 @@ static void refuse_non_tokenizer(const unsigned char *d, size_t size, const char
                   path, kind);
     if (looks_like_checkpoint(d, size))
         die(EXIT_BAD_FILE, "%s: is a checkpoint, not a tokenizer (-z takes a tokenizer.bin)", path);
+    if (looks_like_tokenizer(d, size)) return;
+    if (looks_like_sentencepiece(d, size))
+        die(EXIT_BAD_FILE, "%s: is a SentencePiece tokenizer.model, which -z does not read: convert it with "
+            "`python3 export.py tokenizer tokenizer.model tokenizer.bin` and pass -z tokenizer.bin", path);
+    const char *text = text_format(d, size);
+    if (text && strcmp(text, "a JSON file") == 0)
+        die(EXIT_BAD_FILE, "%s: is a JSON file, which -z does not read: convert a tokenizer.json with "
+            "`python3 export.py tokenizer tokenizer.json tokenizer.bin` and pass -z tokenizer.bin", path);
+    if (text)
+        die(EXIT_BAD_FILE, "%s: is a text file, not a tokenizer: -z takes a tokenizer.bin (`python3 export.py tokenizer "
+            "tokenizer.model tokenizer.bin` makes one)", path);
 }
 
 /* byte_pieces: byte b as the string {b, 0} at 2b, what byte tokens decode to */
@@ -7039,6 +7125,9 @@ static void load_tokenizer(Tokenizer *t, const char *path, int vocab_size) {
     t->vocab = xcalloc((size_t)vocab_size, sizeof(char *));
     t->vocab_scores = xcalloc((size_t)vocab_size, sizeof(float));
     for (int i = 0; i < vocab_size; i++) {
+        if (at == size) /* whole, and short: another model's */
+            die(EXIT_BAD_FILE, "%s: tokenizer has %d tokens, the model has %d: wrong tokenizer for this model? "
+                "(each model needs the tokenizer it was trained with)", path, i, vocab_size);
         if (size - at < 8)
             die(EXIT_BAD_FILE, "%s: truncated tokenizer: it ends at token %d, the model has %d tokens", path, i, vocab_size);
         memcpy(&t->vocab_scores[i], data + at, 4);
@@ -9722,6 +9811,8 @@ static char *hypothesis_text(const Tokenizer *tok, const Hypothesis *h, int last
 #define JSON_MAX_ALTS 8       /* readings (anyOf branches) held at once; more are dropped */
 #define JSON_MAX_BRANCHES 64  /* alternatives one value may open (nested anyOf), at most */
 #define JSON_MAX_DIGITS 18    /* digits before (and after) a number's point; |integers| < 10^18 */
+#define NUMBER_SCALE_DIGITS 6 /* a bounded number: at most 6 digits after the point, */
+#define NUMBER_INT_DIGITS 12  /* 12 before it, and no exponent, so its millionths fit an int64 */
 
 enum { JT_OBJECT = 1, JT_ARRAY = 2, JT_STRING = 4, JT_INTEGER = 8, JT_NUMBER = 16, JT_BOOLEAN = 32, JT_NULL = 64, JT_ALL = 127 };
 
@@ -9741,7 +9832,8 @@ typedef struct {
     uint64_t required;        /* bit i: props[i] is required */
     int items;                /* the node of an array's items */
     int min_items, max_items, min_len, max_len;
-    long long minimum, maximum; /* of integers */
+    long long minimum, maximum; /* of integers; of numbers in millionths (NUMBER_SCALE), when `bounded` */
+    int bounded;              /* a number with minimum, maximum or their exclusive forms */
     char **lits;              /* (n_lits) enum/const: the values as compact JSON texts, sorted (strcmp) */
     int n_lits;
     int *any;                 /* (n_any) anyOf: the branches' nodes; 0 branches: not an anyOf */
@@ -9799,6 +9891,7 @@ typedef struct {
     int defs;        /* the root's "$defs" or "definitions" object; -1: none */
     int *def_node;   /* (n_v) the node compiled for a definition's value; -1: not yet */
     int depth;       /* sub-schemas being compiled, $refs followed included */
+    int strict;      /* response_format's "strict": true: every object closed, every property required */
 } SchemaCompiler;
 
 static void schema_fail(SchemaCompiler *c, const char *fmt, ...) {
@@ -10003,6 +10096,37 @@ static int utf8_length(const char *s) {
     return n;
 }
 
+/* x (a JSON number's text) times 10^scale, rounded up (round_up) or down
+   to an integer, exactly (decimal digits, no floating point): *out. Returns
+   0 when its magnitude reaches 10^18. */
+static int decimal_scaled(const char *x, int scale, int round_up, long long *out) {
+    int negative = *x == '-', n = 0, point = -1, rest = 0;
+    const char *p = x + negative, *q = p;
+    for (; (*q >= '0' && *q <= '9') || *q == '.'; q++) {
+        if (*q == '.') point = n;
+        else n++;
+    }
+    if (point < 0) point = n;
+    long exp = *q == 'e' || *q == 'E' ? strtol(q + 1, NULL, 10) : 0;
+    if (exp < -100) exp = -100; /* every digit is below the point either way */
+    if (exp > 40) exp = 40;     /* too large, unless every digit is 0 */
+    long whole = point + exp + scale, i = 0; /* the leading digits that make the integer */
+    long long v = 0;
+    for (; p < q; p++) {
+        if (*p == '.') continue;
+        if (i++ >= whole) { rest |= *p != '0'; continue; }
+        if (v >= 100000000000000000LL) return 0;
+        v = v * 10 + (*p - '0');
+    }
+    for (; i < whole; i++) {
+        if (v >= 100000000000000000LL) return 0;
+        v *= 10;
+    }
+    if (rest && round_up != negative) v++; /* up for a positive value, down (toward -inf) for a negative one */
+    *out = negative ? -v : v;
+    return 1;
+}
+
 /* Whether value v is allowed by node nd's type and bounds (enum and const
    values are kept only if so). */
 static int literal_fits(const SchemaCompiler *c, const SchemaNode *nd, int v) {
@@ -10017,9 +10141,13 @@ static int literal_fits(const SchemaCompiler *c, const SchemaNode *nd, int v) {
     case JV_ARRAY: return (nd->types & JT_ARRAY) && x->n >= nd->min_items && x->n <= nd->max_items;
     case JV_OBJECT: return (nd->types & JT_OBJECT) != 0;
     case JV_NUMBER: {
-        if (nd->types & JT_NUMBER) return 1;
-        double d = strtod(jv_str(c, v), NULL);
-        return (nd->types & JT_INTEGER) && d == floor(d) && d >= (double)nd->minimum && d <= (double)nd->maximum;
+        long long lo, hi;
+        if (nd->types & JT_NUMBER) /* a literal the automaton writes: exact in millionths, in range */
+            return !nd->bounded || (decimal_scaled(jv_str(c, v), NUMBER_SCALE_DIGITS, 1, &lo) &&
+                                    decimal_scaled(jv_str(c, v), NUMBER_SCALE_DIGITS, 0, &hi) && lo == hi &&
+                                    lo >= nd->minimum && lo <= nd->maximum);
+        return (nd->types & JT_INTEGER) && decimal_scaled(jv_str(c, v), 0, 1, &lo) && decimal_scaled(jv_str(c, v), 0, 0, &hi) &&
+               lo == hi && lo >= nd->minimum && lo <= nd->maximum;
     }
     }
     return 0;
@@ -10097,9 +10225,48 @@ static void add_literals(SchemaCompiler *c, int at, int v, int is_enum) {
     }
 }
 
+/* Whether key is one of the numeric bounds. */
+static int is_bound_keyword(const char *key) {
+    return strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0 || strcmp(key, "exclusiveMinimum") == 0 ||
+           strcmp(key, "exclusiveMaximum") == 0;
+}
+
+/* The bounds of node nd (from value v): of an integer, as integers; of a
+   number, in millionths, rounded inward (a bound with more digits keeps the
+   numbers strictly inside it), and such a number is written with at most
+   NUMBER_SCALE_DIGITS after its point, NUMBER_INT_DIGITS before, and no
+   exponent: whatever is written is in range. */
+static void set_bounds(SchemaCompiler *c, SchemaNode *nd, int v) {
+    static const char *const keys[] = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"};
+    int real = (nd->types & JT_NUMBER) != 0, scale = real ? NUMBER_SCALE_DIGITS : 0;
+    for (int k = 0; k < 4; k++) {
+        int m = jv_member(c, v, keys[k]);
+        if (m < 0) continue;
+        if (!(nd->types & (JT_INTEGER | JT_NUMBER))) schema_fail(c, "%s: applies to \"type\": \"integer\" or \"number\"", keys[k]);
+        int lower = k < 2, exclusive = k % 2;
+        long long b;
+        /* a lower bound rounds up, an upper one down; an exclusive one then steps inward when it was exact */
+        if (!decimal_scaled(jv_str(c, m), scale, lower, &b))
+            schema_fail(c, "%s: must be below 10^%d in magnitude", keys[k], real ? 12 : 18);
+        long long other;
+        decimal_scaled(jv_str(c, m), scale, !lower, &other);
+        if (exclusive && b == other) b += lower ? 1 : -1;
+        if (lower && b > nd->minimum) nd->minimum = b;
+        if (!lower && b < nd->maximum) nd->maximum = b;
+        nd->bounded = real;
+    }
+    if (nd->minimum > nd->maximum) schema_fail(c, "minimum is greater than maximum (no value is allowed)");
+}
+
 /* Checks what the keywords of node `at` (from value v) say together. */
 static void check_node(SchemaCompiler *c, int at, int v, int required) {
     SchemaNode *nd = &c->s->nodes[at];
+    if (c->strict && (nd->types & JT_OBJECT) && !nd->n_any) { /* OpenAI's strict mode: objects closed */
+        int extra = jv_member(c, v, "additionalProperties");
+        if (extra >= 0 && c->v[extra].kind == JV_TRUE)
+            schema_fail(c, "additionalProperties: true cannot be \"strict\" (strict objects are closed)");
+        nd->closed = 1;
+    }
     if (nd->n_any && c->v[v].n > 1) {
         for (int m = c->v[v].first; m >= 0; m = c->v[m].next)
             if (!is_annotation(jv_key(c, m)) && strcmp(jv_key(c, m), "anyOf") != 0 && strcmp(jv_key(c, m), "$ref") != 0 &&
@@ -10108,9 +10275,7 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
         if (jv_member(c, v, "anyOf") >= 0 && jv_member(c, v, "$ref") >= 0) schema_fail(c, "anyOf and $ref together are not supported");
     }
     if (nd->types & JT_NUMBER) nd->types &= ~JT_INTEGER; /* numbers include the integers */
-    if ((jv_member(c, v, "minimum") >= 0 || jv_member(c, v, "maximum") >= 0) && (!(nd->types & JT_INTEGER) || (nd->types & JT_NUMBER)))
-        schema_fail(c, "minimum/maximum: supported for \"type\": \"integer\" only");
-    if (nd->minimum > nd->maximum) schema_fail(c, "minimum is greater than maximum");
+    set_bounds(c, nd, v);
     if (nd->min_items > nd->max_items) schema_fail(c, "minItems is greater than maxItems");
     if (nd->min_len > nd->max_len) schema_fail(c, "minLength is greater than maxLength");
     if (required >= 0) {
@@ -10148,6 +10313,8 @@ static void check_node(SchemaCompiler *c, int at, int v, int required) {
                 if (strcmp(nd->props[k].name, name.data ? name.data : "") == 0) nd->required |= 1ull << k;
             free(name.data);
         }
+    if (nd->closed && c->strict) /* and every property required */
+        nd->required = nd->n_props == SCHEMA_MAX_PROPS ? ~0ull : (1ull << nd->n_props) - 1;
     if (nd->lits) {
         int kept = 0;
         if (nd->n_props || jv_member(c, v, "items") >= 0) schema_fail(c, "enum/const beside properties or items is not supported");
@@ -10177,6 +10344,7 @@ static void compile_into(SchemaCompiler *c, int v, int at) {
     int required = -1;
     static const char *const keywords[] = {"type", "properties", "required", "additionalProperties", "enum", "const", "items",
                                            "minItems", "maxItems", "minLength", "maxLength", "minimum", "maximum", "anyOf",
+                                           "exclusiveMinimum", "exclusiveMaximum",
                                            "$ref", "$defs", "definitions"};
     unsigned seen = 0;
     for (int m = x->kind == JV_OBJECT ? x->first : -1; m >= 0; m = c->v[m].next) {
@@ -10219,11 +10387,8 @@ static void compile_into(SchemaCompiler *c, int v, int at) {
         else if (strcmp(key, "maxItems") == 0) c->s->nodes[at].max_items = count_value(c, m, key);
         else if (strcmp(key, "minLength") == 0) c->s->nodes[at].min_len = count_value(c, m, key);
         else if (strcmp(key, "maxLength") == 0) c->s->nodes[at].max_len = count_value(c, m, key);
-        else if (strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0) {
-            double d = val->kind == JV_NUMBER ? strtod(jv_str(c, m), NULL) : NAN;
-            if (!(fabs(d) < 1e18)) schema_fail(c, "%s: must be a number below 10^18 in magnitude", key);
-            if (key[1] == 'i') c->s->nodes[at].minimum = (long long)ceil(d);
-            else c->s->nodes[at].maximum = (long long)floor(d);
+        else if (is_bound_keyword(key)) {
+            if (val->kind != JV_NUMBER) schema_fail(c, "%s: must be a number", key);
         } else if (strcmp(key, "anyOf") == 0 || strcmp(key, "$ref") == 0) {
             int is_any = key[0] == 'a', n = is_any ? val->n : 1;
             if (is_any && (val->kind != JV_ARRAY || n == 0)) schema_fail(c, "anyOf: must be a non-empty list of schemas");
@@ -10317,7 +10482,10 @@ static void compile_response_format(SchemaCompiler *c, int format, int *plain) {
     for (int m = c->v[inner].first; m >= 0; m = c->v[m].next) {
         const char *key = jv_key(c, m);
         if (strcmp(key, "schema") == 0) schema = m;
-        else if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0 && strcmp(key, "strict") != 0)
+        else if (strcmp(key, "strict") == 0) {
+            if (c->v[m].kind != JV_TRUE && c->v[m].kind != JV_FALSE) schema_fail(c, "json_schema: strict must be true or false");
+            c->strict = c->v[m].kind == JV_TRUE;
+        } else if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0)
             schema_fail(c, "json_schema: unknown field '%.60s'", key);
     }
     if (schema < 0) schema_fail(c, "json_schema: missing field 'schema'");
@@ -10602,13 +10770,63 @@ static StepResult string_step(const JsonSchema *s, Frame *f, int ch) {
     return STEP_TAKEN;
 }
 
-/* Whether a number frame holds a complete number (an integer in range). */
+/* 10^k, k <= 18. */
+static long long power_of_ten(int k) {
+    long long p = 1;
+    while (k-- > 0) p *= 10;
+    return p;
+}
+
+/* Whether the values of sign `negative` and magnitude in [lo, hi]
+   millionths meet a bounded number's [minimum, maximum]. */
+static int millionths_meet(const SchemaNode *nd, int negative, long long lo, long long hi) {
+    if (negative) { long long t = -hi; hi = -lo; lo = t; }
+    return hi >= nd->minimum && lo <= nd->maximum;
+}
+
+/* Whether a bounded number written so far (frame f) can still end in range:
+   the magnitudes, in millionths, that its completions can have (more digits
+   before the point, up to NUMBER_INT_DIGITS, then up to NUMBER_SCALE_DIGITS
+   after it) meet [minimum, maximum]. */
+static int number_reachable(const SchemaNode *nd, const Frame *f) {
+    const long long unit = power_of_ten(NUMBER_SCALE_DIGITS), v = (long long)f->seen;
+    switch (f->phase) {
+    case N_MINUS: return millionths_meet(nd, 1, 0, power_of_ten(NUMBER_INT_DIGITS) * unit - 1);
+    case N_ZERO:
+    case N_DOT: return millionths_meet(nd, f->x, v * unit, v * unit + unit - 1);
+    case N_FRAC: {
+        long long step = power_of_ten(NUMBER_SCALE_DIGITS - f->b), base = v * unit + f->c * step;
+        return millionths_meet(nd, f->x, base, base + step - 1);
+    }
+    default: /* N_INT: a digits so far */
+        for (long long scale = 1, k = 0; f->a + k <= NUMBER_INT_DIGITS; k++, scale *= 10)
+            if (millionths_meet(nd, f->x, v * scale * unit, (v + 1) * scale * unit - 1)) return 1;
+        return 0;
+    }
+}
+
+/* Whether a number frame holds a complete number (an integer in range; a
+   bounded number in range). */
 static int number_complete(const JsonSchema *s, const Frame *f) {
     const SchemaNode *nd = &s->nodes[f->node];
     if (f->phase != N_ZERO && f->phase != N_INT && f->phase != N_FRAC && f->phase != N_EXP_DIGITS) return 0;
+    if (nd->bounded) {
+        long long m = (long long)f->seen * power_of_ten(NUMBER_SCALE_DIGITS) +
+                      (f->phase == N_FRAC ? f->c * power_of_ten(NUMBER_SCALE_DIGITS - f->b) : 0);
+        return millionths_meet(nd, f->x, m, m);
+    }
     if (nd->types & JT_NUMBER) return 1;
     long long v = f->x ? -(long long)f->seen : (long long)f->seen;
     return v >= nd->minimum && v <= nd->maximum;
+}
+
+/* What a byte taken by a number leaves: taken while the number can still
+   end in range (integers: integer_reachable; bounded numbers:
+   number_reachable; other numbers: always). */
+static StepResult number_taken(const SchemaNode *nd, const Frame *f) {
+    if (nd->bounded) return number_reachable(nd, f) ? STEP_TAKEN : STEP_FAIL;
+    if (nd->types & JT_NUMBER) return STEP_TAKEN;
+    return integer_reachable(nd, f->x, (long long)f->seen, f->phase == N_MINUS ? 0 : f->a) ? STEP_TAKEN : STEP_FAIL;
 }
 
 static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
@@ -10619,7 +10837,7 @@ static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
         if (ch == '-') {
             f->x = 1;
             f->phase = N_MINUS;
-            return real || integer_reachable(nd, 1, 0, 0) ? STEP_TAKEN : STEP_FAIL;
+            return number_taken(nd, f);
         }
         /* fall through */
     case N_MINUS:
@@ -10627,27 +10845,32 @@ static StepResult number_step(const JsonSchema *s, Frame *f, int ch) {
         f->phase = ch == '0' ? N_ZERO : N_INT;
         f->a = 1;
         f->seen = (uint64_t)(ch - '0');
-        return real || integer_reachable(nd, f->x, (long long)f->seen, 1) ? STEP_TAKEN : STEP_FAIL;
+        return number_taken(nd, f);
     case N_INT:
         if (digit) {
-            if (f->a == JSON_MAX_DIGITS) return STEP_FAIL;
+            if (f->a == (nd->bounded ? NUMBER_INT_DIGITS : JSON_MAX_DIGITS)) return STEP_FAIL;
             f->a++;
             f->seen = f->seen * 10 + (uint64_t)(ch - '0');
-            return real || integer_reachable(nd, f->x, (long long)f->seen, f->a) ? STEP_TAKEN : STEP_FAIL;
+            return number_taken(nd, f);
         }
         /* fall through */
     case N_ZERO:
-        if (ch == '.' && real) { f->phase = N_DOT; return STEP_TAKEN; }
+        if (ch == '.' && real) { f->phase = N_DOT; return number_taken(nd, f); }
         /* fall through */
     case N_FRAC:
-        if (f->phase == N_FRAC && digit) return ++f->b > JSON_MAX_DIGITS ? STEP_FAIL : STEP_TAKEN;
-        if ((ch == 'e' || ch == 'E') && real) { f->phase = N_EXP; return STEP_TAKEN; }
+        if (f->phase == N_FRAC && digit) {
+            if (++f->b > (nd->bounded ? NUMBER_SCALE_DIGITS : JSON_MAX_DIGITS)) return STEP_FAIL;
+            if (nd->bounded) f->c = f->c * 10 + (ch - '0'); /* at most NUMBER_SCALE_DIGITS of them */
+            return number_taken(nd, f);
+        }
+        if ((ch == 'e' || ch == 'E') && real && !nd->bounded) { f->phase = N_EXP; return STEP_TAKEN; }
         return number_complete(s, f) ? STEP_DONE_BEFORE : STEP_FAIL;
     case N_DOT:
         if (!digit) return STEP_FAIL;
         f->phase = N_FRAC;
         f->b = 1;
-        return STEP_TAKEN;
+        f->c = ch - '0';
+        return number_taken(nd, f);
     case N_EXP:
         if (ch == '+' || ch == '-') { f->phase = N_EXP_SIGN; return STEP_TAKEN; }
         /* fall through */
@@ -12353,18 +12576,41 @@ static void stream_text(Request *r, const char *text, size_t n) {
     flush_output();
 }
 
+/* Stops the program when r could never fit the whole cache (--kv-mb): the
+   engine would end it with nothing generated, and the modes that run one
+   request at a time would print nothing and succeed. Called before anything
+   of r is printed. */
+static void require_room(const Engine *e, const Request *r) {
+    if (request_blocks(r, e->t->config.seq_len) <= e->t->state.cache.n_blocks) return;
+    const int beams = r->d.beam.beams;
+    if (beams > 1)
+        die(EXIT_USAGE, "the key/value cache is too small for this request: it needs %d positions for each of %d beams "
+            "and --kv-mb leaves room for %d in all; raise --kv-mb, or lower -n or -b", request_positions(r), beams,
+            e->t->state.cache.n_blocks * KV_BLOCK);
+    die(EXIT_USAGE, "the key/value cache is too small for this request: it needs %d positions and --kv-mb leaves "
+        "room for %d; raise --kv-mb, or lower -n", request_positions(r), e->t->state.cache.n_blocks * KV_BLOCK);
+}
+
+/* Runs r alone to its end. */
+static void run_alone(Engine *e, Request *r) {
+    require_room(e, r);
+    engine_submit(e, r);
+    engine_run(e);
+}
+
 /* A prompt of more tokens than the `steps` positions: llama2.c reads (and
    prints) the first `steps` of them and generates nothing. So does run: a
-   request with nothing to generate reads them, and stderr says so. */
+   request with nothing to generate reads them, and stderr says so, naming
+   the limit: -n, or the context (-n 0, or -n beyond it). */
 static void read_prompt_that_fits(Engine *e, const int *tokens, int n_tokens, int steps) {
-    fprintf(stderr, "run: warning: the prompt is %d tokens (BOS included) but -n allows %d positions: "
-            "printing the %d that fit, generating nothing\n", n_tokens, steps, steps);
+    const char *limit = steps == e->t->config.seq_len ? "the model's context" : "-n";
+    fprintf(stderr, "run: warning: the prompt is %d tokens (BOS included) but %s allows %d positions: "
+            "printing the %d that fit, generating nothing\n", n_tokens, limit, steps, steps);
     int *head = xcalloc((size_t)steps, sizeof(int));
     memcpy(head, tokens, (size_t)steps * sizeof(int));
     Decoding greedy = {.topp = 0.9f, .seed = 1, .beam = {0, 1.0f, STOP_HEURISTIC}, .n_return = 1, .format = FORMAT_TEXT};
     Request *r = request_new(head, steps, 0, 0, &greedy);
-    engine_submit(e, r);
-    engine_run(e);
+    run_alone(e, r);
     request_free(r);
 }
 
@@ -12374,9 +12620,7 @@ static void read_prompt_that_fits(Engine *e, const int *tokens, int n_tokens, in
    llama2.c (a sampled EOS prints as its piece and generation goes on), so
    that the output stays byte-identical; beam search ends hypotheses at BOS or
    EOS, as the library does. Sampled text streams to stdout as it comes. */
-static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, const char *prompt, int steps) {
-    int n_prompt = 0;
-    int *prompt_tokens = encode_prompt(tok, prompt, INT_MAX, &n_prompt);
+static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, int *prompt_tokens, int n_prompt, int steps) {
     if (d->rolling && n_prompt > e->t->config.seq_len && steps > e->t->config.seq_len)
         die(EXIT_USAGE, "the prompt is %d tokens (BOS included), more than the model's context of %d positions; "
             "--keep drops generated positions, not the prompt's", n_prompt, e->t->config.seq_len);
@@ -12385,16 +12629,17 @@ static void generate(Engine *e, const Tokenizer *tok, const Decoding *d, const c
     int n_forced = n_prompt - 1 < steps ? n_prompt - 1 : steps, last_prompt_token = prompt_tokens[n_prompt - 1];
     char *prompt_text = decode_text(tok, prompt_tokens[0], prompt_tokens + 1, n_forced);
     int several = d->format == FORMAT_TEXT && d->n_return > 1 && d->beam.beams > 0;
+    Request *r = steps >= n_prompt ? request_new(prompt_tokens, n_prompt, cap_new_tokens(d, steps - n_prompt + 1),
+                                                 tok->eos_ends_generate, d) : NULL;
+    if (r) require_room(e, r);
     if (d->format == FORMAT_TEXT && !several) {
         fputs(prompt_text, stdout);
         flush_output();
     }
     int stream = d->format == FORMAT_TEXT && d->beam.beams == 0;
-    if (steps >= n_prompt) {
-        Request *r = request_new(prompt_tokens, n_prompt, cap_new_tokens(d, steps - n_prompt + 1), tok->eos_ends_generate, d);
+    if (r) {
         r->on_text = stream ? stream_text : NULL;
-        engine_submit(e, r);
-        engine_run(e);
+        run_alone(e, r);
         print_results(tok, d->format, r->hyps, r->n_hyps < d->n_return ? r->n_hyps : d->n_return, last_prompt_token, prompt_text, stream);
         request_free(r);
     } else {
@@ -12458,6 +12703,7 @@ static char *read_line(const char *guide, OutputFormat format) {
         return NULL;
     }
     if (len > 0 && line[len - 1] == '\n') line[len - 1] = '\0';
+    else if (format == FORMAT_TEXT && isatty(STDIN_FILENO)) putchar('\n'); /* Ctrl-D ended it: the reply goes on its own line */
     return line;
 }
 
@@ -13016,8 +13262,7 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
         r->on_text = stream ? (hide ? stream_answer : stream_text) : NULL;
         r->owner = &split;
-        engine_submit(e, r);
-        engine_run(e);
+        run_alone(e, r);
         Hypothesis *reply = &r->hyps[0];
         if (hide) print_answer_of(tok, reply, turn.tokens[turn.n_prompt - 1], stream, &split);
         else print_results(tok, d->format, reply, 1, turn.tokens[turn.n_prompt - 1], "", stream);
@@ -13104,6 +13349,7 @@ typedef struct {
     const char *tokenizer;
     const char *prompt;        /* NULL: empty */
     const char *prompt_file;   /* -I: read the prompt from this file ("-": stdin); NULL: none */
+    const char *prompt_ids;    /* --prompt-ids: the prompt as token ids; NULL: none */
     const char *system_prompt; /* NULL: asked for in chat */
     const char *mode;
     float temperature;
@@ -13155,6 +13401,7 @@ static const char *usage_text =
     "                     model's own vocabulary, else tokenizer.bin)\n"
     "  -i <string>        prompt (default empty); in chat the first message\n"
     "  -I <file>          the prompt read from a file, '-' for stdin, byte for byte (not with -i)\n"
+    "  --prompt-ids <ids> the prompt as token ids, e.g. 1,403,407 (generate; BOS first, as given)\n"
     "  -y <string>        system prompt in chat (default: asked for)\n"
     "\n"
     "Generation:\n"
@@ -13195,7 +13442,9 @@ static const char *usage_text =
     "\n"
     "Engines and modes:\n"
     "  --batch <file>     many requests at once: JSON Lines in ('-' for stdin), a JSON line out for\n"
-    "                     each; fields \"prompt\", \"id\", \"steps\" and the options' names (default: off)\n"
+    "                     each; fields \"prompt\", \"id\", the long options' names with _ for -, and\n"
+    "                     \"steps\" (-n), \"temperature\", \"top_p\", \"seed\", \"beams\", \"response_format\"\n"
+    "                     (--json, --json-schema): see docs/options.md (default: off)\n"
     "  --ordered          --batch: print the results in input order (default: as they end)\n"
     "  --parallel <int>   requests run at once, --batch and serve (default 8)\n"
     "  --draft <file>     speculative decoding with this draft model (same vocabulary); the same\n"
@@ -13215,7 +13464,7 @@ static const char *usage_text =
     "  --max-queue <int>  requests waiting beyond the --parallel running; more get 429 (default 1024)\n"
     "  --header-timeout <float>  seconds a request's header may take, and its body as long again;\n"
     "                     slower clients are dropped (default 5)\n"
-    "  --drain-seconds <float>   on SIGTERM, seconds the running requests have to end (default 5)\n"
+    "  --drain-seconds <float>   on SIGTERM, seconds until the process exits (default 5)\n"
     "\n"
     "Performance:\n"
     "  -T <int>           threads, >= 1 (default: all cores; needs an OpenMP build)\n"
@@ -13338,6 +13587,25 @@ static int parse_kv_type(const char *text) {
     return KV_F32;
 }
 
+/* Refuses an option that does not exist, naming the one meant when it is a
+   common guess (other programs' spellings, OpenAI's field names). */
+static void unknown_option(const char *flag) {
+    static const char *const guesses[][2] = {
+        {"--temperature", "-t"}, {"--temp", "-t"}, {"--seed", "-s"}, {"--prompt", "-i"}, {"--input", "-i"},
+        {"--max-tokens", "--max-new-tokens"}, {"--max_tokens", "--max-new-tokens"}, {"--max_new_tokens", "--max-new-tokens"},
+        {"--n-predict", "--max-new-tokens"}, {"--steps", "-n"}, {"--top-p", "-p"}, {"--top_p", "-p"}, {"--top_k", "--top-k"},
+        {"--tokenizer", "-z"}, {"--mode", "-m"}, {"--system", "-y"}, {"--system-prompt", "-y"}, {"--threads", "-T"},
+        {"--beams", "-b"}, {"--num-beams", "-b"}, {"--num_beams", "-b"}, {"--format", "-f"}, {"--file", "-I"},
+    };
+    size_t len = strcspn(flag, "="); /* --seed=1 is --seed */
+    for (size_t g = 0; g < sizeof(guesses) / sizeof(guesses[0]); g++)
+        if (strlen(guesses[g][0]) == len && strncmp(flag, guesses[g][0], len) == 0)
+            usage_error("unknown option '%s' (did you mean %s?)", flag, guesses[g][1]);
+    if (flag[0] != '-')
+        usage_error("unexpected argument '%s': a prompt goes after -i (-i \"%s\")", flag, flag);
+    usage_error("unknown option '%s'", flag);
+}
+
 /* A long option: `--name value`, or `--name` alone for a switch. Returns how
    many arguments it took (1 or 2). Each option is one `if` here. */
 static int parse_long_option(Options *o, int argc, char **argv, int i) {
@@ -13369,6 +13637,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--stop") == 0) { add_stop(c, option_value(argc, argv, i)); return 2; }
     if (strcmp(flag, "--json") == 0) { o->json_object = 1; return 1; }
     if (strcmp(flag, "--json-schema") == 0) { o->schema_file = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--prompt-ids") == 0) { o->prompt_ids = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
     if (strcmp(flag, "--chat-template") == 0) {
         const char *v = option_value(argc, argv, i);
@@ -13387,7 +13656,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         if (o->reasoning < 0) usage_error("--reasoning must be show, hide or off, got '%s'", v);
         return 2;
     }
-    usage_error("unknown option '%s'", flag);
+    unknown_option(flag);
     return 1;
 }
 
@@ -13398,8 +13667,14 @@ static void parse_short_option(Options *o, const char *flag, const char *val) {
     case 'p': o->topp = (float)parse_number(flag, val, 0.0, 1.0); break;
     case 's': o->seed = (uint64_t)parse_integer(flag, val, 0, LLONG_MAX); break;
     case 'n': o->steps = (int)parse_integer(flag, val, 0, INT_MAX); o->steps_given = 1; break;
-    case 'i': o->prompt = val; break;
-    case 'I': o->prompt_file = val; break;
+    case 'i':
+        if (o->prompt) usage_error("-i given twice: one prompt a run (put it all in one -i, or in a file for -I)");
+        o->prompt = val;
+        break;
+    case 'I':
+        if (o->prompt_file) usage_error("-I given twice: one prompt file a run");
+        o->prompt_file = val;
+        break;
     case 'z': o->tokenizer = val; break;
     case 'm':
         if (strcmp(val, "generate") != 0 && strcmp(val, "chat") != 0 && strcmp(val, "tokenize") != 0 &&
@@ -13475,13 +13750,15 @@ static Options parse_options(int argc, char **argv) {
             i += parse_long_option(&o, argc, argv, i);
             continue;
         }
-        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsniIzmyfTbler", flag[1]))
-            usage_error("unknown option '%s'", flag);
+        if (flag[0] != '-' || strlen(flag) != 2 || !strchr("tpsniIzmyfTbler", flag[1])) unknown_option(flag);
         if (i + 1 >= argc) usage_error("%s needs a value", flag);
         parse_short_option(&o, flag, argv[i + 1]);
         i += 2;
     }
     if (o.prompt && o.prompt_file) usage_error("-i and -I both give the prompt: use one");
+    if (o.prompt_ids && (o.prompt || o.prompt_file)) usage_error("--prompt-ids and -i or -I all give the prompt: use one");
+    if (o.prompt_ids && (strcmp(o.mode, "generate") != 0 || o.batch_file))
+        usage_error("--prompt-ids applies to -m generate (a --batch line has the field \"prompt_ids\")");
     if (o.batch_file && o.format_given && o.format != FORMAT_JSON)
         usage_error("--batch writes JSON lines only (-f json)");
     if (o.draft_file || o.lookup) check_speculation(&o);
@@ -13569,7 +13846,8 @@ static JsonSchema *schema_of_options(const Options *o) {
 
 typedef enum { JSON_STRING, JSON_NUMBER, JSON_TRUE, JSON_FALSE, JSON_NULL, JSON_COMPOUND } JsonKind;
 
-/* A cursor over one line of JSON text; `where` names the line for errors. */
+/* A cursor over one line of JSON text; `where` names the line for errors
+   (NULL: the caller reports them). */
 typedef struct {
     const char *p, *end;
     const char *where;
@@ -13580,7 +13858,7 @@ static void json_fail(const JsonCursor *j, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(error_text, sizeof(error_text), fmt, ap);
     va_end(ap);
-    fprintf(stderr, "run: %s: %s\n", j->where, error_text);
+    if (j->where) fprintf(stderr, "run: %s: %s\n", j->where, error_text);
     leave(EXIT_USAGE);
 }
 
@@ -13684,6 +13962,7 @@ static JsonKind json_value(JsonCursor *j, const char *what, char **text) {
 typedef struct {
     Options o;
     char *prompt;
+    int *ids, n_ids;        /* the prompt as token ids ("prompt_ids"; the server's "prompt" list); NULL: none */
     char *id;
     char *stops[MAX_STOPS]; /* the texts o.controls.stops points to */
     JsonSchema *schema;     /* its "response_format"'s, which o.schema points to; NULL: none */
@@ -13745,6 +14024,19 @@ static void add_batch_stop(const JsonCursor *j, BatchLine *line, const char *tex
     c->n_stops++;
 }
 
+/* Refuses a field no request has; where it is another program's name or
+   an option's that the batch spells otherwise, names the field meant. */
+static void unknown_batch_field(const JsonCursor *j, const char *name) {
+    static const char *const guesses[][2] = {
+        {"json", "response_format"}, {"json_schema", "response_format"}, {"json_object", "response_format"},
+        {"max_tokens", "max_new_tokens"}, {"n", "steps"}, {"num_beams", "beams"}, {"b", "beams"},
+        {"t", "temperature"}, {"p", "top_p"}, {"s", "seed"}, {"i", "prompt"}, {"input", "prompt"}, {"text", "prompt"},
+    };
+    for (size_t g = 0; g < sizeof(guesses) / sizeof(guesses[0]); g++)
+        if (strcmp(name, guesses[g][0]) == 0) json_fail(j, "unknown field '%s' (did you mean '%s'?)", name, guesses[g][1]);
+    json_fail(j, "unknown field '%s'", name);
+}
+
 /* Applies field `name` with value (kind, text) to the line. */
 static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, JsonKind kind, const char *text, int vocab) {
     Options *o = &line->o;
@@ -13782,7 +14074,7 @@ static void apply_field(const JsonCursor *j, BatchLine *line, const char *name, 
         else if (kind == JSON_NUMBER && strcmp(text, "1") == 0) o->early_stopping = STOP_EARLY;
         else json_fail(j, "field 'early_stopping': must be 0, 1 or \"never\"");
     } else {
-        json_fail(j, "unknown field '%s'", name);
+        unknown_batch_field(j, name);
     }
 }
 
@@ -13802,6 +14094,37 @@ static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
         json_space(j);
     }
     j->p++; /* ] */
+}
+
+/* A prompt as token ids (field `field`): a list of integers in [0, vocab),
+   or, where `nested`, a list of one such list (OpenAI's list of prompts, of
+   one prompt here). They are the prompt exactly: BOS is not added. */
+static void parse_token_ids(JsonCursor *j, BatchLine *line, const char *field, int vocab, int nested, char **text) {
+    j->p++; /* [ */
+    json_space(j);
+    if (nested && j->p < j->end && *j->p == '[') {
+        parse_token_ids(j, line, field, vocab, 0, text);
+        json_space(j);
+        if (j->p >= j->end || *j->p != ']')
+            json_fail(j, "field '%s': one prompt a request (send the others as requests of their own)", field);
+        j->p++;
+        return;
+    }
+    free(line->ids);
+    line->ids = NULL;
+    line->n_ids = 0;
+    for (int first = 1; json_next_item(j, ']', &first, "expected ',' or ']' in the list of token ids");) {
+        JsonKind kind = json_value(j, field, text);
+        long long id = integer_field(j, field, kind, *text, 0, vocab - 1);
+        free(*text);
+        *text = NULL;
+        line->ids = realloc(line->ids, (size_t)(line->n_ids + 1) * sizeof(int));
+        if (!line->ids) die(EXIT_BAD_FILE, "out of memory");
+        line->ids[line->n_ids++] = (int)id;
+        json_space(j);
+    }
+    j->p++; /* ] */
+    if (line->n_ids == 0) json_fail(j, "field '%s': an empty list of token ids", field);
 }
 
 /* Field "response_format", OpenAI's: {"type": "text"}, {"type":
@@ -13841,6 +14164,9 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
             if (strcmp(tmp->names[i], name) == 0) json_fail(j, "field '%s' appears twice", name);
         if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
             parse_stop_list(j, line, &tmp->text);
+        } else if (strcmp(name, "prompt_ids") == 0) {
+            if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'prompt_ids': must be a list of token ids");
+            parse_token_ids(j, line, name, vocab, 0, &tmp->text);
         } else if (strcmp(name, "response_format") == 0) {
             apply_response_format(j, line);
         } else {
@@ -13855,7 +14181,8 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
     json_space(j);
     if (j->p < j->end) json_fail(j, "text after the object");
     json_temps_free(tmp);
-    if (!line->prompt) json_fail(j, "missing field 'prompt'");
+    if (!line->prompt && !line->ids) json_fail(j, "missing field 'prompt' (or 'prompt_ids')");
+    if (line->prompt && line->ids) json_fail(j, "fields 'prompt' and 'prompt_ids' both give the prompt: use one");
     int positions = line->o.keep >= 0 ? run_positions(&line->o, seq_len) : resolve_steps(line->o.steps, seq_len);
     if (line->o.controls.min_new_tokens > positions)
         json_fail(j, "field 'min_new_tokens': %d is more than the %d positions to run (steps)", line->o.controls.min_new_tokens,
@@ -13866,6 +14193,10 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
 
 /* How a request with options o continues its prompt; seed 0 takes the
    run's clock seed. */
+/* Whether o's tokens are drawn at random (a temperature above 0 and no
+   beam search): only then does a seed change them, and is one named. */
+static int samples(const Options *o) { return o->temperature > 0 && o->beams == 0; }
+
 static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
     /* one beam is greedy search, as in the library: it stops at the first
        end token whatever -e says */
@@ -14009,6 +14340,8 @@ static int parse_line(const char *text, size_t n, const char *where, BatchLine *
         json_temps_free(tmp);
         free(line->prompt);
         line->prompt = NULL;
+        free(line->ids);
+        line->ids = NULL;
         free_batch_stops(line);
         free_schema(line->schema);
         line->schema = NULL;
@@ -14155,6 +14488,18 @@ static int *line_prompt(const Tokenizer *tok, const char *text, int room, int *n
     return tokens;
 }
 
+/* A line's prompt given as token ids, taken from it, or NULL (freed) when
+   they do not fit `room` positions. */
+static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why) {
+    int *ids = line->ids;
+    *n_tokens = line->n_ids;
+    line->ids = NULL;
+    *why = "the prompt does not fit the model's context";
+    if (*n_tokens <= room) return ids;
+    free(ids);
+    return NULL;
+}
+
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
    at place i: submitted to the engine, or done at once when it cannot run
    or has nothing to generate. */
@@ -14162,7 +14507,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     const int seq_len = b->limits.seq_len;
     int steps = run_positions(&line->o, seq_len), n_prompt = 0;
     const char *why;
-    int *prompt = line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
+    int *prompt = line->ids ? take_ids(line, seq_len, &n_prompt, &why) : line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
     for (int k = 0; k < line->o.controls.n_stops; k++) /* the request frees them all: the command line's are copied */
         if (!line->stops[k]) line->o.controls.stops[k] = line->stops[k] = strdup(line->o.controls.stops[k]);
@@ -14208,7 +14553,7 @@ static void take_line(BatchRun *b, const char *text, size_t n) {
         line.id = xcalloc(16, 1);
         snprintf(line.id, 16, "%d", b->in.line_no);
     }
-    if (line.o.seed == 0 && !b->seed_named) {
+    if (line.o.seed == 0 && samples(&line.o) && !b->seed_named) {
         name_clock_seed(b->clock_seed);
         b->seed_named = 1;
     }
@@ -14436,13 +14781,14 @@ typedef struct {
     int logprobs;            /* log-probabilities asked for (completions: "logprobs" given; chat: true) */
     int top_logprobs;        /* alternatives per token; -1: not given */
     char **roles, **contents; /* (n_messages) chat */
-    int n_messages;
+    int n_messages, messages_given;
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
 } ServeFields;
 
 static void free_serve_fields(ServeFields *f) {
     free(f->line.prompt);
+    free(f->line.ids);
     free_schema(f->line.schema);
     for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
     for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
@@ -14525,6 +14871,7 @@ static void message_field(JsonCursor *j, ServeFields *f, char *name) {
 /* "messages": a list of {"role", "content"} objects. */
 static void parse_messages(JsonCursor *j, ServeFields *f) {
     if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages': must be a list of objects");
+    f->messages_given = 1;
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'messages': expected ',' or ']'");) {
@@ -14605,8 +14952,13 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
         } else {
             int compound = j->p < j->end && (*j->p == '{' || *j->p == '[');
             JsonKind kind = compound ? JSON_COMPOUND : JSON_NULL;
-            if (compound) {
-                if (strcmp(name, "prompt") == 0 && !f->chat) json_fail(j, "field 'prompt': must be a string");
+            if (compound && strcmp(name, "prompt") == 0 && !f->chat) {
+                if (*j->p != '[') json_fail(j, "field 'prompt': must be a string or a list of token ids");
+                free(f->line.prompt);
+                f->line.prompt = NULL;
+                parse_token_ids(j, &f->line, name, f->vocab, 1, &f->text);
+                kind = JSON_NULL; /* read */
+            } else if (compound) {
                 json_skip(j, 0);
             } else {
                 kind = json_value(j, name, &f->text);
@@ -14619,6 +14971,8 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
                 if (strcmp(name, "prompt") == 0) { /* a repeated field: the last one counts */
                     free(f->line.prompt);
                     f->line.prompt = NULL;
+                    free(f->line.ids);
+                    f->line.ids = NULL;
                 }
                 apply_field(j, &f->line, name, kind, f->text, f->vocab);
             } else if (strcmp(name, "max_tokens") == 0 || strcmp(name, "max_completion_tokens") == 0) {
@@ -14639,12 +14993,14 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
 /* Reads a request body (n bytes) into f (whose line.o holds the defaults);
    a bad one fails through json_fail. */
 static void parse_request_body(ServeFields *f, const char *body, size_t n) {
-    JsonCursor j = {body, body + n, "request"};
+    JsonCursor j = {body, body + n, NULL}; /* not logged here: the answer's 400 is, once */
     json_object(&j, f, request_field);
     json_space(&j);
     if (j.p < j.end) json_fail(&j, "text after the object");
-    if (f->chat && f->n_messages == 0) json_fail(&j, "missing field 'messages'");
-    if (!f->chat && !f->line.prompt) json_fail(&j, "missing field 'prompt'");
+    if (f->chat && f->n_messages == 0)
+        json_fail(&j, f->messages_given ? "field 'messages': the list is empty; it needs a user message at least"
+                                        : "missing field 'messages'");
+    if (!f->chat && !f->line.prompt && !f->line.ids) json_fail(&j, "missing field 'prompt'");
 }
 
 /* The tokens of a whole conversation in the tokenizer's chat template, as
@@ -14710,13 +15066,15 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
    SERVE_IDLE_TIMEOUT; an answer that no byte of leaves for
    SERVE_SEND_TIMEOUT is dropped. A streamed answer whose client does not
    read it is dropped, and its request cancelled (its cache blocks freed),
-   once SERVE_MAX_PENDING bytes of it wait in the process.
+   once SERVE_MAX_PENDING bytes of it wait, in the process or in the
+   kernel's send queue (net_queued).
    Back-pressure: a completion that would make more than --parallel
    running plus --max-queue waiting gets 429 with Retry-After.
    Stopping (SIGTERM or SIGINT): no more connections are accepted, waiting
-   requests get 503, running ones have --drain-seconds to end (then they end
-   at their next token, as a second signal makes them), and the answers
-   SERVE_DRAIN_GRACE more to leave. */
+   requests get 503, running ones have --drain-seconds less SERVE_DRAIN_GRACE
+   to end (then they end at their next token, as a second signal makes
+   them), the answers the rest to leave, and --drain-seconds after the
+   signal the process ends, whatever its connections do. */
 
 #define SERVE_IDLE_TIMEOUT 5.0
 #define SERVE_SEND_TIMEOUT 10.0
@@ -14909,7 +15267,8 @@ static void conn_watch(Server *srv, Conn *c) {
 
 /* Sends what it can of the queued answer; an answer sent in full closes the
    connection, or, kept, readies it for the next request. A stream whose
-   client lets more than SERVE_MAX_PENDING bytes wait is dropped. */
+   client lets more than SERVE_MAX_PENDING bytes wait, here or in the
+   kernel's send queue, is dropped. */
 static void conn_flush(Server *srv, Conn *c) {
     while (c->sent < c->out.n) {
         ptrdiff_t k = net_send(c->s, c->out.data + c->sent, c->out.n - c->sent);
@@ -14919,11 +15278,11 @@ static void conn_flush(Server *srv, Conn *c) {
         c->last = srv->now;
         c->blocked = 0;
     }
+    if (c->phase == CONN_RUNNING && c->out.n - c->sent + net_queued(c->s) > SERVE_MAX_PENDING) {
+        conn_drop(srv, c, "its client does not read its stream");
+        return;
+    }
     if (c->sent < c->out.n) {
-        if (c->phase == CONN_RUNNING && c->out.n - c->sent > SERVE_MAX_PENDING) {
-            conn_drop(srv, c, "its client does not read its stream");
-            return;
-        }
         if (!c->blocked) c->blocked = srv->now;
         if (c->sent > c->out.n / 2) { /* what was sent is let go of */
             memmove(c->out.data, c->out.data + c->sent, c->out.n - c->sent + 1);
@@ -15219,6 +15578,19 @@ static void answer_choices(Server *srv, Conn *c) {
     buf_free(&b);
 }
 
+/* The log line of a finished completion: its tokens in and out (all its
+   choices'), seconds, and how it ended (the first choice's; "N choices"). */
+static void serve_log_done(const Conn *c) {
+    int out = 0;
+    for (int i = 0; i < c->n_choices; i++) out += c->req[i]->n_hyps > 0 ? c->req[i]->hyps[0].n_tokens : 0;
+    const Request *first = c->req[0];
+    if (first->n_hyps == 0) return; /* failed: its error answer is logged */
+    fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s", c->id, first->n_prompt, out, now_seconds() - c->started,
+            first->hyps[0].stop);
+    if (c->n_choices > 1) fprintf(stderr, " (%d choices)", c->n_choices);
+    fputc('\n', stderr);
+}
+
 /* The engine's on_done for one choice: its stream's last events, a log
    line; once every choice is done, the answer (or the stream's end), and
    the requests are freed. Every choice needs the same cache, so when one
@@ -15240,9 +15612,8 @@ static void serve_on_done(Request *r, void *user) {
         send_chunk(srv, c, choice, NULL, finish_reason(h));
     }
     think_finish(&c->think[choice], NULL, NULL); /* nor of its reasoning (after an error) */
-    if (h) fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s\n", c->id, r->n_prompt, h->n_tokens,
-                   now_seconds() - c->started, h->stop);
     if (--c->n_left > 0) return;
+    serve_log_done(c);
     const char *error = NULL;
     for (int i = 0; i < c->n_choices; i++)
         if (c->req[i]->error || c->req[i]->n_hyps == 0) error = c->req[i]->error ? c->req[i]->error : "the request produced nothing";
@@ -15346,6 +15717,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     int n_prompt = 0, *prompt = NULL;
     const char *why = "the prompt does not fit the model's context";
     if (!refusal && chat) prompt = chat_messages_tokens(srv->tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt, &why);
+    else if (!refusal && f->line.ids) prompt = take_ids(&f->line, srv->steps, &n_prompt, &why);
     else if (!refusal) prompt = encode_prompt(srv->tok, f->line.prompt, srv->steps, &n_prompt);
     error_trap = NULL;
     if (!refusal && !prompt) refusal = why;
@@ -15367,7 +15739,10 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     f->line.o.controls.n_stops = 0;
     c->chat = chat;
     c->stream = f->stream;
-    if (f->echo) {
+    if (f->echo && !f->line.prompt) /* token ids: their text, as a prompt's is printed (after BOS) */
+        c->echo = prompt[0] == srv->tok->bos ? decode_text(srv->tok, prompt[0], prompt + 1, n_prompt - 1)
+                                             : decode_text(srv->tok, srv->tok->bos, prompt, n_prompt);
+    else if (f->echo) {
         c->echo = f->line.prompt;
         f->line.prompt = NULL;
     }
@@ -15591,6 +15966,13 @@ static void on_serve_stop(int sig) {
     serve_stop_asked = 1;
 }
 
+/* The last seconds of the drain, left for the answers to leave once the
+   running requests are ended: SERVE_DRAIN_GRACE, or half of a shorter
+   --drain-seconds. */
+static double drain_grace(const Options *o) {
+    return o->drain_seconds < 2 * SERVE_DRAIN_GRACE ? o->drain_seconds / 2 : SERVE_DRAIN_GRACE;
+}
+
 /* Stops accepting: the connections between requests are closed, and the
    waiting requests answered 503 (a stream ends empty); the running ones go
    on until drain_until. */
@@ -15662,10 +16044,10 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
     for (double next_sweep = 0;;) {
         srv->now = now_seconds();
         if (serve_stop_asked && !srv->stopping) serve_stop(srv, &listener);
-        if (srv->stopping && srv->now > srv->drain_until) interrupt_pending = 1; /* the running requests end at their next token */
-        if (srv->stopping && srv->now > srv->drain_until + SERVE_DRAIN_GRACE)
-            for (int i = 0; i < srv->max_conns; i++) conn_close(srv, &srv->conns[i]);
-        if (srv->stopping && srv->n_open == 0) break;
+        /* the running requests end at their next token, their answers leave, and at drain_until the
+           process ends whatever its connections do */
+        if (srv->stopping && srv->now > srv->drain_until - drain_grace(o)) interrupt_pending = 1;
+        if (srv->stopping && (srv->n_open == 0 || srv->now > srv->drain_until)) break;
         int busy = e->n_running > 0 || e->next_waiting < e->n_queue;
         int n = net_poll(srv->poller, events, busy ? 0 : 100);
         srv->now = now_seconds();
@@ -15692,6 +16074,7 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
             serve_flush_step(srv);
         }
     }
+    for (int i = 0; i < srv->max_conns; i++) conn_close(srv, &srv->conns[i]);
     net_poller_free(srv->poller);
     free(events);
     free(srv->conns);
@@ -15706,6 +16089,37 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
 /* ------------------------------------------------------------------------ */
 /* 12. main                                                                 */
 /* ------------------------------------------------------------------------ */
+
+/* Without -z, a checkpoint's tokenizer is ./tokenizer.bin, as in llama2.c;
+   when there is none, says what the checkpoint needs and how to give it. */
+static void require_default_tokenizer(void) {
+    FILE *f = fopen("tokenizer.bin", "rb");
+    if (f) { fclose(f); return; }
+    die(EXIT_USAGE, "no tokenizer: a llama2.c checkpoint needs the tokenizer it was trained with; pass it with -z "
+        "(e.g. -z tok512.bin for stories260K), or put tokenizer.bin in the current directory (`python3 export.py "
+        "tokenizer tokenizer.model tokenizer.bin` makes it from Llama 2's tokenizer.model)");
+}
+
+/* --prompt-ids: token ids separated by commas or spaces, each in [0,
+   vocab), at least one; the prompt exactly, the first in BOS's place (not
+   printed). The caller frees them. */
+static int *parse_prompt_ids(const char *text, int vocab, int *n) {
+    int *ids = xcalloc(strlen(text) / 2 + 1, sizeof(int));
+    *n = 0;
+    for (const char *p = text; *p;) {
+        if (*p == ',' || *p == ' ') { p++; continue; }
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v >= vocab || (*end && *end != ',' && *end != ' '))
+            usage_error("--prompt-ids: '%.*s' is not a token id in [0, %d) (ids as -m tokenize prints them: 1,403,407)",
+                        (int)strcspn(p, ", "), p, vocab);
+        ids[(*n)++] = (int)v;
+        p = end;
+    }
+    if (*n == 0) usage_error("--prompt-ids: no token ids (e.g. --prompt-ids 1,403,407)");
+    return ids;
+}
 
 /* Names the seed that -s 0 (the default) stands for, the clock's as in
    llama2.c, so that `-s N` replays the run. */
@@ -15751,9 +16165,13 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     engine_setup(e, t, tok, 1, o->beams > 1 ? o->beams : 1, steps, o->kv_mb, o->kv_type, spec);
     Decoding d = decoding_of(o, clock_seed);
     e->stats.keeping = d.rolling;
-    if (o->seed == 0) name_clock_seed(clock_seed);
+    int n_prompt = 0, *prompt = o->prompt_ids ? parse_prompt_ids(o->prompt_ids, p->vocab_size, &n_prompt) : NULL;
+    if (o->seed == 0 && samples(o)) name_clock_seed(clock_seed);
     if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
-    else generate(e, tok, &d, o->prompt ? o->prompt : "", run_positions(o, p->seq_len));
+    else {
+        if (!prompt) prompt = encode_prompt(tok, o->prompt ? o->prompt : "", INT_MAX, &n_prompt);
+        generate(e, tok, &d, prompt, n_prompt, run_positions(o, p->seq_len));
+    }
     return 0;
 }
 
@@ -15827,6 +16245,7 @@ int main(int argc, char **argv) {
     int positions = o.keep >= 0 ? run_positions(&o, p->seq_len) : resolve_steps(o.steps, p->seq_len);
     if (o.controls.min_new_tokens > positions)
         usage_error("--min-new-tokens %d is more than the %d positions to run (-n)", o.controls.min_new_tokens, positions);
+    if (!t.gguf && !o.tokenizer) require_default_tokenizer();
     if (!t.gguf || o.tokenizer) load_tokenizer(&tok, o.tokenizer ? o.tokenizer : "tokenizer.bin", p->vocab_size);
     if (o.chat_template >= 0) tok.chat_template = o.chat_template;
     tok.reasoning = o.reasoning;

@@ -132,12 +132,12 @@ async def slowloris(port, n, interval, stop):
     return counts['opened'], counts['closed']
 
 
-def non_readers(port, n, body):
-    """n streamed completions on plain sockets that are never read (a 1 KB
-    receive buffer, 536-byte segments): the sockets, for the caller to
-    close."""
+def non_readers(port, n, body, stream=True):
+    """n completions, streamed unless told, on plain sockets that are never
+    read (a 1 KB receive buffer, 536-byte segments): the sockets, for the
+    caller to close."""
     socks = []
-    data = request_bytes('POST', '/v1/completions', dict(body, stream=True))
+    data = request_bytes('POST', '/v1/completions', dict(body, stream=stream))
     for _ in range(n):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)

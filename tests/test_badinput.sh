@@ -107,6 +107,20 @@ check() {
     pass "$name"
 }
 
+# says NAME WANT_STATUS "FIRST WORDS" -- ARGS...   (stdin from /dev/null)
+#   the exit status, and the error's line (the first stderr line that is not
+#   "run: seed", a note or a warning) starts with "run: FIRST WORDS"
+says() {
+    local name="$1" want="$2" words="$3"
+    shift 4
+    timeout "${LIMIT:-10}" "$RUN" "$@" >"$TMP/out" 2>"$TMP/err" </dev/null
+    local status=$? line
+    line=$(grep -v '^run: \(seed \|note:\|warning:\)' "$TMP/err" | head -n 1)
+    if [ "$status" -ne "$want" ]; then fail "$name" "exit status $status, expected $want; stderr: $line"; return; fi
+    if [[ "$line" != "run: $words"* ]]; then fail "$name" "stderr does not start 'run: $words': $line"; return; fi
+    pass "$name"
+}
+
 # --- bad files (exit 1, one line) -------------------------------------------
 check "sanity: the tiny test model runs" 0 ok -- "$MODEL" -z "$TOK" -n 8 -s 1
 check "missing checkpoint" 1 file -- "$TMP/no-such-model.bin" -z "$TOK"
@@ -145,6 +159,33 @@ if [ -f "$M/stories260K.bin" ] && [ -f "$M/tokenizer.bin" ]; then
 else
     echo "SKIP badinput stories260K with the 32000-token tokenizer: models not found in $M"
 fi
+
+# files of the wrong kind are named, with what to do
+printf '# A README\n\nSome text, not a model.\n' >"$TMP/readme.md"
+printf '{"model_type": "llama"}\n' >"$TMP/config.json"
+says "a text file as the checkpoint" 1 "$TMP/readme.md: is a text file, not a checkpoint" -- "$TMP/readme.md" -z "$TOK"
+says "a JSON file as the checkpoint" 1 "$TMP/config.json: is a JSON file, not a checkpoint" -- "$TMP/config.json" -z "$TOK"
+says "a text file as the tokenizer" 1 "$TMP/readme.md: is a text file, not a tokenizer" -- "$MODEL" -z "$TMP/readme.md"
+says "a JSON file as the tokenizer" 1 "$TMP/config.json: is a JSON file, which -z does not read" -- "$MODEL" -z "$TMP/config.json"
+if [ -f "$M/tokenizer.model" ]; then
+    says "tokenizer.model as the checkpoint" 1 "$M/tokenizer.model: is a SentencePiece tokenizer.model, not a checkpoint" -- "$M/tokenizer.model"
+    says "tokenizer.model as -z" 1 "$M/tokenizer.model: is a SentencePiece tokenizer.model, which -z does not read" -- "$MODEL" -z "$M/tokenizer.model"
+else
+    echo "SKIP badinput tokenizer.model as the checkpoint or -z: $M/tokenizer.model not found"
+fi
+# a whole tokenizer of fewer tokens than the model: another model's
+head -c "$("$PY" -c "
+import struct, sys
+d = open(sys.argv[1], 'rb').read(); at = 4
+for _ in range(200): at += 8 + struct.unpack('<i', d[at + 4:at + 8])[0]
+print(at)" "$TOK")" "$TOK" >"$TMP/tok200.bin"
+says "tokenizer with fewer tokens than the model" 1 "$TMP/tok200.bin: tokenizer has 200 tokens, the model has 260: wrong tokenizer" -- "$MODEL" -z "$TMP/tok200.bin"
+# no -z and no ./tokenizer.bin
+mkdir -p "$TMP/empty_dir"
+model_abs=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
+run_abs=$(cd "$(dirname "$RUN")" && pwd)/$(basename "$RUN")
+tmp_abs=$(cd "$TMP" && pwd)
+(cd "$TMP/empty_dir" && TMP="$tmp_abs" RUN="$run_abs" says "no -z and no ./tokenizer.bin" 2 "no tokenizer: a llama2.c checkpoint needs the tokenizer" -- "$model_abs")
 
 # --- bad usage (exit 2, one line "run: ...; see 'run --help'") --------------
 check "no arguments" 2 fullusage --
@@ -198,6 +239,18 @@ check "unknown flag --foo" 2 usage -- "$MODEL" -z "$TOK" --foo
 check "unknown flag -tt" 2 usage -- "$MODEL" -z "$TOK" -tt 1
 check "stray argument" 2 usage -- "$MODEL" -z "$TOK" extra
 check "lone dash" 2 usage -- "$MODEL" -z "$TOK" -
+# a bare prompt and other programs' spellings: the option meant is named
+says "a bare prompt after the model" 2 "unexpected argument 'Once upon a time': a prompt goes after -i" -- "$MODEL" -z "$TOK" "Once upon a time"
+says "--temperature" 2 "unknown option '--temperature' (did you mean -t?)" -- "$MODEL" -z "$TOK" --temperature 0.5
+says "--seed=3" 2 "unknown option '--seed=3' (did you mean -s?)" -- "$MODEL" -z "$TOK" --seed=3
+says "--max-tokens" 2 "unknown option '--max-tokens' (did you mean --max-new-tokens?)" -- "$MODEL" -z "$TOK" --max-tokens 5
+says "--prompt" 2 "unknown option '--prompt' (did you mean -i?)" -- "$MODEL" -z "$TOK" --prompt hi
+says "-i twice" 2 "-i given twice" -- "$MODEL" -z "$TOK" -i A -i B
+says "--prompt-ids with a word" 2 "--prompt-ids: 'x' is not a token id" -- "$MODEL" -z "$TOK" --prompt-ids 1,x
+says "--prompt-ids beyond the vocabulary" 2 "--prompt-ids: '260' is not a token id" -- "$MODEL" -z "$TOK" --prompt-ids 1,260
+says "--prompt-ids empty" 2 "--prompt-ids: no token ids" -- "$MODEL" -z "$TOK" --prompt-ids ,
+says "--prompt-ids with -i" 2 "--prompt-ids and -i or -I all give the prompt" -- "$MODEL" -z "$TOK" --prompt-ids 1 -i a
+says "--prompt-ids in chat" 2 "--prompt-ids applies to -m generate" -- "$MODEL" -z "$TOK" --prompt-ids 1 -m chat
 # the generation controls (tiny.bin: vocabulary 260, context 32)
 for flag in --min-new-tokens --repetition-penalty --no-repeat-ngram-size --top-k --min-p --stop; do
     check "$flag without a value" 2 usage -- "$MODEL" -z "$TOK" "$flag"
@@ -260,6 +313,23 @@ check "chat with stdin closed at once" 0 ok -- "$S" -z "$T" -m chat -n 64 -s 1
 check "chat with -y and -i, then end of input" 0 any -- "$S" -z "$T" -m chat -y "Be kind." -i "Hi" -n 128 -s 1
 check "chat whose first turn fills the context" 0 line -- "$S" -z "$T" -m chat -y "" -i "$(for i in $(seq 40); do printf 'hello '; done)" -n 16 -s 1
 check "json output" 0 ok -- "$S" -z "$T" -f json -n 16 -s 1
+# --prompt-ids: the tokens of -i, the same output
+a=$(timeout 10 "$RUN" "$S" -z "$T" -t 0 -n 40 -i "Once upon a time" 2>/dev/null)
+b=$(timeout 10 "$RUN" "$S" -z "$T" -t 0 -n 40 --prompt-ids 1,403,407,261,378 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then pass "--prompt-ids prints what -i of the same tokens prints"
+else fail "--prompt-ids prints what -i of the same tokens prints" "'$a' vs '$b'"; fi
+# a request the whole cache cannot hold: an error, never nothing and exit 0
+for f in text json; do
+    says "beam search larger than --kv-mb ($f)" 2 "the key/value cache is too small for this request" -- \
+        "$S" -z "$T" -i Lily -n 400 -b 4 --kv-mb 1 -f "$f"
+    if [ -s "$TMP/out" ]; then fail "beam search larger than --kv-mb ($f): nothing on stdout" "$(head -c 80 "$TMP/out")"
+    else pass "beam search larger than --kv-mb ($f): nothing on stdout"; fi
+done
+printf '\nHi\n' >"$TMP/chat_in"
+timeout 10 "$RUN" "$S" -z "$T" -m chat -n 400 -b 4 --kv-mb 1 <"$TMP/chat_in" >"$TMP/out" 2>"$TMP/err"
+status=$?
+if [ "$status" -eq 2 ] && grep -q '^run: the key/value cache is too small' "$TMP/err"; then pass "chat beams larger than --kv-mb"
+else fail "chat beams larger than --kv-mb" "exit $status; stderr: $(tail -n 1 "$TMP/err")"; fi
 
 # --- version 3 (4-bit) checkpoints, -I, -m perplexity ------------------------
 # A tiny valid version 3 model (group size 4) and damaged copies.

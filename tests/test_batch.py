@@ -259,7 +259,24 @@ def suite_bad():
     refused(b'not json', 'not a JSON object', 'not_json')
     refused(b'{"prompt":"a","colour":"red"}', "unknown field 'colour'", 'unknown_field')
     refused(b'{"id":"u","prompt":"a","colour":"red"}', "unknown field 'colour'", 'unknown_field_after_id', 'u')
+    refused(b'{"prompt":"a","json":true}', "unknown field 'json' (did you mean 'response_format'?)", 'json_names_response_format')
+    refused(b'{"prompt":"a","max_tokens":5}', "unknown field 'max_tokens' (did you mean 'max_new_tokens'?)",
+            'max_tokens_names_max_new_tokens')
     refused(b'{"prompt":5}', "'prompt'", 'prompt_not_string')
+    refused(b'{"prompt_ids":[]}', "field 'prompt_ids': an empty list", 'prompt_ids_empty')
+    refused(b'{"prompt_ids":[1,512]}', "field 'prompt_ids': 512 is outside", 'prompt_ids_out_of_vocabulary')
+    refused(b'{"prompt":"a","prompt_ids":[1]}', "both give the prompt", 'prompt_and_prompt_ids')
+
+    def ids_equal_text():
+        """a line's prompt_ids: the same answer as its text's tokens."""
+        lines = [{'id': 't', 'prompt': 'Once upon a time', 'temperature': 0, 'steps': 40},
+                 {'id': 'i', 'prompt_ids': [1, 403, 407, 261, 378], 'temperature': 0, 'steps': 40}]
+        code, out, err = run([model, '-z', tok, '--batch', '-', '--ordered'],
+                             stdin=''.join(json.dumps(x) + '\n' for x in lines).encode())
+        assert code == 0, err[-300:]
+        t, i = [json.loads(l) for l in out.splitlines()]
+        assert (t['tokens'], t['text'], t['score']) == (i['tokens'], i['text'], i['score']), (t, i)
+    case('batch_prompt_ids_equal_text', ids_equal_text)
     refused(b'{"id":7,"prompt":"a","temperature":"hot"}', "field 'temperature'", 'wrong_type', 7)
     refused(b'{"prompt":"a","top_p":1.5}', "'top_p'", 'out_of_range')
     refused(b'{"prompt":"a","steps":2.5}', "'steps'", 'not_integer')

@@ -59,7 +59,7 @@ def parser_options(source):
     """The options run.c's parser accepts, read from section 9 of its source:
     the short flags' string and each long option's strcmp."""
     opts = set()
-    m = re.search(r'strchr\("([A-Za-z]+)", flag\[1\]\)\)\s*\n\s*usage_error\("unknown option', source)
+    m = re.search(r'strchr\("([A-Za-z]+)", flag\[1\]\)\)\s*(?:\n\s*usage_error\("unknown option|unknown_option\(flag\))', source)
     if m:
         opts.update('-' + c for c in m.group(1))
     opts.update(re.findall(r'strcmp\(flag, "(--[a-z-]+)"\) == 0', source))

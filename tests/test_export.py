@@ -227,6 +227,24 @@ def t_info_tok():
     check("tokenizer" in r.stdout and re.search(r"entries\s+512\b", r.stdout), "bad info output:\n" + r.stdout)
 
 
+@case("info_version0_checkpoint")
+def t_info_v0():
+    # a legacy (version 0) checkpoint ended in a KeyError traceback
+    r = export_ok("info", model_file("stories260K.bin"))
+    check("legacy llama2.c" in r.stdout and re.search(r"dim\s+64\b", r.stdout)
+          and re.search(r"parameters\s+\d+", r.stdout), "info output:\n" + r.stdout + r.stderr)
+
+
+@case("info_gguf")
+def t_info_gguf():
+    # a GGUF was called "not a run.c checkpoint (n_heads = 0)"
+    r = export_ok("info", os.path.join(HERE, "gguf", "llama-k.q4_k_m.gguf"))
+    for want in (r"GGUF version 3, architecture llama", r"embedding_length\s+256\b", r"Q4_K",
+                 r"token_embd\.weight\s+Q6_K 256x313", r"vocabulary\s+llama, 313 tokens",
+                 r"bos_token_id\s+1 '<s>'", r"chat template\s+199 characters"):
+        check(re.search(want, r.stdout), "no %r in info output:\n%s" % (want, r.stdout))
+
+
 HF_VARIANTS = [
     # name, dtype, n_kv_heads, tied, sharded, seed
     ("f32_gqa_tied", "F32", 2, True, False, 11),

@@ -128,6 +128,11 @@ elif [ "$(cat "$TMP/out")" != "abc" ]; then fail "prompt longer than -n" "stdout
 elif [ "$(grep -c '^run: warning: the prompt is 10 tokens .*-n allows 4' "$TMP/err")" -ne 1 ]; then fail "prompt longer than -n" "stderr: $(cat "$TMP/err")"
 elif ! grep -q '^stats: prompt 4 tokens, .*generated 0 tokens' "$TMP/err"; then fail "prompt longer than -n" "stats: $(grep stats "$TMP/err")"
 else pass "prompt longer than -n: prints what fits, warns once, counts 4 prompt tokens"; fi
+# with -n 0 the limit is the model's context, and the warning names it
+"$RUN" "$MODEL" -z "$T" -t 0 -n 0 -i "$(for i in $(seq 600); do printf 'a '; done)" >"$TMP/out" 2>"$TMP/err"
+if grep -q "^run: warning: the prompt is [0-9]* tokens (BOS included) but the model's context allows [0-9]* positions" "$TMP/err"; then
+    pass "prompt longer than the context with -n 0: the warning names the context"
+else fail "prompt longer than the context with -n 0: the warning names the context" "$(grep warning "$TMP/err")"; fi
 
 # --- --max-new-tokens N = -n (prompt tokens with BOS) + N - 1 ----------------
 for mode in "-t 0" "-s 9" "-b 3"; do
@@ -162,7 +167,42 @@ replay() {
 }
 replay "clock seed replayed: generate" "$MODEL" -z "$T" -n 100 -t 1.5
 replay "clock seed replayed: chat" "$MODEL" -z "$T" -m chat -y "Be kind." -n 200 -t 1.5
-replay "clock seed replayed: beam" "$MODEL" -z "$T" -n 40 -b 3 -r 2
+# no seed is named where none is used: greedy, beam search, a greedy batch
+for args in "-n 40 -b 3 -r 2" "-n 40 -t 0" "-m tokenize -i hello" "--batch $TMP/batch.jsonl"; do
+    # shellcheck disable=SC2086
+    "$RUN" "$MODEL" -z "$T" $args >"$TMP/out" 2>"$TMP/err" </dev/null
+    if grep -q '^run: seed' "$TMP/err"; then fail "no seed named: $args" "$(grep '^run: seed' "$TMP/err")"
+    else pass "no seed named: $args"; fi
+done
+
+# --- chat on a terminal: Ctrl-D after half a line sends it -----------------
+# (a pseudo-terminal; before, a second Ctrl-D was needed, and the reply
+# followed the typed text on its line)
+if out=$("$PY" - "$RUN" "$MODEL" "$T" <<'EOF'
+import os, pty, select, sys, time
+run, model, tok = sys.argv[1:4]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(run, [run, model, '-z', tok, '-m', 'chat', '-y', '', '-s', '1', '-n', '100'])
+def read_for(seconds, until=None):
+    out, end = b'', time.time() + seconds
+    while time.time() < end and not (until and until in out):
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                out += os.read(fd, 4096)
+            except OSError:
+                break
+    return out
+read_for(10, b'User: ')
+os.write(fd, b'Hi there\x04')
+out = read_for(10, b'Assistant: ')
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.stdout.write(repr(out))
+sys.exit(0 if b'Hi there\r\nAssistant: ' in out else 1)
+EOF
+); then pass "chat on a terminal: Ctrl-D after half a line sends it, the reply on its own line"
+else fail "chat on a terminal: Ctrl-D after half a line sends it, the reply on its own line" "terminal: $out"; fi
 
 # --- chat: a script on a pipe, many more turns than the context holds --------
 for i in $(seq 40); do echo "the cat saw the dog in the park on day $i"; done >"$TMP/many"

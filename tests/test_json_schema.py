@@ -86,6 +86,14 @@ SCHEMAS = [
     ('null', {'type': 'null'}),
     ('definitions_draft7', {'definitions': {'c': {'enum': ['a', 'b']}}, 'type': 'array',
                             'items': {'$ref': '#/definitions/c'}, 'maxItems': 4}),
+    # numbers with bounds: at most 12 digits before the point and 6 after, no exponent
+    ('number_range', {'type': 'number', 'minimum': 2.5, 'maximum': 3.75}),
+    ('number_exclusive', {'type': 'object', 'properties': {
+        'x': {'type': 'number', 'exclusiveMinimum': -1, 'exclusiveMaximum': 0.001},
+        'y': {'type': 'number', 'minimum': 0.0015, 'maximum': 0.0025}}, 'required': ['x', 'y'],
+        'additionalProperties': False}),
+    ('integer_exclusive', {'type': 'array', 'items': {'type': 'integer', 'exclusiveMinimum': 5, 'exclusiveMaximum': 8},
+                           'minItems': 2, 'maxItems': 4}),
 ]
 # bounded except for numbers and open objects: "length" is allowed, and then
 # the text is not checked
@@ -217,6 +225,47 @@ def test_batch_response_format():
     assert got['text']['stop'] == 'length' and len(got['text']['tokens']) == 5, got['text']
 
 
+def strict_version(schema):
+    """OpenAI's strict mode spelt out: every object schema closed
+    (additionalProperties false) with every property required."""
+    if isinstance(schema, dict):
+        out = {k: strict_version(v) if k in ('items', 'anyOf', 'properties', '$defs') else v for k, v in schema.items()}
+        if 'properties' in schema:
+            out['properties'] = {k: strict_version(v) for k, v in schema['properties'].items()}
+        if schema.get('type') == 'object' or 'properties' in schema:
+            out['additionalProperties'] = False
+            out['required'] = sorted(set(schema.get('properties', {})) | set(schema.get('required', [])))
+        return out
+    if isinstance(schema, list):
+        return [strict_version(x) for x in schema]
+    return schema
+
+
+STRICT_SCHEMA = {'type': 'object', 'properties': {
+    'name': {'type': 'string', 'maxLength': 8}, 'age': {'type': 'integer', 'minimum': 0, 'maximum': 99},
+    'ok': {'type': 'boolean'}, 'pet': {'type': 'object', 'properties': {'kind': {'enum': ['cat', 'dog']}}}}}
+
+
+def test_strict():
+    """"strict": true: objects closed and every property required (greedy
+    and sampled answers valid under the schema spelt out so); a schema that
+    cannot be strict is refused naming the keyword."""
+    need_model()
+    need_validator()
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'x', 'strict': True, 'schema': STRICT_SCHEMA}}
+    lines = [{'id': 's%d' % seed, 'prompt': 'Lily', 'seed': seed or 1, 'temperature': 0 if seed == 0 else 1,
+              'response_format': fmt} for seed in (0, 1, 2, 3)]
+    loose = dict(STRICT_SCHEMA, additionalProperties=True)
+    lines.append({'id': 'bad', 'prompt': 'Lily', 'response_format': {
+        'type': 'json_schema', 'json_schema': {'name': 'x', 'strict': True, 'schema': loose}}})
+    code, out, err = run(['--batch', '-'], stdin='\n'.join(json.dumps(x) for x in lines) + '\n')
+    got = {r['id']: r for r in map(json.loads, out.splitlines())}
+    for seed in (0, 1, 2, 3):
+        r = got['s%d' % seed]
+        check_answer(strict_version(STRICT_SCHEMA), r['text'], r['stop'], True, 'strict seed %d' % seed)
+    assert code == 1 and 'additionalProperties' in got['bad'].get('error', ''), got['bad']
+
+
 def test_batch_alone_equals_together():
     """A constrained line's answer does not depend on the lines beside it:
     the same as the command line's for the same schema and seed."""
@@ -243,12 +292,12 @@ REFUSED = [
     ({'not': {'type': 'string'}}, 'not'),
     ({'type': 'object', 'patternProperties': {'a': {}}}, 'patternProperties'),
     ({'type': 'array', 'prefixItems': [{}]}, 'prefixItems'),
-    ({'type': 'integer', 'exclusiveMinimum': 3}, 'exclusiveMinimum'),
+    ({'type': 'string', 'exclusiveMinimum': 3}, 'exclusiveMinimum'),
     ({'type': 'number', 'multipleOf': 2}, 'multipleOf'),
     ({'type': 'array', 'uniqueItems': True}, 'uniqueItems'),
     ({'type': 'object', 'minProperties': 1}, 'minProperties'),
     ({'type': 'object', 'properties': {'a': {'type': 'string', 'contentEncoding': 'base64'}}}, 'contentEncoding'),
-    ({'type': 'number', 'minimum': 0}, 'minimum'),
+    ({'type': 'number', 'minimum': 1e13}, 'minimum'),
     ({'type': 'object', 'additionalProperties': {'type': 'string'}}, 'additionalProperties'),
     ({'type': 'strin'}, 'strin'),
     ({'$ref': '#/$defs/missing'}, 'missing'),
@@ -661,6 +710,7 @@ def main():
     case('chat_each_reply', test_chat_each_reply)
     case('batch_response_format', test_batch_response_format)
     case('batch_alone_equals_together', test_batch_alone_equals_together)
+    case('strict_closes_objects_and_requires_properties', test_strict)
     case('cli_refusals', test_cli_refusals)
     case('speculative_off', test_speculative_off)
     case('beam_search', test_beam_search)

@@ -391,10 +391,11 @@ def suite_random():
             err = subprocess.run([RUN] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  timeout=RUN_TIMEOUT).stderr.decode('utf-8', 'replace').splitlines()
             warnings = [l for l in err if l.startswith('run: warning:')]
-            shown = steps if steps else 64  # -n 0: the context, seq_len 64
-            if len(warnings) != 1 or ('-n allows %d positions' % shown) not in warnings[0]:
-                raise AssertionError('want one "run: warning: ... -n allows %d positions" line, got %r'
-                                     % (shown, err))
+            shown = steps if steps else 64  # -n 0: the context, seq_len 64, and the warning names it
+            limit = '-n' if steps else "the model's context"
+            if len(warnings) != 1 or ('%s allows %d positions' % (limit, shown)) not in warnings[0]:
+                raise AssertionError('want one "run: warning: ... %s allows %d positions" line, got %r'
+                                     % (limit, shown, err))
             if not any(l.startswith('stats: prompt %d tokens' % shown) for l in err):
                 raise AssertionError('the stats line does not count the %d positions read: %r' % (shown, err))
         return fn

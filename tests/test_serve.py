@@ -457,6 +457,49 @@ def test_sigterm():
     assert code == 0, 'exit status %r' % code
 
 
+def test_log_once():
+    """An empty "messages" says it is empty; the log has one line for a 400
+    and one for a completion of 2 choices."""
+    srv = Server()
+    try:
+        status, data = srv.post('/v1/chat/completions', {'messages': []})
+        assert status == 400, status
+        message = data['error']['message']
+        assert 'empty' in message and 'missing' not in message, message
+        status, _ = srv.post('/v1/completions', {'prompt': 'Once', 'max_tokens': 3, 'n': 2, 'temperature': 0})
+        assert status == 200, status
+        time.sleep(0.3)
+    finally:
+        code = srv.stop()
+    assert code == 0, 'exit %r' % code
+    log = ''.join(srv.log)
+    said = [l for l in log.splitlines() if 'the list is empty' in l]
+    assert len(said) == 1, 'the 400 is logged %d times: %r' % (len(said), said)
+    done = [l for l in log.splitlines() if re.match(r'run: serve: cmpl-\d+ \d+ tokens in', l)]
+    assert len(done) == 1 and done[0].endswith('(2 choices)') and ' 6 out' in done[0], 'the n: 2 request is logged as %r' % done
+
+
+def test_prompt_ids():
+    """"prompt" as token ids (and a list of one such list): the completion of
+    the same tokens as text; several prompts, an empty list and an id out
+    of the vocabulary are 400 naming the field."""
+    srv = Server()
+    try:
+        ids = [1, 403, 407, 261, 378]  # "Once upon a time", BOS first, as -m tokenize gives them
+        want = srv.post('/v1/completions', {'prompt': 'Once upon a time', 'max_tokens': 12, 'temperature': 0, 'echo': True})
+        for prompt in (ids, [ids]):
+            status, got = srv.post('/v1/completions', {'prompt': prompt, 'max_tokens': 12, 'temperature': 0, 'echo': True})
+            assert status == 200 and got['choices'][0]['text'] == want[1]['choices'][0]['text'], (status, got, want)
+            assert got['usage'] == want[1]['usage'], (got['usage'], want[1]['usage'])
+        for prompt, words in (([ids, ids], 'one prompt a request'), ([], 'empty'), ([1, 512], 'outside'),
+                              ([1, 'a'], "'prompt'")):
+            status, out = srv.post('/v1/completions', {'prompt': prompt})
+            assert status == 400 and words in out['error']['message'] and 'prompt' in out['error']['message'], (prompt, out)
+    finally:
+        code = srv.stop()
+    assert code == 0, 'exit %r' % code
+
+
 def main():
     if not (os.path.exists(MODEL) and os.path.exists(TOK)):
         case('serve', lambda: (_ for _ in ()).throw(Skip('stories260K.bin or tok512.bin not in MODELS_DIR')))
@@ -480,6 +523,8 @@ def main():
     case('serve_first_server_exit_0', lambda: (_ for _ in ()).throw(AssertionError('exit %r' % code)) if code != 0 else None)
     case('serve_api_key', test_api_key)
     case('serve_stop_default_replaced', test_stop_default)
+    case('serve_errors_and_choices_logged_once', test_log_once)
+    case('serve_prompt_as_token_ids', test_prompt_ids)
 
 
 if __name__ == '__main__':

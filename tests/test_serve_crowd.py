@@ -296,6 +296,92 @@ def test_shutdown():
         n, len(ok), len(unavailable), took)
 
 
+WIDE_STREAM = body('Once upon a time', 500, min_new_tokens=500, n=4, stream=True)
+
+
+def plain_non_readers(port, n, payload):
+    """n streamed completions on sockets with the system's default buffers,
+    never read: the sockets, for the caller to close."""
+    data = load.request_bytes('POST', '/v1/completions', payload)
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((load.HOST, port))
+        s.sendall(data)
+        socks.append(s)
+    return socks
+
+
+def test_default_buffer_non_readers(n=20):
+    """Non-readers whose sockets keep the default buffers: the kernel grows
+    the server's send queue to megabytes, so only counting that queue
+    (SIOCOUTQ) finds them; 4 choices of 500 tokens make each stream larger
+    than what the client's own receive buffer takes."""
+    srv = Server()
+    try:
+        socks = plain_non_readers(srv.port, n, WIDE_STREAM)
+        try:
+            deadline = time.time() + 90
+            while time.time() < deadline:
+                m = load.metrics(srv.port)
+                if m['run_running_requests'] == 0 and m['run_queue_length'] == 0:
+                    break
+                time.sleep(0.1)
+        finally:
+            for s in socks:
+                s.close()
+        after = load.settle(srv.port)
+        dropped = after['run_connections_dropped_total']
+        assert dropped >= n * 0.9, 'only %d of %d non-reading streams dropped (their bytes wait in the kernel)' % (dropped, n)
+        assert after['run_cache_blocks_free'] == after['run_cache_blocks'], 'cache blocks free %d of %d' % (
+            after['run_cache_blocks_free'], after['run_cache_blocks'])
+        tokens = after['run_generated_tokens_total']
+    finally:
+        code = srv.stop()
+    assert code == 0, 'exit %r' % code
+    return '%d streams of 4 x 500 tokens on default sockets never read: %d dropped, %d of %d tokens generated' % (
+        n, dropped, tokens, n * 2000)
+
+
+def test_sigterm_bounded(drain=2.0):
+    """SIGTERM ends the process within --drain-seconds whatever its
+    connections do: streams never read, headers trickling, requests
+    running and waiting."""
+    srv = Server('--drain-seconds', '%g' % drain)
+    socks = []
+    try:
+        # first, large answers (8 choices of 500 tokens with 5 log-probabilities each) that their clients
+        # do not read: computed, then held in the server
+        socks = load.non_readers(srv.port, 5, body('Once upon a time', 500, min_new_tokens=500, n=8, logprobs=5),
+                                 stream=False)
+        deadline = time.time() + 60
+        while time.time() < deadline and load.metrics(srv.port)['run_running_requests'] > 0:
+            time.sleep(0.1)
+        socks += plain_non_readers(srv.port, 20, WIDE_STREAM)
+        socks += load.non_readers(srv.port, 20, LONG_STREAM)
+        loris = []
+        for _ in range(20):
+            s = socket.create_connection((load.HOST, srv.port))
+            s.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\n')
+            loris.append(s)
+        socks += loris
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            code = srv.proc.wait(timeout=drain + 20)
+        except Exception:
+            code = None
+        took = time.monotonic() - t0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+        for s in socks:
+            s.close()
+    assert code == 0, 'exit %r %.1f s after SIGTERM' % (code, took)
+    assert took <= drain + 0.5, 'the process ended %.2f s after SIGTERM, --drain-seconds %g' % (took, drain)
+    return 'SIGTERM beside 40 unread streams, 5 unread answers and 20 trickling headers: exit 0 after %.2f s (--drain-seconds %g)' % (took, drain)
+
+
 def main():
     if not (os.path.exists(MODEL) and os.path.exists(TOK)):
         case('serve_crowd', lambda: (_ for _ in ()).throw(Skip('stories260K.bin or tok512.bin not in MODELS_DIR')))
@@ -341,6 +427,8 @@ def main():
     passed('serve_crowd_idle_connections', test_idle_connections)
     passed('serve_crowd_queue_429', test_queue)
     passed('serve_crowd_sigterm_drains', test_shutdown)
+    passed('serve_crowd_non_readers_default_buffers', test_default_buffer_non_readers)
+    passed('serve_crowd_sigterm_within_drain_seconds', test_sigterm_bounded)
 
 
 if __name__ == '__main__':
