@@ -45,7 +45,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from bench import machine, make_prompt, probe_bandwidth, stats_of, write_report  # noqa: E402
+from bench import machine, probe_bandwidth, prompt_tokens, stats_of, write_report  # noqa: E402
 from gguf import llama_bench  # noqa: E402
 
 # name: (arch, arch_models settings, default layers, vocabulary)
@@ -128,6 +128,15 @@ def bytes_per_token(path, shape):
     return int(subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE).stdout)
 
 
+def make_prompt(runbin, path, n):
+    """A prompt of n tokens (BOS included) in these files' vocabulary, where
+    each letter without a space is a token of its own."""
+    text = ("etaoinshrdlcumwfgypbvkjxqz" * (n // 26 + 1))[:n - 1]
+    if prompt_tokens(runbin, path, path, text) != n:
+        sys.exit("bench: cannot make a prompt of %d tokens" % n)
+    return text
+
+
 def llama_depth(binary, path, threads):
     """llama-bench's tg32 tok/s at depth DEPTH."""
     import csv
@@ -166,7 +175,7 @@ def main():
     prompts = {}
     for shape in shapes:
         smallest = min((p for (s, _), p in files.items() if s == shape), key=os.path.getsize)
-        prompts[shape] = {n: make_prompt(runbin, smallest, smallest, n) for n in ((16, 128, DEPTH) if shape == "gemma3" else (16, 128))}
+        prompts[shape] = {n: make_prompt(runbin, smallest, n) for n in ((16, 128, DEPTH) if shape == "gemma3" else (16, 128))}
     per_token = {k: bytes_per_token(p, k[0]) for k, p in files.items()}
     runs = {k: {"tg": [], "pp": [], "ltg": [], "lpp": [], "d": [], "ld": []} for k in files}
     probes = []
