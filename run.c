@@ -796,6 +796,7 @@ typedef struct {
     int window_period;   /* layer l is global when l % window_period == window_period - 1, else windowed */
     float rope_theta_local;   /* RoPE base of the windowed layers */
     float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 1: none */
+    int rope_off;             /* no layer turns RoPE (Granite's rope.scaling.finetuned false) */
     float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite) */
     float residual_scale;     /* each block's output times this as it joins the residual (Granite) */
     float att_multiplier;     /* attention scores times this; 0: divided by sqrt(head_size) */
@@ -2212,6 +2213,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         p->att_multiplier = gguf_positive(g, ARCH_KEY("attention.scale"), 0.0f);
         p->logit_scale = gguf_positive(g, ARCH_KEY("logit_scale"), 0.0f);
         if (p->logit_scale == 0.0f) die(EXIT_BAD_FILE, "%s: GGUF metadata '%s' is missing", g->path, key);
+        p->rope_off = !gguf_int(g, ARCH_KEY("rope.scaling.finetuned"), 1, 0, 1); /* Granite's switch for RoPE, on by default */
     }
     p->n_experts = gguf_int(g, ARCH_KEY("expert_count"), 0, 0, 4096);
     if (p->n_experts == 1) p->n_experts = 0; /* one expert is a dense FFN, as llama.cpp takes it */
@@ -6730,10 +6732,11 @@ static void add_bias(float *x, const float *biases, int l, int n, int size) {
 }
 
 /* Layer l's RoPE (Arch no_rope_period: SmolLM3 turns none in every fourth
-   layer, so that .turns is 0): the windowed layers' table or the global one. */
+   layer; Granite's rope_off: none at all; there .rot is 0): the windowed
+   layers' table or the global one. */
 static Rope layer_rope(const Transformer *t, int l) {
     const Config *p = &t->config;
-    const int period = p->arch->no_rope_period, turns = period == 0 || (l + 1) % period != 0;
+    const int period = p->arch->no_rope_period, turns = !p->rope_off && (period == 0 || (l + 1) % period != 0);
     Rope r = {p->head_size, turns ? p->rope_dims : 0, p->rope_halves, p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f,
               layer_windowed(p, l) ? t->rope_freq_local : t->rope_freq};
     return r;
@@ -7683,6 +7686,13 @@ static int run_end(const CodePoints *c, int i, int b, int cls) {
 
 static int is_newline(int cp) { return cp == '\r' || cp == '\n'; }
 
+/* The end of a run of digits at i (< b), at most max_digits of them. */
+static int digits_end(const CodePoints *c, int i, int b, int max_digits) {
+    int j = i;
+    while (j < b && j < i + max_digits && c->cls[j] == CP_NUMBER) j++;
+    return j;
+}
+
 /* ---- Pre-tokenizers --------------------------------------------------------
    A pre-tokenizer cuts the text into pieces that BPE then encodes one by one.
    Each is a list of stages, as llama.cpp runs its list of regular
@@ -7738,11 +7748,7 @@ static int llama3_piece_end(const CodePoints *c, int i, int b, int max_digits) {
     if (contraction >= 0) return contraction;
     if (cls[i] == CP_LETTER) return run_end(c, i, b, CP_LETTER);
     if (cls[i] != CP_NUMBER && !is_newline(cp[i]) && i + 1 < b && cls[i + 1] == CP_LETTER) return run_end(c, i + 1, b, CP_LETTER);
-    if (cls[i] == CP_NUMBER) {
-        int j = i;
-        while (j < b && j < i + max_digits && cls[j] == CP_NUMBER) j++;
-        return j;
-    }
+    if (cls[i] == CP_NUMBER) return digits_end(c, i, b, max_digits);
     int from = cp[i] == ' ' && i + 1 < b && cls[i + 1] == CP_OTHER ? i + 1 : i;
     if (cls[from] == CP_OTHER) {
         int j = run_end(c, from, b, CP_OTHER);
@@ -7806,11 +7812,7 @@ static int o200k_piece_end(const CodePoints *c, int i, int b, int contractions, 
         int contraction = contractions && e < b ? contraction_end(c, e, b) : -1;
         return contraction >= 0 ? contraction : e;
     }
-    if (cls[i] == CP_NUMBER) {
-        int j = i;
-        while (j < b && j < i + max_digits && cls[j] == CP_NUMBER) j++;
-        return j;
-    }
+    if (cls[i] == CP_NUMBER) return digits_end(c, i, b, max_digits);
     int from = cp[i] == ' ' && i + 1 < b && cls[i + 1] == CP_OTHER ? i + 1 : i;
     if (cls[from] == CP_OTHER) {
         int j = run_end(c, from, b, CP_OTHER);
@@ -14188,11 +14190,12 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
         json_fail(j, "field 'return': %d is more hypotheses than the %d beams keep", line->o.n_return, line->o.beams > 0 ? line->o.beams : 1);
 }
 
-/* How a request with options o continues its prompt; seed 0 takes the
-   run's clock seed. */
 /* Whether o's tokens are drawn at random (a temperature above 0 and no
    beam search): only then does a seed change them, and is one named. */
 static int samples(const Options *o) { return o->temperature > 0 && o->beams == 0; }
+
+/* How a request with options o continues its prompt; seed 0 takes the
+   run's clock seed. */
 
 static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
     /* one beam is greedy search, as in the library: it stops at the first
@@ -14315,9 +14318,10 @@ static void batch_input_stop(BatchInput *in) {
 /* ---- A line: a request, or refused alone ------------------------------------ */
 
 /* What a line is checked against: the model's vocabulary and context, and
-   the beams the engine was set up for. */
+   the beams the engine was set up for; `windowed`: the model has
+   sliding-window layers, which --keep's ring does not serve. */
 typedef struct {
-    int vocab, seq_len, max_beams;
+    int vocab, seq_len, max_beams, windowed;
 } BatchLimits;
 
 /* Parses line `text` (n bytes, named `where` in errors) into *line, over the
@@ -14347,6 +14351,7 @@ static int parse_line(const char *text, size_t n, const char *where, BatchLine *
     parse_batch_line(&j, line, tmp, lim->vocab, lim->seq_len);
     if (line->o.beams > lim->max_beams)
         json_fail(&j, "field 'beams': %d is more than a batch runs (%d, or -b when that is more)", line->o.beams, lim->max_beams);
+    if (line->o.keep >= 0 && lim->windowed) json_fail(&j, "field 'keep': this model's sliding-window layers do not work with it");
     error_trap = outer;
     return 1;
 }
@@ -14565,7 +14570,7 @@ static void take_line(BatchRun *b, const char *text, size_t n) {
 static int run_batch(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clock_seed) {
     const Config *p = &e->t->config;
     int max_beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS;
-    BatchRun b = {.e = e, .tok = tok, .defaults = o, .limits = {p->vocab_size, p->seq_len, max_beams}, .clock_seed = clock_seed};
+    BatchRun b = {.e = e, .tok = tok, .defaults = o, .limits = {p->vocab_size, p->seq_len, max_beams, p->window > 0}, .clock_seed = clock_seed};
     b.out = (BatchOutput){.tok = tok, .ordered = o->ordered, .progress = isatty(STDERR_FILENO)};
     batch_input_open(&b.in, o->batch_file);
     b.where = xcalloc(strlen(b.in.name) + 24, 1);

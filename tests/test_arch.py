@@ -68,6 +68,7 @@ sys.path.insert(0, HERE)
 from verdicts import COUNTS, Skip, case as run_case  # noqa: E402
 
 import arch_models  # noqa: E402
+from gguf_ref import write_gguf  # noqa: E402
 import llamacpp  # noqa: E402
 
 RUN = os.environ.get("RUN", "./run")
@@ -91,6 +92,7 @@ FILES = {
     "smollm3": ("smollm3", {}),
     "granite": ("granite", {}),
     "llama_key_length": ("llama", {}),
+    "granite_rope_off": ("granite", dict(seed=6)),
     # mixtures of experts (mixtral: general.architecture llama with experts)
     "qwen3moe": ("qwen3moe", dict(seed=5)),
     "qwen2moe": ("qwen2moe", {}),
@@ -108,6 +110,11 @@ FILES = {
 NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",)}
 
 
+# metadata beyond arch_models' of some files: Granite's switch that turns
+# RoPE off in every layer (llama.cpp reads rope.scaling.finetuned so)
+META = {"granite_rope_off": {"granite.rope.scaling.finetuned": False}}
+
+
 def case(name):
     """Runs the function it decorates as the case `name` (verdicts.case)."""
     return lambda fn: run_case(name, fn)
@@ -122,7 +129,9 @@ def write(name, neutralise=None, **extra):
     kw = dict(kw, **extra)
     path = os.path.join(TMP, "%s%s.gguf" % (name, "_no_" + neutralise if neutralise else ""))
     if not os.path.exists(path):
-        arch_models.write_arch(path, arch, neutralise=neutralise, **kw)
+        meta, tensors = arch_models.arch_model(arch, neutralise=neutralise, **kw)
+        meta.update(META.get(name, {}))
+        write_gguf(path, meta, tensors)
     return path
 
 
@@ -262,6 +271,19 @@ def main():
                     raise AssertionError("llama.cpp cannot tell the file without %s apart: the check would not bite" % feature)
                 print("    (without %s: %s)" % (feature, why))
 
+    @case("arch_granite_rope_off_control_rope")
+    def _():
+        if "granite_rope_off" not in runs:
+            raise Skip("the float32 case did not run")
+        prompt, gen, score = runs["granite_rope_off"]
+        meta, tensors = arch_models.arch_model("granite", **FILES["granite_rope_off"][1])
+        path = os.path.join(TMP, "granite_rope_on.gguf")
+        write_gguf(path, meta, tensors)
+        why = disagreement(path, prompt, gen, score, tolerance("granite"), CTX)
+        if why is None:
+            raise AssertionError("llama.cpp cannot tell RoPE on from off: the check would not bite")
+        print("    (with RoPE: %s)" % why)
+
     # quantised by llama.cpp's own quantiser
     for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length", "qwen3moe", "qwen2moe", "olmoe", "mixtral"):
         for ftype in ("Q8_0", "Q4_K_M"):
@@ -299,13 +321,18 @@ def main():
         r = sh([RUN, write("gemma3"), "--keep", "4", "-n", "8"])
         if r.returncode != 2 or "sliding-window" not in r.stderr:
             raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()))
+        lines = json.dumps({"prompt": PROMPT, "keep": 4}) + "\n" + json.dumps({"prompt": PROMPT, "steps": 48}) + "\n"
+        r = subprocess.run([RUN, write("gemma3"), "-t", "0", "--batch", "-", "--ordered"], input=lines, capture_output=True, text=True,
+                           timeout=300)
+        got = [json.loads(line) for line in r.stdout.strip().splitlines()]
+        if len(got) != 2 or "keep" not in got[0].get("error", "") or "tokens" not in got[1]:
+            raise AssertionError("--batch with a line's keep: %s" % r.stdout.strip()[-300:])
 
     @case("arch_unknown_named")
     def _():
         meta, tensors = arch_models.arch_model("llama")
         meta["general.architecture"] = "qwen3next"
         path = os.path.join(TMP, "qwen3next.gguf")
-        from gguf_ref import write_gguf
         write_gguf(path, meta, tensors)
         r = sh([RUN, path, "-n", "4"])
         if r.returncode != 1 or "'qwen3next'" not in r.stderr or "hybrid" not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
@@ -317,7 +344,6 @@ def main():
         tensors = [(n, t, [16] if n == "blk.1.attn_k_norm.weight" else ne, b[:64] if n == "blk.1.attn_k_norm.weight" else b)
                    for n, t, ne, b in tensors]
         path = os.path.join(TMP, "qwen3_bad_norm.gguf")
-        from gguf_ref import write_gguf
         write_gguf(path, meta, tensors)
         r = sh([RUN, path, "-n", "4"])
         if r.returncode != 1 or "blk.1.attn_k_norm.weight" not in r.stderr or "[16" not in r.stderr:
