@@ -791,16 +791,16 @@ typedef struct {
        run.c's own checkpoints; a GGUF file may set both apart (section 2.3) */
     int head_size;
     int rope_dims;
-    const struct Arch *arch; /* the architecture's row (section 2.3): what the forward pass adds to llama's */
+    const struct Arch *arch; /* the architecture's row (ARCHS, below): what the forward pass adds to llama's */
     int window;          /* the windowed layers' attention reaches the last `window` positions; 0: no windows */
     int window_period;   /* layer l is global when l % window_period == window_period - 1, else windowed */
     float rope_theta_local;   /* RoPE base of the windowed layers */
-    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 1: none */
+    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 0 or 1: none */
     int rope_off;             /* no layer turns RoPE (Granite's rope.scaling.finetuned false) */
-    float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite) */
-    float residual_scale;     /* each block's output times this as it joins the residual (Granite) */
+    float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite); 0: none */
+    float residual_scale;     /* each block's output times this as it joins the residual (Granite); 0: none */
     float att_multiplier;     /* attention scores times this; 0: divided by sqrt(head_size) */
-    float logit_scale;        /* the logits divided by this (Granite) */
+    float logit_scale;        /* the logits divided by this (Granite); 0: none */
     float softcap;            /* logits = softcap * tanh(logits / softcap) (Gemma); 0: none */
     /* a mixture of experts (GGUF expert_count > 0; section 4's moe_ffn) */
     int n_experts;            /* experts of a layer; 0: every layer's FFN is dense */
