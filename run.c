@@ -6781,19 +6781,23 @@ static void add_residual(float *x, const float *y, int n, int dim, float scale) 
 }
 
 /* The dense FFN of n rows of xb: out = w2 @ (act(w1 @ xb) * (w3 @ xb)), act
-   SiLU (v * sigmoid(v)) or GELU, its width w1's rows. With `gate` (a
-   shared expert's, (n_layers, dim)), added to out instead, times
-   sigmoid(gate_l . xb) row by row. */
-static void dense_ffn(Transformer *t, const Matrix *w1, const Matrix *w3, const Matrix *w2, int n, float *out, const float *gate, int l) {
-    const Config *p = &t->config;
+   SiLU (v * sigmoid(v)) or GELU, its width w1's rows. */
+static void dense_ffn(Transformer *t, const Matrix *w1, const Matrix *w3, const Matrix *w2, int n, float *out) {
     RunState *s = &t->state;
-    const int dim = p->dim;
     const Matrix *gate_up[2] = {w1, w3};
     float *const gate_up_out[2] = {s->hb, s->hb2};
     matmul_shared(gate_up, gate_up_out, 2, s->xb, n);
-    gated_activation(p->arch->activation, s->hb, s->hb2, n, w1->rows);
+    gated_activation(t->config.arch->activation, s->hb, s->hb2, n, w1->rows);
     matmul(out, s->hb, w2, n);
-    if (out == s->xb2) return;
+}
+
+/* xb2 (n, dim) += a shared expert's output y (n, dim) of layer l, row by
+   row times sigmoid(shared_gate_l . xb) where the model has that gate
+   (Qwen2-MoE), else whole. */
+static void add_shared_expert(Transformer *t, int l, int n, const float *y) {
+    const int dim = t->config.dim;
+    const float *gate = t->weights.shared_gate;
+    RunState *s = &t->state;
     for (int r = 0; r < n; r++) {
         float g = 1.0f;
         if (gate) {
@@ -6801,7 +6805,7 @@ static void dense_ffn(Transformer *t, const Matrix *w1, const Matrix *w3, const 
             for (int i = 0; i < dim; i++) dot += gate[(size_t)l * dim + i] * s->xb[(size_t)r * dim + i];
             g = 1.0f / (1.0f + expf(-dot));
         }
-        for (int i = 0; i < dim; i++) s->xb2[(size_t)r * dim + i] += g * out[(size_t)r * dim + i];
+        for (int i = 0; i < dim; i++) s->xb2[(size_t)r * dim + i] += g * y[(size_t)r * dim + i];
     }
 }
 
@@ -6927,9 +6931,12 @@ static float *forward(Transformer *t, const Batch *b) {
             rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_ffn + (size_t)l * dim, dim, p->norm_eps);
         if (w->router && w->router[l].rows > 0) {
             moe_ffn(t, l, n, s->xb2);
-            if (w->w1[l].rows > 0) dense_ffn(t, &w->w1[l], &w->w3[l], &w->w2[l], n, s->slots, w->shared_gate, l);
+            if (w->w1[l].rows > 0) { /* a shared expert; the slots are free again */
+                dense_ffn(t, &w->w1[l], &w->w3[l], &w->w2[l], n, s->slots);
+                add_shared_expert(t, l, n, s->slots);
+            }
         } else
-            dense_ffn(t, &w->w1[l], &w->w3[l], &w->w2[l], n, s->xb2, NULL, l);
+            dense_ffn(t, &w->w1[l], &w->w3[l], &w->w2[l], n, s->xb2);
         if (w->post_ffn) rmsnorm_rows(s->xb2, w->post_ffn + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
         add_residual(s->x, s->xb2, n, dim, p->residual_scale);
     }
