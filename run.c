@@ -14102,20 +14102,11 @@ static void parse_stop_list(JsonCursor *j, BatchLine *line, char **text) {
     j->p++; /* ] */
 }
 
-/* A prompt as token ids (field `field`): a list of integers in [0, vocab),
-   or, where `nested`, a list of one such list (OpenAI's list of prompts, of
-   one prompt here). They are the prompt exactly: BOS is not added. */
-static void parse_token_ids(JsonCursor *j, BatchLine *line, const char *field, int vocab, int nested, char **text) {
+/* A prompt as token ids (field `field`): a list of integers in [0, vocab).
+   They are the prompt exactly: BOS is not added. */
+static void parse_token_ids(JsonCursor *j, BatchLine *line, const char *field, int vocab, char **text) {
     j->p++; /* [ */
     json_space(j);
-    if (nested && j->p < j->end && *j->p == '[') {
-        parse_token_ids(j, line, field, vocab, 0, text);
-        json_space(j);
-        if (j->p >= j->end || *j->p != ']')
-            json_fail(j, "field '%s': one prompt a request (send the others as requests of their own)", field);
-        j->p++;
-        return;
-    }
     free(line->ids);
     line->ids = NULL;
     line->n_ids = 0;
@@ -14172,7 +14163,7 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
             parse_stop_list(j, line, &tmp->text);
         } else if (strcmp(name, "prompt_ids") == 0) {
             if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'prompt_ids': must be a list of token ids");
-            parse_token_ids(j, line, name, vocab, 0, &tmp->text);
+            parse_token_ids(j, line, name, vocab, &tmp->text);
         } else if (strcmp(name, "response_format") == 0) {
             apply_response_format(j, line);
         } else {
@@ -14777,6 +14768,12 @@ static int http_parse(const char *buf, size_t n, size_t max_body, HttpRequest *h
 
 /* ---- The request JSON ------------------------------------------------------ */
 
+/* One prompt of a list of them: its text, or its token ids (then text is NULL). */
+typedef struct {
+    char *text;
+    int *ids, n_ids;
+} PromptItem;
+
 /* A completion's fields as read from its JSON body: the options (the
    command line's, with the fields applied, as a --batch line), the prompt or
    the messages, and whether to stream. Owns every string. */
@@ -14789,6 +14786,8 @@ typedef struct {
     int echo;                /* completions: the prompt comes before each choice's text */
     int logprobs;            /* log-probabilities asked for (completions: "logprobs" given; chat: true) */
     int top_logprobs;        /* alternatives per token; -1: not given */
+    PromptItem prompts[SERVE_MAX_N]; /* (n_prompts) completions' "prompt" as a list of prompts; 0: one, in line */
+    int n_prompts;
     char **roles, **contents; /* (n_messages) chat */
     int n_messages, messages_given;
     char *name, *text;       /* the field being read (freed on any exit) */
@@ -14798,6 +14797,7 @@ typedef struct {
 static void free_serve_fields(ServeFields *f) {
     free(f->line.prompt);
     free(f->line.ids);
+    for (int i = 0; i < f->n_prompts; i++) { free(f->prompts[i].text); free(f->prompts[i].ids); }
     free_schema(f->line.schema);
     for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
     for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
@@ -14938,6 +14938,49 @@ static int choice_field(JsonCursor *j, ServeFields *f, const char *name) {
     return 1;
 }
 
+/* Forgets the prompt or prompts read so far (a field given twice: the last counts). */
+static void forget_prompts(ServeFields *f) {
+    free(f->line.prompt);
+    f->line.prompt = NULL;
+    free(f->line.ids);
+    f->line.ids = NULL;
+    for (int i = 0; i < f->n_prompts; i++) { free(f->prompts[i].text); free(f->prompts[i].ids); }
+    f->n_prompts = 0;
+}
+
+/* Completions' "prompt" as a list: one prompt's token ids, or a list of
+   prompts (OpenAI's batch of prompts), each a string or a list of token
+   ids; each prompt gets its n choices. */
+static void parse_prompt_list(JsonCursor *j, ServeFields *f, const char *field) {
+    forget_prompts(f);
+    const char *q = j->p + 1;
+    while (q < j->end && (*q == ' ' || *q == '\t' || *q == '\n' || *q == '\r')) q++;
+    if (q >= j->end || (*q != '"' && *q != '[')) { /* token ids (or an empty list, refused there) */
+        parse_token_ids(j, &f->line, field, f->vocab, &f->text);
+        return;
+    }
+    j->p++; /* [ */
+    json_space(j);
+    for (int first = 1; json_next_item(j, ']', &first, "field 'prompt': expected ',' or ']' in the list of prompts");) {
+        if (f->n_prompts == SERVE_MAX_N) json_fail(j, "field '%s': %d prompts at most a request", field, SERVE_MAX_N);
+        PromptItem *item = &f->prompts[f->n_prompts];
+        if (j->p < j->end && *j->p == '[') {
+            parse_token_ids(j, &f->line, field, f->vocab, &f->text);
+            item->ids = f->line.ids;
+            item->n_ids = f->line.n_ids;
+            f->line.ids = NULL;
+        } else if (json_value(j, field, &f->text) == JSON_STRING) {
+            item->text = f->text;
+            f->text = NULL;
+        } else {
+            json_fail(j, "field '%s': each prompt of the list must be a string or a list of token ids", field);
+        }
+        f->n_prompts++;
+        json_space(j);
+    }
+    j->p++; /* ] */
+}
+
 /* One field of the request body. The fields that --batch has go through
    its apply_field; null stands for an absent field; unknown ones are
    ignored. */
@@ -14962,10 +15005,8 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
             int compound = j->p < j->end && (*j->p == '{' || *j->p == '[');
             JsonKind kind = compound ? JSON_COMPOUND : JSON_NULL;
             if (compound && strcmp(name, "prompt") == 0 && !f->chat) {
-                if (*j->p != '[') json_fail(j, "field 'prompt': must be a string or a list of token ids");
-                free(f->line.prompt);
-                f->line.prompt = NULL;
-                parse_token_ids(j, &f->line, name, f->vocab, 1, &f->text);
+                if (*j->p != '[') json_fail(j, "field 'prompt': must be a string, a list of token ids or a list of prompts");
+                parse_prompt_list(j, f, name);
                 kind = JSON_NULL; /* read */
             } else if (compound) {
                 json_skip(j, 0);
@@ -14977,12 +15018,7 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
             if (kind == JSON_NULL) {
             } else if ((strcmp(name, "prompt") == 0 && !f->chat) || strcmp(name, "stop") == 0 || known) {
                 if (kind == JSON_COMPOUND) json_fail(j, "field '%s': wrong type", name);
-                if (strcmp(name, "prompt") == 0) { /* a repeated field: the last one counts */
-                    free(f->line.prompt);
-                    f->line.prompt = NULL;
-                    free(f->line.ids);
-                    f->line.ids = NULL;
-                }
+                if (strcmp(name, "prompt") == 0) forget_prompts(f); /* a repeated field: the last one counts */
                 apply_field(j, &f->line, name, kind, f->text, f->vocab);
             } else if (strcmp(name, "max_tokens") == 0 || strcmp(name, "max_completion_tokens") == 0) {
                 f->max_tokens = (int)integer_field(j, name, kind, f->text, 0, INT_MAX);
@@ -15009,7 +15045,7 @@ static void parse_request_body(ServeFields *f, const char *body, size_t n) {
     if (f->chat && f->n_messages == 0)
         json_fail(&j, f->messages_given ? "field 'messages': the list is empty; it needs a user message at least"
                                         : "missing field 'messages'");
-    if (!f->chat && !f->line.prompt && !f->line.ids) json_fail(&j, "missing field 'prompt'");
+    if (!f->chat && !f->line.prompt && !f->line.ids && f->n_prompts == 0) json_fail(&j, "missing field 'prompt'");
 }
 
 /* The tokens of a whole conversation in the tokenizer's chat template, as
@@ -15120,7 +15156,8 @@ typedef struct {
     long long served;     /* answers sent in full on this connection */
     Request *req[SERVE_MAX_N]; /* (n_choices) each choice's request, kept until all are done */
     int n_choices, n_left;     /* choices, and those still running */
-    char *echo;                /* the prompt, put before each choice's text (echo); NULL: none */
+    int per_prompt;            /* choices of each prompt (n): choice i answers prompt i / per_prompt */
+    char *echo[SERVE_MAX_N];   /* (n_choices) its prompt, put before each choice's text (echo); NULL: none */
     int chat, stream;
     unsigned char first_chunk[SERVE_MAX_N]; /* a choice's next chunk is its first */
     ByteBuf held[SERVE_MAX_N]; /* each choice's streamed text not yet sent: an incomplete UTF-8 character */
@@ -15214,6 +15251,21 @@ static void conn_error(Server *srv, Conn *c, int status, const char *message) {
     fprintf(stderr, "run: serve: %d %s\n", status, message);
 }
 
+static void conn_free_echo(Conn *c) {
+    for (int i = 0; i < SERVE_MAX_N; i++) {
+        free(c->echo[i]);
+        c->echo[i] = NULL;
+    }
+}
+
+/* The prompt tokens of c's completion: each prompt's once (OpenAI counts
+   a prompt once whatever its n). */
+static int conn_prompt_tokens(const Conn *c) {
+    int n = 0;
+    for (int i = 0; i < c->n_choices; i += c->per_prompt) n += c->req[i]->n_prompt;
+    return n;
+}
+
 /* Drops c's requests, waiting, running or done, and what they held. */
 static void conn_drop_requests(Engine *e, Conn *c) {
     for (int i = 0; i < c->n_choices; i++) {
@@ -15222,8 +15274,7 @@ static void conn_drop_requests(Engine *e, Conn *c) {
         c->req[i] = NULL;
     }
     c->n_choices = c->n_left = 0;
-    free(c->echo);
-    c->echo = NULL;
+    conn_free_echo(c);
 }
 
 /* Whether one of c's requests is still waiting for its place. */
@@ -15567,20 +15618,21 @@ static void answer_choices(Server *srv, Conn *c) {
             buf_str(&b, "},\"logprobs\":");
             if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
-            char *whole = xcalloc(strlen(c->echo ? c->echo : "") + strlen(text) + 1, 1);
-            strcat(strcpy(whole, c->echo ? c->echo : ""), text);
+            const char *echo = c->echo[i] ? c->echo[i] : "";
+            char *whole = xcalloc(strlen(echo) + strlen(text) + 1, 1);
+            strcat(strcpy(whole, echo), text);
             buf_str(&b, "\"text\":");
             buf_json(&b, whole);
             free(whole);
             buf_str(&b, ",\"logprobs\":");
-            if (r->lp) completion_logprobs(srv->tok, &b, r, c->echo);
+            if (r->lp) completion_logprobs(srv->tok, &b, r, c->echo[i]);
         }
         if (!r->lp) buf_str(&b, "null");
         buf_printf(&b, ",\"finish_reason\":\"%s\"}", finish_reason(h));
         generated += h->n_tokens;
         free(text);
     }
-    int n_prompt = c->req[0]->n_prompt; /* the prompt counts once, as OpenAI counts it */
+    int n_prompt = conn_prompt_tokens(c);
     buf_printf(&b, "],\"usage\":{\"prompt_tokens\":%d,\"completion_tokens\":%d,\"total_tokens\":%d}}", n_prompt, generated,
                n_prompt + generated);
     conn_answer(srv, c, 200, "application/json", b.data);
@@ -15594,7 +15646,7 @@ static void serve_log_done(const Conn *c) {
     for (int i = 0; i < c->n_choices; i++) out += c->req[i]->n_hyps > 0 ? c->req[i]->hyps[0].n_tokens : 0;
     const Request *first = c->req[0];
     if (first->n_hyps == 0) return; /* failed: its error answer is logged */
-    fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s", c->id, first->n_prompt, out, now_seconds() - c->started,
+    fprintf(stderr, "run: serve: %s %d tokens in, %d out, %.3f s, %s", c->id, conn_prompt_tokens(c), out, now_seconds() - c->started,
             first->hyps[0].stop);
     if (c->n_choices > 1) fprintf(stderr, " (%d choices)", c->n_choices);
     fputc('\n', stderr);
@@ -15602,8 +15654,8 @@ static void serve_log_done(const Conn *c) {
 
 /* The engine's on_done for one choice: its stream's last events, a log
    line; once every choice is done, the answer (or the stream's end), and
-   the requests are freed. Every choice needs the same cache, so when one
-   cannot run none can: the answer is then the error. */
+   the requests are freed. When one choice cannot run (its prompt needs
+   more cache than there is), the answer is its error. */
 static void serve_on_done(Request *r, void *user) {
     Server *srv = user;
     Conn *c = request_conn(srv, r);
@@ -15639,8 +15691,7 @@ static void serve_on_done(Request *r, void *user) {
         c->req[i] = NULL;
     }
     c->n_choices = 0;
-    free(c->echo);
-    c->echo = NULL;
+    conn_free_echo(c);
     for (int k = 0; k < MAX_STOPS; k++) { free(c->stops[k]); c->stops[k] = NULL; }
 }
 
@@ -15673,28 +15724,60 @@ static const char *choice_refusal(const ServeFields *f) {
     return NULL;
 }
 
-/* Submits the n choices of a completion (see "Choices and their
-   log-probabilities"), each with its own copy of the prompt (this one goes
-   to the first). */
-static void submit_choices(Server *srv, Conn *c, const ServeFields *f, const Decoding *d, int *prompt, int n_prompt) {
-    int max_new = f->max_tokens == 0 ? 0 : cap_new_tokens(d, srv->steps - n_prompt + 1);
-    c->n_choices = c->n_left = f->n;
-    for (int i = 0; i < f->n; i++) {
+/* Submits the n choices of each of a completion's prompts (see "Choices
+   and their log-probabilities"): choice p * n + i is prompt p's i-th, with
+   the seed plus i, as if each prompt came alone. Each choice has its own
+   copy of its prompt (the prompt itself goes to its first). */
+static void submit_choices(Server *srv, Conn *c, const ServeFields *f, const Decoding *d, int **prompts, const int *n_prompt,
+                           int n_prompts) {
+    c->n_choices = c->n_left = n_prompts * f->n;
+    c->per_prompt = f->n;
+    for (int k = 0; k < c->n_choices; k++) {
+        int p = k / f->n, i = k % f->n, n = n_prompt[p];
+        int max_new = f->max_tokens == 0 ? 0 : cap_new_tokens(d, srv->steps - n + 1);
         Decoding di = *d;
         di.seed = d->seed + (uint64_t)i;
-        int *tokens = prompt;
+        int *tokens = prompts[p];
         if (i > 0) {
-            tokens = xcalloc((size_t)n_prompt, sizeof(int));
-            memcpy(tokens, prompt, (size_t)n_prompt * sizeof(int));
+            tokens = xcalloc((size_t)n, sizeof(int));
+            memcpy(tokens, prompts[p], (size_t)n * sizeof(int));
         }
-        Request *r = request_new(tokens, n_prompt, max_new, f->chat || srv->tok->eos_ends_generate, &di);
-        if (f->logprobs) r->lp = logprobs_new(f->top_logprobs > 0 ? f->top_logprobs : 0, f->echo, n_prompt, max_new);
-        r->index = (int)(c - srv->conns) * SERVE_MAX_N + i;
+        Request *r = request_new(tokens, n, max_new, f->chat || srv->tok->eos_ends_generate, &di);
+        if (f->logprobs) r->lp = logprobs_new(f->top_logprobs > 0 ? f->top_logprobs : 0, f->echo, n, max_new);
+        r->index = (int)(c - srv->conns) * SERVE_MAX_N + k;
         r->owner = srv;
         r->on_text = serve_on_text;
-        c->req[i] = r;
-        c->first_chunk[i] = 1;
+        c->req[k] = r;
+        c->first_chunk[k] = 1;
     }
+}
+
+/* The token ids of a completion's prompts (the messages, for chat), at
+   most SERVE_MAX_N, each fitting the context: their count, or 0 with *why
+   (those made are freed). With echo, each prompt's text goes to echo[p]
+   (token ids: their text, as a prompt's is printed, after BOS). */
+static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n_prompt, char **echo, const char **why) {
+    const Tokenizer *tok = srv->tok;
+    int count = f->n_prompts > 0 ? f->n_prompts : 1;
+    *why = "the prompt does not fit the model's context";
+    for (int p = 0; p < count; p++) {
+        PromptItem one = {f->line.prompt, f->line.ids, f->line.n_ids}, *item = f->n_prompts > 0 ? &f->prompts[p] : &one;
+        if (f->chat) prompts[p] = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt[p], why);
+        else if (item->ids && item->n_ids <= srv->steps) {
+            prompts[p] = xcalloc((size_t)item->n_ids, sizeof(int));
+            memcpy(prompts[p], item->ids, (size_t)item->n_ids * sizeof(int));
+            n_prompt[p] = item->n_ids;
+        } else if (!item->ids) prompts[p] = encode_prompt(tok, item->text, srv->steps, &n_prompt[p]);
+        else prompts[p] = NULL;
+        if (!prompts[p]) {
+            while (p-- > 0) free(prompts[p]);
+            return 0;
+        }
+        if (f->echo && !item->ids) echo[p] = strdup(item->text);
+        else if (f->echo) echo[p] = prompts[p][0] == tok->bos ? decode_text(tok, prompts[p][0], prompts[p] + 1, n_prompt[p] - 1)
+                                                               : decode_text(tok, tok->bos, prompts[p], n_prompt[p]);
+    }
+    return count;
 }
 
 /* Starts a completion (chat or not) from the request body: the fields are
@@ -15723,13 +15806,13 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     if (o->beams > srv->beams) refusal = "num_beams is more than the server allows (4, or -b when it is more)";
     else if (o->beams > 0 && f->stream) refusal = "num_beams cannot be streamed: ask with stream false";
     else refusal = choice_refusal(f);
-    int n_prompt = 0, *prompt = NULL;
-    const char *why = "the prompt does not fit the model's context";
-    if (!refusal && chat) prompt = chat_messages_tokens(srv->tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt, &why);
-    else if (!refusal && f->line.ids) prompt = take_ids(&f->line, srv->steps, &n_prompt, &why);
-    else if (!refusal) prompt = encode_prompt(srv->tok, f->line.prompt, srv->steps, &n_prompt);
+    if (!refusal && f->n_prompts * f->n > SERVE_MAX_N) refusal = "fields 'prompt' and 'n': the prompts times n is 16 at most";
+    int n_prompt[SERVE_MAX_N], *prompts[SERVE_MAX_N], n_prompts = 0;
+    char *echo[SERVE_MAX_N] = {NULL};
+    const char *why = NULL;
+    if (!refusal) n_prompts = completion_prompts(srv, f, prompts, n_prompt, echo, &why);
     error_trap = NULL;
-    if (!refusal && !prompt) refusal = why;
+    if (!refusal && n_prompts == 0) refusal = why;
     if (refusal) {
         free_serve_fields(f);
         free(f);
@@ -15738,7 +15821,9 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
-    submit_choices(srv, c, f, &d, prompt, n_prompt);
+    submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
+    for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
+        c->echo[k] = echo[k / f->n] && k % f->n != 0 ? strdup(echo[k / f->n]) : echo[k / f->n];
     /* the choices share the schema; the last one owns it, as it is freed
        last (conn_drop_requests, serve_on_done) */
     c->req[c->n_choices - 1]->own_schema = f->line.schema;
@@ -15748,13 +15833,6 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     f->line.o.controls.n_stops = 0;
     c->chat = chat;
     c->stream = f->stream;
-    if (f->echo && !f->line.prompt) /* token ids: their text, as a prompt's is printed (after BOS) */
-        c->echo = prompt[0] == srv->tok->bos ? decode_text(srv->tok, prompt[0], prompt + 1, n_prompt - 1)
-                                             : decode_text(srv->tok, srv->tok->bos, prompt, n_prompt);
-    else if (f->echo) {
-        c->echo = f->line.prompt;
-        f->line.prompt = NULL;
-    }
     free_serve_fields(f);
     free(f);
     c->phase = CONN_RUNNING;
@@ -15767,7 +15845,8 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
         c->chunked = 1;
         buf_printf(&c->out, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                    "Transfer-Encoding: chunked\r\nConnection: %s\r\n\r\n", c->keep ? "keep-alive" : "close");
-        for (int i = 0; c->echo && i < c->n_choices; i++) send_chunk(srv, c, i, c->echo, NULL);
+        for (int i = 0; i < c->n_choices; i++)
+            if (c->echo[i]) send_chunk(srv, c, i, c->echo[i], NULL);
     }
     for (int i = 0; i < c->n_choices; i++) engine_submit(srv->e, c->req[i]);
 }

@@ -240,7 +240,7 @@ def test_bad_requests(srv):
         (400, ('POST', '/v1/completions', None, None, b'{"prompt": "x",'), 'malformed JSON'),
         (400, ('POST', '/v1/completions', None, None, b'[1,2]'), 'not an object'),
         (400, ('POST', '/v1/completions', {'prompt': 5}), 'prompt not a string'),
-        (400, ('POST', '/v1/completions', {'prompt': ['a', 'b']}), 'prompt a list'),
+        (400, ('POST', '/v1/completions', {'prompt': ['a', {'b': 1}]}), 'a prompt of the list an object'),
         (400, ('POST', '/v1/completions', {'prompt': 'x', 'max_tokens': 'ten'}), 'max_tokens a string'),
         (400, ('POST', '/v1/completions', {'prompt': 'x', 'temperature': -1}), 'temperature below 0'),
         (400, ('POST', '/v1/completions', {'prompt': 'x', 'stream': 1}), 'stream a number'),
@@ -491,13 +491,47 @@ def test_prompt_ids():
             status, got = srv.post('/v1/completions', {'prompt': prompt, 'max_tokens': 12, 'temperature': 0, 'echo': True})
             assert status == 200 and got['choices'][0]['text'] == want[1]['choices'][0]['text'], (status, got, want)
             assert got['usage'] == want[1]['usage'], (got['usage'], want[1]['usage'])
-        for prompt, words in (([ids, ids], 'one prompt a request'), ([], 'empty'), ([1, 512], 'outside'),
-                              ([1, 'a'], "'prompt'")):
+        for prompt, words in (([], 'empty'), ([1, 512], 'outside'), ([1, 'a'], "'prompt'"), (['a', 3], 'each prompt'),
+                              ([ids, [1, 512]], 'outside'), (['a'] * 17, '16 prompts at most'), ([[]], 'empty')):
             status, out = srv.post('/v1/completions', {'prompt': prompt})
             assert status == 400 and words in out['error']['message'] and 'prompt' in out['error']['message'], (prompt, out)
+        status, out = srv.post('/v1/completions', {'prompt': ['a'] * 5, 'n': 4})
+        assert status == 400 and '16 at most' in out['error']['message'], out
     finally:
         code = srv.stop()
     assert code == 0, 'exit %r' % code
+
+
+def test_several_prompts():
+    """A list of prompts (strings and token-id lists) in one completion:
+    choice p * n + i is what prompt p alone gives as its choice i, text,
+    echo, log-probabilities and seeds alike, streamed or not; usage counts
+    each prompt once."""
+    srv = Server('--parallel', '3')
+    try:
+        prompts = ['Once upon a time', [1, 403, 407, 261, 378], 'Lily went', 'The cat']
+        base = {'max_tokens': 9, 'temperature': 1.0, 'seed': 7, 'n': 2, 'echo': True, 'logprobs': 2}
+        alone = []
+        for p in prompts:
+            status, out = srv.post('/v1/completions', dict(base, prompt=p))
+            assert status == 200, out
+            alone.append(out)
+        status, got = srv.post('/v1/completions', dict(base, prompt=prompts))
+        assert status == 200, got
+        want = [dict(c, index=p * 2 + c['index']) for p, out in enumerate(alone) for c in out['choices']]
+        assert got['choices'] == want, (got['choices'], want)
+        assert got['usage']['prompt_tokens'] == sum(o['usage']['prompt_tokens'] for o in alone), got['usage']
+        assert got['usage']['completion_tokens'] == sum(o['usage']['completion_tokens'] for o in alone), got['usage']
+        events, done = srv.stream('/v1/completions', dict(base, prompt=prompts, logprobs=None))
+        streamed = {}
+        for event in events:
+            for c in event['choices']:
+                streamed[c['index']] = streamed.get(c['index'], '') + c['text']
+        assert done and streamed == {c['index']: c['text'] for c in want}, (streamed, want)
+        return '%d prompts x n 2: %d choices, whole and streamed, equal to each prompt alone' % (len(prompts), len(want))
+    finally:
+        code = srv.stop()
+        assert code == 0, 'exit %r' % code
 
 
 def main():
@@ -525,6 +559,7 @@ def main():
     case('serve_stop_default_replaced', test_stop_default)
     case('serve_errors_and_choices_logged_once', test_log_once)
     case('serve_prompt_as_token_ids', test_prompt_ids)
+    case('serve_several_prompts', test_several_prompts)
 
 
 if __name__ == '__main__':

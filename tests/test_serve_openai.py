@@ -50,6 +50,10 @@ def test_client():
     assert got['completion'] == want, (got['completion'], want)
     assert got['completion_streamed'] == want, got['completion_streamed']
     assert got['completion_finish'] == 'length' and got['usage']['completion_tokens'] == 30, got
+    lily = ts.cli(['-i', 'Lily went', '--max-new-tokens', '12', '-t', '0'])
+    once = ts.cli(['-i', 'Once upon a time', '--max-new-tokens', '12', '-t', '0'])
+    assert got['several'] == [[0, once['text']], [1, once['text']], [2, lily['text']], [3, lily['text']]], got['several']
+    assert got['several_usage']['completion_tokens'] == 48, got['several_usage']
     chat = ts.cli(['-m', 'chat', '-y', 'You are kind.', '-i', 'hi there', '--max-new-tokens', '30', '-t', '0'])['text']
     assert got['chat'] == chat and got['chat_role'] == 'assistant', (got['chat'], chat)
     assert got['chat_streamed'] == chat, got['chat_streamed']
