@@ -11490,6 +11490,8 @@ struct Request {
     void *owner;            /* the driver's, for on_text (the server's) */
     /* progress */
     RequestState state;
+    long long arrival;      /* its place in the order of submission */
+    double paused_at;       /* when it last gave its place up (see "Turns"); 0: never */
     Sequence *seqs;         /* (max(1, B)) */
     int n_seqs;
     long long promised;     /* cache blocks promised to it (its worst case) */
@@ -11529,6 +11531,10 @@ typedef struct {
     int n_queue, cap_queue, next_waiting;
     Request **running;      /* (parallel) */
     int n_running;
+    int turn;               /* tokens a request generates before one that has had less may take its place; 0: first come, first served */
+    Request **paused;       /* (n_paused) running requests that gave their places up, their cache given back */
+    int n_paused, cap_paused;
+    long long arrivals;     /* requests submitted so far */
     /* the rows of the current step */
     int *row_token, *row_pos, *logit_rows;  /* (max_rows) */
     const BlockTable **row_table;           /* (max_rows) */
@@ -12171,7 +12177,7 @@ static void engine_init(Engine *e, Transformer *t, const Tokenizer *tok, int par
 
 static void engine_free(Engine *e) {
     token_trie_free(e->trie);
-    free(e->queue); free(e->running); free(e->row_token); free(e->row_pos); free(e->logit_rows);
+    free(e->queue); free(e->running); free(e->paused); free(e->row_token); free(e->row_pos); free(e->logit_rows);
     free(e->row_table); free(e->row_seq);
     memset(e, 0, sizeof(*e));
 }
@@ -12193,6 +12199,7 @@ static void engine_submit(Engine *e, Request *r) {
         e->queue = q;
     }
     r->state = REQUEST_WAITING;
+    r->arrival = e->arrivals++;
     e->queue[e->n_queue++] = r;
 }
 
@@ -12200,19 +12207,41 @@ static void engine_done(Engine *e, Request *r) {
     if (e->on_done) e->on_done(r, e->user);
 }
 
-/* Blocks of r's prompt that the prefix index holds ready: their count, or -1
-   when the next one is still being computed by a running request (r then
-   waits for it rather than compute it a second time). The prompt's last
-   token is always computed, for its logits. */
-static int prefix_match(const KVCache *c, const Request *r, int *blocks) {
+/* Blocks of the first n_tokens of `tokens` (a prompt, or a paused request's
+   tokens) that the prefix index holds ready: their count, or -1 when the
+   next one is still being computed by a running request (the request then
+   waits for it rather than compute it a second time). The last token is
+   always computed, for its logits. */
+static int prefix_match(const KVCache *c, const int *tokens, int n_tokens, int *blocks) {
     int n = 0, parent = -1;
-    for (; (n + 1) * KV_BLOCK <= r->n_prompt - 1; n++) {
-        int b = prefix_find(c, parent, r->prompt + (size_t)n * KV_BLOCK);
+    for (; (n + 1) * KV_BLOCK <= n_tokens - 1; n++) {
+        int b = prefix_find(c, parent, tokens + (size_t)n * KV_BLOCK);
         if (b < 0) break;
         if (c->state[b] == BLOCK_PENDING) return -1;
         blocks[n] = parent = b;
     }
     return n;
+}
+
+/* Gives s (empty) the blocks of its tokens: the first n_matched from the
+   prefix index (`matched`), cached already; then fresh ones for the rest,
+   each full one indexed as pending, so that another request with the same
+   tokens waits for it rather than computes it too. */
+static void sequence_take_blocks(Engine *e, Sequence *s, const int *matched, int n_matched) {
+    KVCache *c = &e->t->state.cache;
+    for (int i = 0; i < n_matched; i++) {
+        block_hold(c, matched[i]);
+        table_push(&s->table, matched[i]);
+    }
+    s->n_cached = n_matched * KV_BLOCK;
+    s->n_indexed = n_matched;
+    e->stats.reused_tokens += s->n_cached;
+    for (int pos = s->n_cached; pos < s->n_tokens; pos += KV_BLOCK) {
+        table_prepare_write(c, &s->table, pos);
+        int i = pos / KV_BLOCK;
+        if ((i + 1) * KV_BLOCK <= s->n_tokens) prefix_add(c, s->table.ids[i], i > 0 ? s->table.ids[i - 1] : -1,
+                                                          s->tokens + (size_t)i * KV_BLOCK, BLOCK_PENDING);
+    }
 }
 
 /* Starts r: promises its blocks, takes the blocks of its prompt's prefix
@@ -12224,7 +12253,7 @@ static int engine_start(Engine *e, Request *r) {
     long long need = request_blocks(r, t->config.seq_len);
     if (c->promised + need > c->n_blocks) return 0;
     int *matched = xcalloc((size_t)r->n_prompt / KV_BLOCK + 1, sizeof(int));
-    int n_matched = r->lp && r->lp->score_prompt ? 0 : prefix_match(c, r, matched);
+    int n_matched = r->lp && r->lp->score_prompt ? 0 : prefix_match(c, r->prompt, r->n_prompt, matched);
     if (n_matched < 0) {
         free(matched);
         return 0;
@@ -12239,20 +12268,8 @@ static int engine_start(Engine *e, Request *r) {
         s->table.slots = t->config.seq_len;
         s->table.keep = r->d.keep;
     }
-    for (int i = 0; i < n_matched; i++) {
-        block_hold(c, matched[i]);
-        table_push(&s->table, matched[i]);
-    }
+    sequence_take_blocks(e, s, matched, n_matched);
     free(matched);
-    s->n_cached = s->n_indexed = n_matched * KV_BLOCK;
-    s->n_indexed = n_matched;
-    e->stats.reused_tokens += s->n_cached;
-    for (int pos = s->n_cached; pos < r->n_prompt; pos += KV_BLOCK) {
-        table_prepare_write(c, &s->table, pos);
-        int i = pos / KV_BLOCK;
-        if ((i + 1) * KV_BLOCK <= r->n_prompt) prefix_add(c, s->table.ids[i], i > 0 ? s->table.ids[i - 1] : -1,
-                                                          r->prompt + (size_t)i * KV_BLOCK, BLOCK_PENDING);
-    }
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
     if (r->d.schema) {
         if (!e->trie) e->trie = token_trie_new(e->tok);
@@ -12266,25 +12283,145 @@ static int engine_start(Engine *e, Request *r) {
     return 1;
 }
 
-/* Moves waiting requests to the running ones, in order, while there is
-   room: a place among `parallel`, and the cache blocks it may need. A request
-   that needs more blocks than the whole cache fails at once. */
+/* ---- Turns ---------------------------------------------------------------
+   First come, first served makes a request that arrives behind long ones
+   wait for all of them: behind 100 streams of 400 tokens, a 40-token answer
+   waits for 40000 tokens. The server (turn > 0) gives every request's first
+   `turn` tokens before anyone's later ones: a request that waits for its
+   first turn takes the place of a running one past its first turn, which
+   pauses. A paused request gives its cache blocks back (the full ones stay
+   in the prefix index while nobody needs their memory) and keeps its
+   tokens; it resumes, in order of arrival, when no request waits for its
+   first turn, reading its tokens again as a prompt (from the prefix index
+   where its blocks are still there). A row's arithmetic does not depend on
+   its batch, so its continuation is the one it would have had. Past their
+   first turns requests run first come, first served, so a batch of long
+   ones pauses each at most once while no new one comes. One paused for
+   PAUSE_AGE seconds counts as new again (before those that came after it),
+   so that a crowd of short requests cannot keep it out for ever. Beams,
+   drafts of a draft model, --keep and requests that score their prompt keep
+   their places. */
+
+#define PAUSE_AGE 5.0
+
+/* 1 for a request past its first turn (and not paused for PAUSE_AGE), else 0. */
+static int service_level(const Engine *e, const Request *r) {
+    if (!r->seqs || (r->paused_at > 0 && now_seconds() - r->paused_at >= PAUSE_AGE)) return 0;
+    return r->seqs[0].n_tokens - r->n_prompt >= e->turn;
+}
+
+/* Whether running request r may pause for another: it samples one
+   sequence, has read its prompt, and nothing else holds state in a cache. */
+static int takes_turns(const Request *r) {
+    return r->d.beam.beams == 0 && !r->d.rolling && !(r->lp && r->lp->score_prompt) && !r->draft.tokens &&
+           r->seqs[0].n_cached >= r->n_prompt && r->max_new > 0;
+}
+
+/* Pauses running[i]: its blocks and promise given back, its tokens kept. */
+static void engine_pause(Engine *e, int i) {
+    KVCache *c = &e->t->state.cache;
+    Request *r = e->running[i];
+    Sequence *s = &r->seqs[0];
+    table_clear(c, &s->table);
+    s->n_cached = s->n_indexed = 0;
+    c->promised -= r->promised;
+    r->promised = 0;
+    r->paused_at = now_seconds();
+    r->state = REQUEST_WAITING; /* a server that stops refuses it, as it refuses those not started */
+    memmove(e->running + i, e->running + i + 1, (size_t)(--e->n_running - i) * sizeof(Request *));
+    if (e->n_paused == e->cap_paused) {
+        e->cap_paused = e->cap_paused ? 2 * e->cap_paused : 16;
+        Request **p = realloc(e->paused, (size_t)e->cap_paused * sizeof(Request *));
+        if (!p) die(EXIT_BAD_FILE, "out of memory (%d paused requests)", e->cap_paused);
+        e->paused = p;
+    }
+    e->paused[e->n_paused++] = r;
+}
+
+/* Resumes paused request r: promises its blocks again and takes those of its
+   tokens the prefix index still holds. Returns 0 when it must wait (a block
+   it needs is being computed). */
+static int engine_resume(Engine *e, Request *r) {
+    KVCache *c = &e->t->state.cache;
+    Sequence *s = &r->seqs[0];
+    int *matched = xcalloc((size_t)s->n_tokens / KV_BLOCK + 1, sizeof(int));
+    int n_matched = prefix_match(c, s->tokens, s->n_tokens, matched);
+    if (n_matched >= 0) {
+        r->promised = request_blocks(r, e->t->config.seq_len);
+        c->promised += r->promised;
+        sequence_take_blocks(e, s, matched, n_matched);
+        r->state = REQUEST_RUNNING;
+    }
+    free(matched);
+    return n_matched >= 0;
+}
+
+/* The request to start next, or NULL: the first waiting one, or a paused
+   one of a lower level (*paused_at: its place among the paused; -1 for the
+   waiting one); among equals, the earlier arrival. */
+static Request *next_to_start(const Engine *e, int *paused_at) {
+    Request *best = e->next_waiting < e->n_queue ? e->queue[e->next_waiting] : NULL;
+    int best_level = 0;
+    *paused_at = -1;
+    for (int i = 0; i < e->n_paused; i++) {
+        Request *r = e->paused[i];
+        int level = service_level(e, r);
+        if (!best || level < best_level || (level == best_level && r->arrival < best->arrival)) {
+            best = r;
+            best_level = level;
+            *paused_at = i;
+        }
+    }
+    return best;
+}
+
+/* Pauses a running request of a level above `level` that takes turns (the
+   latest arrival of the highest level); 0 when there is none. */
+static int pause_one_above(Engine *e, int level) {
+    int victim = -1, victim_level = level;
+    for (int i = 0; i < e->n_running; i++) {
+        Request *r = e->running[i];
+        if (!takes_turns(r)) continue;
+        int l = service_level(e, r);
+        if (l > victim_level || (victim >= 0 && l == victim_level && r->arrival > e->running[victim]->arrival)) {
+            victim = i;
+            victim_level = l;
+        }
+    }
+    if (victim >= 0) engine_pause(e, victim);
+    return victim >= 0;
+}
+
+/* Moves waiting (and paused) requests to the running ones while there is
+   room: a place among `parallel`, and the cache blocks each may need; in
+   order of arrival, or with turns, of level (see "Turns"), pausing a
+   running request of a higher level when there is no room. A request that
+   needs more blocks than the whole cache fails at once. */
 static void engine_admit(Engine *e) {
     const KVCache *c = &e->t->state.cache;
-    while (e->next_waiting < e->n_queue && e->n_running < e->parallel) {
-        Request *r = e->queue[e->next_waiting];
-        if (request_blocks(r, e->t->config.seq_len) > c->n_blocks) {
+    int at;
+    for (Request *r; (r = next_to_start(e, &at)) != NULL;) {
+        long long need = request_blocks(r, e->t->config.seq_len);
+        if (at < 0 && need > c->n_blocks) {
             r->error = "the request needs more key/value cache than --kv-mb allows";
             r->state = REQUEST_DONE;
             e->next_waiting++;
             engine_done(e, r);
             continue;
         }
-        if (!engine_start(e, r)) break;
+        if (e->n_running == e->parallel || c->promised + need > c->n_blocks) {
+            if (e->turn > 0 && pause_one_above(e, service_level(e, r))) continue;
+            return;
+        }
+        if (!(at < 0 ? engine_start(e, r) : engine_resume(e, r))) return;
+        if (at < 0) e->next_waiting++;
+        else e->paused[at] = e->paused[--e->n_paused];
         e->running[e->n_running++] = r;
-        e->next_waiting++;
     }
 }
+
+/* Whether requests wait to start or resume. */
+static int engine_waiting(const Engine *e) { return e->next_waiting < e->n_queue || e->n_paused > 0; }
 
 /* Adds sequence s's next `rows` tokens to the step's batch; the last one's
    logits are wanted when it is the last token s has, every row's when they
@@ -12354,7 +12491,7 @@ static int engine_gather(Engine *e, int *n_logits, int *n_prompt_rows) {
    request choose from its logits. Returns whether any request is left. */
 static int engine_step(Engine *e) {
     engine_admit(e);
-    if (e->n_running == 0) return e->next_waiting < e->n_queue;
+    if (e->n_running == 0) return engine_waiting(e);
     double t0 = now_seconds();
     int n_logits, n_prompt_rows, n = engine_gather(e, &n_logits, &n_prompt_rows);
     Batch b = {n, e->row_token, e->row_pos, e->row_table, e->logit_rows, n_logits};
@@ -12402,14 +12539,14 @@ static int engine_step(Engine *e) {
         else e->running[kept++] = r;
     }
     e->n_running = kept;
-    return e->n_running > 0 || e->next_waiting < e->n_queue;
+    return e->n_running > 0 || engine_waiting(e);
 }
 
 static void engine_run(Engine *e) {
     while (engine_step(e)) {}
 }
 
-/* Drops r, waiting or running (a client that went away): its cache blocks
+/* Drops r, waiting, paused or running (a client that went away): its cache blocks
    and working memory are given back at once, and on_done is not called.
    The caller frees r. */
 static void engine_cancel(Engine *e, Request *r) {
@@ -12418,6 +12555,12 @@ static void engine_cancel(Engine *e, Request *r) {
         memmove(e->queue + i, e->queue + i + 1, (size_t)(e->n_queue - i - 1) * sizeof(Request *));
         e->n_queue--;
         r->state = REQUEST_DONE;
+        return;
+    }
+    for (int i = 0; i < e->n_paused; i++) {
+        if (e->paused[i] != r) continue;
+        request_finish(e, r);
+        e->paused[i] = e->paused[--e->n_paused];
         return;
     }
     for (int i = 0; i < e->n_running; i++) {
@@ -14472,7 +14615,7 @@ typedef struct {
 
 static void name_clock_seed(uint64_t clock_seed);
 
-static int waiting_requests(const Engine *e) { return e->n_queue - e->next_waiting; }
+static int waiting_requests(const Engine *e) { return e->n_queue - e->next_waiting + e->n_paused; }
 
 /* encode_prompt for a batch line: NULL, with *why, for a prompt that does
    not fit `room` or that the tokenizer cannot encode (a byte without a
@@ -14647,6 +14790,7 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
 #define HTTP_MAX_HEADER 16384
 #define SERVE_MAX_BEAMS 4 /* num_beams at most, unless -b is more */
 #define SERVE_MAX_N 16     /* n: choices of one completion, at most */
+#define SERVE_TURN 64      /* a request's first turn: tokens before a newer one may take its place (see "Turns") */
 
 /* s as a JSON string (see json_quote). */
 static void buf_json(ByteBuf *b, const char *s) {
@@ -15860,7 +16004,7 @@ static void answer_metrics(Server *srv, Conn *c) {
     buf_printf(&b, "# TYPE run_generated_tokens_total counter\nrun_generated_tokens_total %d\n", e->stats.generated_tokens);
     buf_printf(&b, "# TYPE run_prompt_tokens_total counter\nrun_prompt_tokens_total %d\n", e->stats.prompt_tokens);
     buf_printf(&b, "# TYPE run_prompt_tokens_reused_total counter\nrun_prompt_tokens_reused_total %d\n", e->stats.reused_tokens);
-    buf_printf(&b, "# TYPE run_queue_length gauge\nrun_queue_length %d\n", e->n_queue - e->next_waiting);
+    buf_printf(&b, "# TYPE run_queue_length gauge\nrun_queue_length %d\n", waiting_requests(e));
     buf_printf(&b, "# TYPE run_running_requests gauge\nrun_running_requests %d\n", e->n_running);
     buf_printf(&b, "# TYPE run_requests_refused_total counter\nrun_requests_refused_total %lld\n", srv->n_refused);
     buf_printf(&b, "# TYPE run_connections_open gauge\nrun_connections_open %d\n", srv->n_open);
@@ -16136,7 +16280,7 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
            process ends whatever its connections do */
         if (srv->stopping && srv->now > srv->drain_until - drain_grace(o)) interrupt_pending = 1;
         if (srv->stopping && (srv->n_open == 0 || srv->now > srv->drain_until)) break;
-        int busy = e->n_running > 0 || e->next_waiting < e->n_queue;
+        int busy = e->n_running > 0 || engine_waiting(e);
         int n = net_poll(srv->poller, events, busy ? 0 : 100);
         srv->now = now_seconds();
         for (int i = 0; i < n; i++) {
@@ -16237,6 +16381,7 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
         double block_bytes = 2.0 * sizeof(float) * p->n_layers * KV_BLOCK * kv_dim_of(p);
         if (kv_mb == 0) kv_mb = (int)ceil(o->parallel * ((steps + KV_BLOCK - 1) / KV_BLOCK + 1.0) * block_bytes / 1048576.0);
         engine_setup(e, t, tok, o->parallel, beams, steps, kv_mb, o->kv_type, NULL);
+        e->turn = SERVE_TURN;
         if (o->seed == 0) name_clock_seed(clock_seed);
         return serve(e, tok, o, clock_seed);
     }

@@ -153,8 +153,7 @@ LONG_STREAM = body('Once upon a time', 500, min_new_tokens=500)
 
 def beside_readers(srv, n, ordinary):
     """The ordinary requests' seconds while n clients read the same long
-    streams as the non-readers: what the others would wait for anyway
-    (first come, first served)."""
+    streams as the non-readers (each stream equal to the CLI's text)."""
     async def run():
         streams = [asyncio.ensure_future(load.request(srv.port, 'POST', '/v1/completions', dict(LONG_STREAM, stream=True)))
                    for _ in range(n)]
@@ -166,6 +165,11 @@ def beside_readers(srv, n, ordinary):
             out.append(r[3])
         results = await asyncio.gather(*streams)
         assert all(r[0] == 200 for r in results), 'a read stream failed'
+        want = golden('Once upon a time', 500, 500)
+        for r in results:
+            text = ''.join(json.loads(e[6:])['choices'][0]['text'] for e in r[2].decode().split('\n\n')
+                           if e and e != 'data: [DONE]')
+            assert text == want, 'a read stream differs from the CLI (it took turns with the others)'
         return out
     return asyncio.run(run())
 
@@ -311,6 +315,86 @@ def plain_non_readers(port, n, payload):
     return socks
 
 
+def streamed_text(raw):
+    """The text of a streamed completion from its raw answer (head, then a
+    chunked body of events), and whether [DONE] ended it."""
+    head, _, rest = raw.partition(b'\r\n\r\n')
+    assert head.startswith(b'HTTP/1.1 200'), head[:80]
+    body = b''
+    while rest:
+        size_line, _, rest = rest.partition(b'\r\n')
+        size = int(size_line, 16)
+        body, rest = body + rest[:size], rest[size + 2:]
+        if size == 0:
+            break
+    text, done = '', False
+    for event in body.decode().split('\n\n'):
+        if event == 'data: [DONE]':
+            done = True
+        elif event:
+            text += json.loads(event[6:])['choices'][0]['text']
+    return text, done
+
+
+def read_to_end(s, timeout=60):
+    s.settimeout(timeout)
+    raw = b''
+    while True:
+        part = s.recv(1 << 16)
+        if not part:
+            return raw
+        raw += part
+
+
+def test_unread_streams_take_turns(n=100, ordinary=20, tokens=400):
+    """The issue's scene on a server with default options: n clients open
+    streams of `tokens` tokens on default sockets and do not read them (each
+    fits the kernel's buffers, so nothing shows they are unread); ordinary
+    completions one after another beside them. First come, first served
+    answers the first ordinary one only once the streams before it are done
+    (at most --parallel, 8, still in flight then); with turns, it is
+    answered while most of them are still in flight. The streams, read at
+    the end, are the command line's text token for token, although each
+    paused and resumed several times."""
+    srv = Server()
+    seeds = [11, 12, 13, 14]
+    try:
+        payloads = [body('Once upon a time', tokens, min_new_tokens=tokens, temperature=0.8, seed=seeds[i % 4], stream=True)
+                    for i in range(n)]
+        socks = []
+        for p in payloads:
+            s = socket.create_connection((load.HOST, srv.port))
+            s.sendall(load.request_bytes('POST', '/v1/completions', p))
+            socks.append(s)
+        try:
+            time.sleep(0.2)
+            latencies, in_flight = [], None
+            for i in range(ordinary):
+                r = asyncio.run(load.request(srv.port, 'POST', '/v1/completions', body(PROMPTS[i % len(PROMPTS)])))
+                check_answer(r, PROMPTS[i % len(PROMPTS)])
+                latencies.append(r[3])
+                if in_flight is None:
+                    m = load.metrics(srv.port)
+                    in_flight = m['run_running_requests'] + m['run_queue_length']
+            texts = [streamed_text(read_to_end(s)) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        after = load.settle(srv.port)
+    finally:
+        code = srv.stop()
+    assert code == 0, 'exit %r' % code
+    assert in_flight >= n / 2, 'the first ordinary answer came when only %d of %d streams were in flight' % (in_flight, n)
+    want = {seed: cli(['-i', 'Once upon a time', '-n', '0', '--max-new-tokens', str(tokens), '--min-new-tokens', str(tokens),
+                       '-t', '0.8', '-s', str(seed)])['text'] for seed in seeds}
+    for i, (text, done) in enumerate(texts):
+        assert done and text == want[seeds[i % 4]], 'stream %d differs from the command line after its pauses' % i
+    return ('%d unread streams of %d tokens: the first of %d ordinary requests answered in %.2f s with %d streams in flight, '
+            'the others in %.2f s at most; every stream equal to the CLI (%d prompt tokens computed, %d more taken from '
+            'the prefix index)') % (n, tokens, ordinary, latencies[0], in_flight, max(latencies[1:]),
+                                after['run_prompt_tokens_total'], after['run_prompt_tokens_reused_total'])
+
+
 def test_default_buffer_non_readers(n=20):
     """Non-readers whose sockets keep the default buffers: the kernel grows
     the server's send queue to megabytes, so only counting that queue
@@ -428,6 +512,7 @@ def main():
     passed('serve_crowd_queue_429', test_queue)
     passed('serve_crowd_sigterm_drains', test_shutdown)
     passed('serve_crowd_non_readers_default_buffers', test_default_buffer_non_readers)
+    passed('serve_crowd_unread_streams_take_turns', test_unread_streams_take_turns)
     passed('serve_crowd_sigterm_within_drain_seconds', test_sigterm_bounded)
 
 
