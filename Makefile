@@ -17,7 +17,7 @@ TOKENIZER_MODEL ?= $(MODELS_DIR)/tokenizer.model
 RUN ?= ./run
 BENCH_RUNS ?= 5
 
-.PHONY: all test bench bench-gguf bench-arch soak clean
+.PHONY: all test bench bench-gguf bench-arch bench-moe-memory soak clean
 
 # The first of $(PYTHON), python3 and /usr/bin/python3 that is a Python 3
 # and runs the statement $(1) (an import), or nothing.
@@ -181,6 +181,12 @@ bench: runomp build/bench/bandwidth build/bench/peak
 # llama.cpp (LLAMA_CPP: its build directory, bench/llamacpp.md)
 bench-arch: runomp build/bench/bandwidth
 	RUN=./runomp $(PYTHON) bench/arch.py --runs $(BENCH_RUNS)
+
+# a mixture-of-experts model near the size of RAM: the full-depth
+# Qwen3-30B-A3B shape in Q4_K_M (18.6 GB written once into build/bench/moe),
+# its peak RSS against the file, and 16 requests' throughput against one
+bench-moe-memory: runomp
+	RUN=./runomp $(PYTHON) bench/moe_memory.py --runs $(BENCH_RUNS)
 
 # GGUF files against llama.cpp's llama-bench (LLAMA_CPP: a llama.cpp build
 # directory, outside this repository; without it run.c's figures alone)
