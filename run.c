@@ -13,9 +13,9 @@
         Matrix, Weights, RunState, Transformer
      2. checkpoint loading: mmap, header validation, weight mapping, files
         of the wrong kind named as what they are; 2.1 GGUF files (llama.cpp's
-        format), 2.2 a model from one (types F32 to Q6_K; the architectures
-        of section 1's table: llama, qwen2, qwen3, gemma3, phi3, smollm3,
-        granite)
+        format), 2.2 a model from one (types F32 to Q6_K, IQ4_NL, IQ4_XS
+        and MXFP4; the architectures of section 1's table: llama, qwen2,
+        qwen3, gemma3, phi3, smollm3, granite)
      3. kernels: rmsnorm, softmax, matmul (quantised weights packed at
         load for the VNNI kernel, GGUF's straight from their blocks;
         bfloat16 dot products, bfloat16 weights packed in 12 bits), rope,
@@ -1480,7 +1480,8 @@ typedef struct GGUF {
    `factors` gives its scales (and a K-quant's offsets) as the products the
    format stores, for the builds that pack the blocks as they are (section
    3): the f16 d as stored and group g's multiplier k[g], scale = d x k[g]
-   (k = 1 for the types of one group a block), and for the K-quants with a
+   (k = 1 for the types of one group a block; no `factors` where the scale
+   is no such product: MXFP4's powers of two), and for the K-quants with a
    minimum the f16 dmin and group g's m[g], offset = centre x scale - dmin x
    m[g] (centre: 2^(value_bits - 1), the middle of the values' range). */
 typedef void (*GGMLUnpack)(const uint8_t *block, int8_t *q, float *scales, float *offsets);
@@ -1490,8 +1491,8 @@ typedef struct {
     int block, block_bytes;
     int bits, group, offsets;
     GGMLUnpack unpack; /* NULL: float types */
-    GGMLFactors factors;
-    int value_bits;    /* the bits of a stored value (4, 5, 6 or 8) */
+    GGMLFactors factors; /* NULL: scales kept as float32 */
+    int value_bits;    /* the bits that hold the values unpack gives (4, 5, 6 or 8) */
 } GGMLType;
 
 static float half_to_float(uint16_t h); /* section 4 */
@@ -1662,6 +1663,68 @@ static void factors_q6_k(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *dmi
     for (int g = 0; g < 16; g++) k[g] = (int8_t)b[192 + g];
 }
 
+/* The 4-bit codes of IQ4_NL, IQ4_XS and MXFP4 name one of 16 int8 values
+   of a table rather than a step count: 16 bytes at qs, byte j holding code
+   j in its low nibble and code j + 16 in its high one (as Q4_0). */
+static void table_values(const uint8_t *qs, const int8_t *table, int8_t *q) {
+    for (int j = 0; j < 16; j++) {
+        q[j] = table[qs[j] & 15];
+        q[j + 16] = table[qs[j] >> 4];
+    }
+}
+
+/* IQ4_NL's and IQ4_XS's table (ggml's kvalues_iq4nl): 16 values spread
+   non-linearly, closer together near zero, as trained weights are. */
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IQ4_NL, 32 values: f16 d, 16 bytes of codes n; value = d table[n]. */
+static void unpack_iq4_nl(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    scales[0] = f16_at(b);
+    table_values(b + 2, iq4_values, q);
+}
+
+/* IQ4_XS, 256 values in 8 sub-blocks of 32: f16 d, 2 bytes scales_h
+   (uint16), 4 bytes scales_l, then 128 bytes of codes, 16 a sub-block laid
+   out as IQ4_NL's. Sub-block g's 6-bit scale ls has its low 4 bits in
+   nibble g % 2 of scales_l[g / 2] (low first) and its top 2 in bits 2g and
+   2g + 1 of scales_h; value = d (ls - 32) table[n]. */
+static int iq4_xs_scale(const uint8_t *b, int g) {
+    return ((b[4 + g / 2] >> 4 * (g % 2)) & 15) | ((u16_at(b + 2) >> 2 * g) & 3) << 4;
+}
+
+static void unpack_iq4_xs(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    const float d = f16_at(b);
+    for (int g = 0; g < 8; g++) {
+        scales[g] = d * (float)(iq4_xs_scale(b, g) - 32);
+        table_values(b + 8 + 16 * g, iq4_values, q + 32 * g);
+    }
+}
+
+static void factors_iq4_xs(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *dmin, uint8_t *m) {
+    (void)dmin, (void)m;
+    *d = u16_at(b);
+    for (int g = 0; g < 8; g++) k[g] = (int8_t)(iq4_xs_scale(b, g) - 32);
+}
+
+/* MXFP4 (OCP microscaling FP4), 32 values: 1 byte e, an E8M0 power of two
+   2^(e - 127), then 16 bytes of E2M1 codes n (sign, 2 exponent bits, 1
+   mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; -0 is 0);
+   value = 2^(e - 127) E2M1(n). Held as ggml holds it, twice E2M1 (the
+   integers -12..12, which pack in 5 bits) times 2^(e - 128): a float32 for
+   every e (2^-128 and 2^-127 subnormal; e = 255, NaN to the standard, a
+   power of two as any other to ggml, which writes the files). That scale
+   lies beyond f16's range: MXFP4 has no factors, and its packed scales
+   are float32. */
+static const int8_t doubled_e2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static void unpack_mxfp4(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    (void)offsets;
+    scales[0] = ldexpf(1.0f, b[0] - 128);
+    table_values(b + 1, doubled_e2m1, q);
+}
+
 static const GGMLType ggml_types[] = {
     [0] = {"F32", 1, 4, 32, 0, 0, NULL, NULL, 32},
     [1] = {"F16", 1, 2, 32, 0, 0, NULL, NULL, 16},
@@ -1681,10 +1744,10 @@ static const GGMLType ggml_types[] = {
     [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL, NULL, 0},
     [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0},
     [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [20] = {"IQ4_NL", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [20] = {"IQ4_NL", 32, 18, 8, 32, 0, unpack_iq4_nl, factors_one, 8},
     [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
     [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [23] = {"IQ4_XS", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [23] = {"IQ4_XS", 256, 136, 8, 32, 0, unpack_iq4_xs, factors_iq4_xs, 8},
     [24] = {"I8", 0, 0, 0, 0, 0, NULL, NULL, 0},
     [25] = {"I16", 0, 0, 0, 0, 0, NULL, NULL, 0},
     [26] = {"I32", 0, 0, 0, 0, 0, NULL, NULL, 0},
@@ -1694,6 +1757,8 @@ static const GGMLType ggml_types[] = {
     [30] = {"BF16", 1, 2, 32, 0, 0, NULL, NULL, 16},
     [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL, NULL, 0},
     [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [39] = {"MXFP4", 32, 17, 8, 32, 0, unpack_mxfp4, NULL, 5},
+    [40] = {"NVFP4", 0, 0, 0, 0, 0, NULL, NULL, 0},
 };
 #define GGML_TYPES ((int)(sizeof(ggml_types) / sizeof(ggml_types[0])))
 enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };
@@ -1791,7 +1856,7 @@ static GGUFTensor take_tensor_info(FileCursor *c) {
     if (!type) {
         const char *known = x.type < (uint32_t)GGML_TYPES ? ggml_types[x.type].name : NULL;
         die(EXIT_BAD_FILE, "%s: tensor '%s' has type %s%s%u, which this program does not read "
-            "(it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K)",
+            "(it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4)",
             c->path, x.name, known ? known : "", known ? " = " : "", x.type);
     }
     if (x.ne[0] % (uint64_t)type->block != 0)
@@ -5020,8 +5085,9 @@ static void split_finish(Matrix *W, uint8_t *p) {
 
 /* The bytes of W packed (0: W is read as stored), a multiple of 64;
    chooses its bits and the forms of its scales and offsets: for GGUF
-   blocks, the ones their type stores (values of 5 or 6 bits as 6, scales
-   as f16 or shared, K-quants' offsets as minimums); otherwise the smallest
+   blocks, the ones their type stores (values of 5 or 6 bits as such,
+   scales as f16 or shared, or float32 for a type without factors,
+   K-quants' offsets as minimums); otherwise the smallest
    that hold W's values and scales exactly, offsets as float32. */
 static size_t matrix_packed_bytes(Matrix *W) {
     if (split_candidate(W)) return split_plan(W) ? packed_bytes(W) : 0;
@@ -5029,7 +5095,7 @@ static size_t matrix_packed_bytes(Matrix *W) {
     if (W->blocks) {
         const GGMLType *type = &ggml_types[W->block_type];
         W->packed_bits = type->value_bits;
-        W->scale_form = W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
+        W->scale_form = !type->factors ? SCALES_F32 : W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
         W->offset_form = !type->offsets ? OFFSETS_NONE : W->scale_run > 1 ? OFFSETS_MIN : OFFSETS_F32;
         W->offset_centre = (float)(1 << (type->value_bits - 1));
     } else {
@@ -5062,7 +5128,7 @@ static void stored_row(const Matrix *W, size_t r, PackRow *row) {
         const uint8_t *b = W->blocks + r * (size_t)n_blocks * type->block_bytes;
         for (int i = 0; i < n_blocks; i++, b += type->block_bytes) {
             type->unpack(b, row->q + (size_t)i * type->block, row->s + i * per, row->o + i * per);
-            type->factors(b, row->d + i, row->k + i * per, row->dmin + i, row->m + i * per);
+            if (type->factors) type->factors(b, row->d + i, row->k + i * per, row->dmin + i, row->m + i * per);
         }
         return;
     }
@@ -13677,7 +13743,7 @@ static long long parse_integer(const char *flag, const char *text, long long lo,
 static void print_version(void) {
     printf("run %s\n", RUN_VERSION);
     printf("checkpoints: versions 0 (llama2.c), 1 (float32), 2 (int8 Q8_0), 3 (4-bit), 4 (float32, int8 or 4-bit, RoPE theta and scaling, norm eps)\n");
-    printf("GGUF: versions 2 and 3; architectures " ARCH_NAMES "; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\n");
+    printf("GGUF: versions 2 and 3; architectures " ARCH_NAMES "; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4\n");
 #ifdef AMX
     printf("kernels: %s%s\n", KERNEL_NAME, amx_usable() ? ", AMX tiles for 16 or more rows" : " (AMX built in, not granted by the system)");
 #else

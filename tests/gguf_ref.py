@@ -16,6 +16,9 @@ them, read, not copied:
     GGML_QUANT_SIZES);
   - block structs: ggml/src/ggml-common.h; the arithmetic of each type:
     dequantize_row_* and get_scale_min_k4 in ggml/src/ggml-quants.c;
+    IQ4_NL, IQ4_XS and MXFP4 from the Sep 2026 source (the same files,
+    and ggml_e8m0_to_fp32_half in ggml/src/ggml-impl.h), MXFP4's values
+    from the OCP E2M1 definition, not ggml's table of doubled values;
   - RoPE per architecture: llama_model_rope_type in src/llama-model.cpp
     (`llama` is LLAMA_ROPE_TYPE_NORM: adjacent pairs (x[2i], x[2i+1]);
     `qwen2` is LLAMA_ROPE_TYPE_NEOX: element i with i + n_rot/2), the
@@ -86,6 +89,9 @@ TYPES = {
     "Q5_K": (13, QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     "Q6_K": (14, QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
     "BF16": (30, 1, 2),
+    "IQ4_NL": (20, 32, 2 + 16),
+    "IQ4_XS": (23, QK_K, 2 + 2 + QK_K // 64 + QK_K // 2),
+    "MXFP4": (39, 32, 1 + 16),
 }
 TYPE_NAME = {v[0]: k for k, v in TYPES.items()}
 EXACT_TYPES = ("F32", "F16", "BF16")
@@ -101,6 +107,9 @@ BLOCK = {
     "Q4_K": np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
     "Q5_K": np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)]),
     "Q6_K": np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
+    "IQ4_NL": np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
+    "IQ4_XS": np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)]),
+    "MXFP4": np.dtype([("e", "u1"), ("qs", "u1", 16)]),
 }
 for _name, _dt in BLOCK.items():
     assert _dt.itemsize == TYPES[_name][2], _name
@@ -311,6 +320,46 @@ def _q6_k(b):
     return (ds * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
 
 
+# IQ4_NL's and IQ4_XS's 16 values (kvalues_iq4nl in ggml-common.h)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _iq4_xs(b):
+    """IQ4_XS: 8 runs of 32 codes, each as IQ4_NL's (16 bytes, low nibbles
+    first); run g's 6-bit scale ls has its low 4 bits in nibble g % 2 of
+    scales_l[g // 2] and its high 2 in bits 2g, 2g+1 of scales_h; value =
+    (d * (ls - 32)) * table[code], the product d * (ls - 32) in float32 as
+    dequantize_row_iq4_xs forms it."""
+    n = len(b)
+    g = np.arange(8)
+    low = (b["scales_l"][:, g // 2].astype(np.int32) >> (4 * (g % 2))) & 15
+    high = (b["scales_h"][:, None].astype(np.int32) >> (2 * g)) & 3
+    dl = (_f16(b["d"])[:, None] * ((low | (high << 4)) - 32).astype(np.float32)).astype(np.float32)
+    codes = _nibbles(b["qs"].reshape(n * 8, 16)).reshape(n, 8, 32)
+    return (dl[:, :, None] * IQ4_VALUES[codes]).reshape(n, QK_K)
+
+
+def _e2m1(codes):
+    """The OCP E2M1 value of 4-bit codes, from its definition: sign bit 3,
+    exponent bits 1-2 (bias 1), mantissa bit 0; exponent 0 is subnormal
+    (0 or 0.5). Values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    sign = np.where(codes & 8, -1.0, 1.0)
+    exp, man = (codes >> 1) & 3, (codes & 1).astype(np.float64)
+    mag = np.where(exp == 0, man * 0.5, np.ldexp(1.0 + man / 2, (exp - 1).astype(np.int32)))
+    return sign * mag
+
+
+def _mxfp4(b):
+    """MXFP4: E8M0 byte e (the power of two 2^(e-127); e = 255, NaN to the
+    OCP standard, is 2^127 to ggml, whose files these are), then 32 E2M1
+    codes as IQ4_NL's; value = 2^(e-127) * E2M1(code), exact in float64,
+    rounded once to float32 (so to infinity past float32's range, as ggml's
+    float32 product does)."""
+    scale = np.ldexp(1.0, b["e"].astype(np.int32) - 127)
+    with np.errstate(over="ignore"):
+        return (scale[:, None] * _e2m1(_nibbles(b["qs"]))).astype(np.float32)
+
+
 def dequantize(t, raw, n_values):
     """float32 values of a tensor of type t (name or number) from its bytes."""
     t = type_of(t)
@@ -344,6 +393,12 @@ def dequantize(t, raw, n_values):
         y = _k_quants(b, t == "Q5_K")
     elif t == "Q6_K":
         y = _q6_k(b)
+    elif t == "IQ4_NL":
+        y = _f16(b["d"])[:, None] * IQ4_VALUES[_nibbles(b["qs"])]
+    elif t == "IQ4_XS":
+        y = _iq4_xs(b)
+    elif t == "MXFP4":
+        y = _mxfp4(b)
     else:
         raise GGUFError("no dequantiser for " + t)
     assert y.shape[0] == n
@@ -466,11 +521,11 @@ def random_tensor(t, n_values, rng, std=0.05):
     n = nbytes(t, n_values) // BLOCK[t].itemsize
     b = np.zeros(n, BLOCK[t])
     for field in BLOCK[t].names:
-        if field in ("d", "m", "dmin"):
+        if field in ("d", "m", "dmin", "e"):
             continue
         shape = b[field].shape
-        bits = rng.integers(0, 256 if field != "qh" or t in ("Q5_K", "Q6_K") else 2 ** 32, size=shape,
-                            dtype=np.uint64)
+        top = 2 ** 32 if field == "qh" and t in ("Q5_0", "Q5_1") else 2 ** 16 if field == "scales_h" else 256
+        bits = rng.integers(0, top, size=shape, dtype=np.uint64)
         b[field] = bits.astype(b[field].dtype)
     # quant spreads: q8 ~74, 4-bit ~4.6, 5-bit ~9.2, 6-bit ~18.5 (uniform);
     # K types multiply by 6-bit (0..63, ~32) or int8 (~74) sub-block scales
@@ -496,6 +551,15 @@ def random_tensor(t, n_values, rng, std=0.05):
         b["scales"] = pack_k4_scales(sc, m)
     elif t == "Q6_K":
         b["d"] = _f16s(rng, n, std / 18.5 / 74)
+    elif t == "IQ4_NL":
+        # the table's values spread ~68; a quantiser's d takes either sign
+        b["d"] = _f16s(rng, n, std / 68) * rng.choice(np.array([-1, 1], np.float16), n)
+    elif t == "IQ4_XS":
+        # random 6-bit scales: ls - 32 spreads ~18
+        b["d"] = _f16s(rng, n, std / 68 / 18)
+    elif t == "MXFP4":
+        # E2M1 values spread ~2.9: the power of two nearest std / 2.9, or one either side
+        b["e"] = 127 + np.round(np.log2(std / 2.9)).astype(int) + rng.integers(-1, 2, n)
     return b.tobytes()
 
 
@@ -669,9 +733,9 @@ def matmul(x, w, t, groups=None, kind=None):
       to nearest even), as run.c's bfloat16 dot products (vdpbf16ps) take
       them where the machine has them;
     'llamacpp': llama.cpp's CPU kernels (ggml-cpu-quants.c): q8_0 blocks
-      of 32 with float16 scales for Q4_0/Q5_0/Q8_0, q8_1 for Q4_1/Q5_1 whose
-      min term takes the block's sum as float16(d * sum q), q8_K blocks of
-      256 with a float scale for the K types; round to even in float32; F16
+      of 32 with float16 scales for Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4, q8_1 for
+      Q4_1/Q5_1 whose min term takes the block's sum as float16(d * sum q),
+      q8_K blocks of 256 with a float scale for the K types and IQ4_XS; round to even in float32; F16
       weights see float16 activations, BF16 ones bfloat16.
     groups: for the types with a minimum, group_scale_min's (scale, min)."""
     if kind is None:
@@ -695,7 +759,7 @@ def matmul(x, w, t, groups=None, kind=None):
         return x.astype(np.float16).astype(np.float64) @ w.T
     if t == "BF16":
         return _bf16_round(x) @ w.T
-    if t.endswith("_K"):
+    if t.endswith("_K") or t == "IQ4_XS":
         return quantize_activation(x, QK_K, np.float32, even=True, float32=True) @ w.T
     q, d = quantize_groups(x, 32, even=True, float32=True)
     xq = (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)

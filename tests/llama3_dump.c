@@ -10,6 +10,9 @@
      llama3_dump logits CHECKPOINT ID...
          the logits after each of the ids (fed at positions 0, 1, ...), one
          line of vocab_size numbers per position
+     llama3_dump rows CHECKPOINT ID...
+         the token embedding's rows of the ids as the forward pass reads
+         them (a block type's unpacked from its blocks), one line each
      llama3_dump kernels
          the matmul kernels of this build (as --version names them) */
 #define TESTING
@@ -67,10 +70,23 @@ int main(int argc, char **argv) {
         free_transformer(&t);
         return 0;
     }
+    if (argc >= 4 && strcmp(argv[1], "rows") == 0) {
+        Transformer t;
+        load_checkpoint(&t, argv[2]);
+        float *row = xcalloc((size_t)t.config.dim, sizeof(float));
+        for (int i = 3; i < argc; i++) {
+            matrix_row(row, &t.weights.token_embedding, atoi(argv[i]));
+            for (int j = 0; j < t.config.dim; j++) printf(j ? " %.9g" : "%.9g", row[j]);
+            putchar('\n');
+        }
+        free(row);
+        free_transformer(&t);
+        return 0;
+    }
     if (argc == 2 && strcmp(argv[1], "kernels") == 0) {
         printf("%s\n", KERNEL_NAME);
         return 0;
     }
-    fprintf(stderr, "usage: llama3_dump tokens TOKENIZER VOCAB | chat TOKENIZER VOCAB FIRST SYSTEM USER | logits CHECKPOINT ID... | kernels\n");
+    fprintf(stderr, "usage: llama3_dump tokens TOKENIZER VOCAB | chat TOKENIZER VOCAB FIRST SYSTEM USER | logits CHECKPOINT ID... | rows CHECKPOINT ID... | kernels\n");
     return 2;
 }

@@ -36,7 +36,8 @@ ORACLE_JS = os.path.join(HERE, "llamacpp_oracle.mjs")
 FTYPES = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
     "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15,
-    "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32,
+    "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32,
+    "MXFP4_MOE": 38,
 }
 
 
@@ -229,8 +230,9 @@ def _libllama_name():
 def quantize(src, dst, ftype, nthread=1, timeout=300):
     """Quantize GGUF src to dst with llama.cpp's llama_model_quantize, ftype
     one of FTYPES' names (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_S,
-    Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, ...), with the library's default params
-    otherwise (its K-mix rules, output.weight quantized, no imatrix).
+    Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, IQ4_NL, IQ4_XS, MXFP4_MOE, ...), with the
+    library's default params otherwise (its K-mix rules, output.weight
+    quantized, no imatrix).
     Runs in a child process. Raises Skip when the oracle is not installable,
     OracleError when llama.cpp fails."""
     if ftype not in FTYPES:

@@ -16,7 +16,9 @@ Qwen2-MoE's gated shared expert and q/k/v biases, OLMoE's whole-row q/k
 norms; an all-zero router, where every expert ties and llama.cpp takes
 the lowest indices; an expert_weights_scale that these archs' loaders
 ignore), in float32, and quantised by llama.cpp's own quantiser
-(llama_model_quantize: Q8_0 and Q4_K_M).
+(llama_model_quantize: Q8_0 and Q4_K_M; IQ4_NL on qwen3 and, with IQ4_XS,
+on a llama of rows of 256, IQ4_XS's super-block; MXFP4_MOE, the experts
+in MXFP4 and the rest in Q8_0, on qwen3moe and mixtral).
 
 A case runs run.c greedily (`-t 0 -f json`) from a prompt, then feeds the
 prompt and run.c's tokens to llama.cpp, which gives the log-probability of
@@ -38,12 +40,18 @@ Tolerances, in natural-log units:
     (tests/.bin/llama3_dump) against llama.cpp's, every token above -8.
     The weights are the same blocks, but each program rounds the
     activations to int8 its own way (run.c by groups of 32 with a float32
-    scale, llama.cpp by 32 with a float16 scale for Q8_0 and by 256 for the
-    K types). The bound is llama.cpp's own rounding noise: how far its
-    log-probabilities move between the float32 file and the quantised one.
-    run.c's rounding is a second draw of the same noise, so it may be 3 x
-    that from llama.cpp's (as tests/test_gguf.py bounds its cascades). A
-    wrong block layout or scale moves the logits by far more.
+    scale, llama.cpp by 32 with a float16 scale for Q8_0, IQ4_NL and MXFP4
+    and by 256 for the K types and IQ4_XS). The bound is llama.cpp's own
+    rounding noise: how far its log-probabilities move between the float32
+    file and the quantised one. run.c's rounding is a second draw of the
+    same noise, so it may be 3 x that from llama.cpp's (as
+    tests/test_gguf.py bounds its cascades). A wrong block layout or scale
+    moves the logits by far more. Not so for the 4-bit tables: there the
+    weights' own rounding is most of that noise (10-16 nats against 0.5-1.2
+    between run.c and llama.cpp), and a doubled MXFP4 scale or two IQ4 table
+    entries swapped (22 and 12-15 nats) pass 3 x it; tests/test_gguf.py's
+    live cases hold those types to the emulations instead (1e-4 nats or a
+    rounding flip's cascade).
 Phi-3's LongRoPE factors are chosen by the context: both programs run with
 a context of 256 (short factors, the original context being 256) and, as
 phi3_long, 512 (long ones).
@@ -98,6 +106,9 @@ FILES = {
     "qwen2moe": ("qwen2moe", {}),
     "olmoe": ("olmoe", {}),
     "mixtral": ("mixtral", {}),
+    # rows of 256, whole IQ4_XS super-blocks (llama.cpp writes a row of
+    # fewer as IQ4_NL)
+    "llama_256": ("llama", dict(dim=256, head_dim=None, ffn=512, seed=7)),
     # every router weight 0: all 8 experts tie; llama.cpp's CPU argsort
     # (std::sort, insertion sort below 17 elements) takes the lowest indices
     "qwen3moe_tie": ("qwen3moe", dict(router_gain=0.0)),
@@ -107,7 +118,7 @@ FILES = {
 }
 # files whose controls would repeat another file's, or cannot apply (a
 # tie file's router has no rows to permute)
-NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",)}
+NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",), "llama_256": None}
 
 
 # metadata beyond arch_models' of some files: Granite's switch that turns
@@ -285,14 +296,16 @@ def main():
         print("    (with RoPE: %s)" % why)
 
     # quantised by llama.cpp's own quantiser
-    for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length", "qwen3moe", "qwen2moe", "olmoe", "mixtral"):
-        for ftype in ("Q8_0", "Q4_K_M"):
-            @case("arch_%s_%s" % (name, ftype.lower()))
-            def _(name=name, ftype=ftype):
-                path = os.path.join(TMP, "%s.%s.gguf" % (name, ftype.lower()))
-                if not os.path.exists(path):
-                    llamacpp.quantize(write(name), path, ftype)
-                check_quantised(name, path, write(name))
+    quantised = [(name, ftype) for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length", "qwen3moe", "qwen2moe",
+                                            "olmoe", "mixtral") for ftype in ("Q8_0", "Q4_K_M")]
+    quantised += [("qwen3", "IQ4_NL"), ("llama_256", "IQ4_NL"), ("llama_256", "IQ4_XS"), ("qwen3moe", "MXFP4_MOE"), ("mixtral", "MXFP4_MOE")]
+    for name, ftype in quantised:
+        @case("arch_%s_%s" % (name, ftype.lower()))
+        def _(name=name, ftype=ftype):
+            path = os.path.join(TMP, "%s.%s.gguf" % (name, ftype.lower()))
+            if not os.path.exists(path):
+                llamacpp.quantize(write(name), path, ftype)
+            check_quantised(name, path, write(name))
 
     # the other drivers of the same forward pass on a windowed model and on
     # mixtures of experts (rows of several sequences routed in one step): a

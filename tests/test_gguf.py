@@ -60,6 +60,7 @@ from verdicts import COUNTS, Skip  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gguf_ref as ref  # noqa: E402
+import llamacpp  # noqa: E402
 
 RUN = os.environ.get("RUN", "./run")
 TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "gguf")
@@ -73,7 +74,7 @@ IDS = [1, 5, 17, 42, 3, 77, 260, 299]
 EXACT_TOL = 2e-5
 QUANT_TIGHT = 2e-4
 CASCADE = 3.0
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 # name -> random_model settings: every architecture's features in four files per type
 VARIANTS = {
     "llama_untied_gqa_ropefreqs": dict(arch="llama", tied=False, rope_freqs=True, theta=500000.0),
@@ -252,6 +253,65 @@ def format_variants_fn():
             ref.write_gguf(p, meta, tensors, version=version, alignment=align)
             details.append("v%d/%s: %s" % (version, align or 32, compare(p, True)))
         return "; ".join(details)
+    return fn
+
+
+# --- dequantisation at the format's edges ------------------------------------------------
+
+def edge_blocks(t):
+    """Blocks of type t (IQ4_NL, IQ4_XS, MXFP4) at the edges of the format,
+    whole rows of 256 values: every code in both nibbles of a block;
+    MXFP4's exponent byte 0 and 1 (subnormal float32 scales), 254 and 255
+    (values past float32's range: infinity), 127, 128 and others; IQ4's f16
+    d zero, -0, negative, +-65504, subnormal, and IQ4_XS's 6-bit scales 0
+    (-32), 63 (+31), 32 (0) and between."""
+    codes = np.arange(16, dtype=np.uint8) | (np.arange(15, -1, -1, dtype=np.uint8) << 4)
+    halves = lambda bits: np.array(bits, np.uint16).view(np.float16)
+    if t == "MXFP4":
+        b = np.zeros(16, ref.BLOCK[t])
+        b["e"] = [0, 1, 2, 126, 127, 128, 254, 255, 3, 64, 100, 125, 129, 130, 190, 253]
+        b["qs"] = codes
+    elif t == "IQ4_NL":
+        b = np.zeros(16, ref.BLOCK[t])
+        b["d"] = halves([0x0000, 0x8000, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF, 0x0001, 0x8001,
+                         0x0400, 0x8400, 0x3555, 0xB555, 0x2E66, 0xAE66, 0x5640, 0xD640])
+        b["qs"] = codes
+    else:
+        b = np.zeros(4, ref.BLOCK[t])
+        b["d"] = halves([0x3C00, 0xFBFF, 0x0001, 0x0000])
+        ls = np.array([[0, 63, 32, 31, 1, 62, 16, 48], [63] * 8, [0] * 8, [5] * 8])
+        b["scales_l"] = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+        b["scales_h"] = sum(((ls[:, g] >> 4) & 3) << (2 * g) for g in range(8))
+        b["qs"] = np.tile(codes, 8)
+    return b.tobytes()
+
+
+def dequant_fn(t):
+    """run.c's values of type t, the token embedding's rows as the forward
+    pass reads them (llama3_dump rows), equal to gguf_ref's dequantisation
+    written from the format's definition: the edge blocks, then random rows."""
+    def fn():
+        meta, tensors = ref.random_model(arch="llama", wtype="Q8_0", types={"token_embd.weight": t}, seed=41, n_layers=1)
+        edges = edge_blocks(t)
+        rows = len(edges) // ref.nbytes(t, 256)
+        tensors = [(n, ty, ne, edges + raw[len(edges):] if n == "token_embd.weight" else raw) for n, ty, ne, raw in tensors]
+        p = path("dequant_" + t)
+        ref.write_gguf(p, meta, tensors)
+        ids = list(range(rows)) + [17, 42, 299]
+        raw = ref.read_gguf(open(p, "rb").read()).tensors["token_embd.weight"][2]
+        want = ref.dequantize(t, raw, 300 * 256).reshape(300, 256)[ids]
+        r = sh([DUMP, "rows", p] + [str(i) for i in ids])
+        assert r.returncode == 0, "llama3_dump rows failed (%d): %s" % (r.returncode, r.stderr.decode(errors="replace")[-300:])
+        # printed with 9 digits: each float32 read back exactly
+        got = np.array([[float(x) for x in line.split()] for line in r.stdout.decode().splitlines()]).astype(np.float32)
+        assert got.shape == want.shape, "%s values for %s" % (got.shape, want.shape)
+        bad = np.flatnonzero(~((got == want) | (np.isnan(got) & np.isnan(want))))
+        assert not bad.size, "%d of %d values differ, first at %s: run.c %r, reference %r" % (
+            bad.size, want.size, np.unravel_index(bad[0], want.shape), got.flat[bad[0]], want.flat[bad[0]])
+        edge = want[:rows]
+        subnormal = (np.abs(edge) < np.finfo(np.float32).tiny) & (edge != 0)
+        return "%d values equal (%d edge rows: %d infinite, %d zero, %d subnormal)" % (
+            want.size, rows, np.isinf(edge).sum(), (edge == 0).sum(), subnormal.sum())
     return fn
 
 
@@ -438,6 +498,85 @@ def llamacpp_fixture_cases():
                             llamacpp_greedy_fn(name))
 
 
+# --- IQ4_NL, IQ4_XS and MXFP4 against today's llama.cpp, live -------------------------------
+#
+# No fixture in tests/gguf/ carries these types: the files are made here
+# and llama.cpp (npm node-llama-cpp, tests/llamacpp.py; SKIP without it)
+# reads them now. IQ4_NL and IQ4_XS: a random F32 file quantised by
+# llama.cpp's llama_model_quantize (its blocks, its choice of types for
+# token_embd and output); MXFP4: random blocks written by gguf_ref, as
+# llama.cpp's quantiser writes MXFP4 only for experts (MXFP4_MOE; see
+# tests/test_arch.py for those). The same three checks as the fixtures',
+# on log-probabilities (nats, every token; llama.cpp's oracle gives
+# log-probabilities, not logits): (a) run.c against llama.cpp within
+# LIVE_TOL + ROUNDING_MARGIN x the two engines' activation-rounding
+# effects, (b) gguf_ref's 'llamacpp' emulation against llama.cpp within
+# LIVE_TOL or a rounding flip's cascade, (c) run.c against the 'runc'
+# emulation (against_reference, on logits). (b) and (c) are the tight
+# ones: a misread block moves the log-probabilities by whole nats.
+
+LIVE_TOL = 1e-4
+LIVE_FILES = {"IQ4_NL": "llama_untied_gqa_ropefreqs", "IQ4_XS": "qwen2_untied_gqa", "MXFP4": "llama_untied_gqa_ropefreqs"}
+
+
+def log_softmax(logits):
+    m = logits.max(axis=-1, keepdims=True)
+    return logits - m - np.log(np.exp(logits - m).sum(axis=-1, keepdims=True))
+
+
+def live(t):
+    """The file of type t for the live checks, and the log-probabilities of
+    llama.cpp, run.c and gguf_ref (exact and both emulations), once."""
+    key = "live_" + t
+    if key not in _fixture_cache:
+        settings = VARIANTS[LIVE_FILES[t]]
+        p = path("live_" + t.lower())
+        if t == "MXFP4":
+            write("live_" + t.lower(), 61, wtype=t, **settings)
+        else:
+            src = write("live_%s_f32" % t.lower(), 62, wtype="F32", **settings)
+            if not os.path.exists(p):
+                llamacpp.quantize(src, p, t)
+        model = ref.Model(ref.read_gguf(open(p, "rb").read()))
+        theirs = llamacpp.oracle(p, IDS, full=True)
+        gold = np.array([[-np.inf if v is None else v for v in at["logprobs"]] for at in theirs])
+        got = dump_logits(p, IDS)
+        d = dict(model=model, got=got, gold=gold, exact=ref.forward(model, IDS), types=sorted(set(model.t.values())))
+        d["llamacpp"], d["runc"] = ref.forward(model, IDS, "llamacpp"), ref.forward(model, IDS, "runc")
+        _fixture_cache[key] = d
+    return _fixture_cache[key]
+
+
+def nats(a, b):
+    """max |a - b| at each position, over the tokens both give a finite
+    log-probability (llama.cpp's underflow to 0 in the far tail)."""
+    both = np.isfinite(a) & np.isfinite(b)
+    return np.where(both, np.abs(a - b), 0.0).max(axis=1)
+
+
+def live_fn(t, check):
+    def fn():
+        d = live(t)
+        lp = {k: log_softmax(d[k]) for k in ("got", "exact", "llamacpp", "runc")}
+        ours, theirs = float(nats(lp["exact"], lp["runc"]).max()), float(nats(lp["exact"], lp["llamacpp"]).max())
+        if check == "runc_vs_llamacpp":
+            err, limit = float(nats(lp["got"], d["gold"]).max()), LIVE_TOL + ROUNDING_MARGIN * (ours + theirs)
+            assert err <= limit, ("run.c against llama.cpp: %.3g nats, limit %.3g (the activation roundings' effects: "
+                                  "run.c %.3g, llama.cpp %.3g)" % (err, limit, ours, theirs))
+            return "%s: %.2g nats, limit %.2g = 1e-4 + %g x (run.c's rounding %.2g + llama.cpp's %.2g)" % (
+                "/".join(d["types"]), err, limit, ROUNDING_MARGIN, ours, theirs)
+        if check == "reference_vs_llamacpp":
+            return within(nats(lp["llamacpp"], d["gold"]), LIVE_TOL, theirs, "gguf_ref's llama.cpp emulation against llama.cpp")
+        return against_reference(d["model"], d["got"], IDS, True, d["exact"], d["runc"])
+    return fn
+
+
+def llamacpp_live_cases():
+    for t in LIVE_FILES:
+        for check in ("runc_vs_llamacpp", "reference_vs_llamacpp", "runc_vs_reference"):
+            verdict_with_detail("gguf_llamacpp_live_%s_%s" % (t.lower(), check), live_fn(t, check))
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 def base_model(**kw):
@@ -484,9 +623,9 @@ def bad_files():
                                            lay["tensor:" + last] - lay["data"] + 64), [])
     files["offset_misaligned"] = (patch(good, lay["offset:" + name], "Q",
                                         lay["tensor:" + name] - lay["data"] + 4), [])
-    # an unknown tensor type (20 is IQ4_NL): the error names the type and the tensor
-    files["unknown_type"] = (patch(good, lay["type:blk.0.attn_q.weight"], "I", 20),
-                             ["blk.0.attn_q.weight", ("20", "IQ4_NL")])
+    # an unknown tensor type (16 is IQ2_XXS): the error names the type and the tensor
+    files["unknown_type"] = (patch(good, lay["type:blk.0.attn_q.weight"], "I", 16),
+                             ["blk.0.attn_q.weight", ("16", "IQ2_XXS")])
     files["type_out_of_range"] = (patch(good, lay["type:blk.0.attn_k.weight"], "I", 4000),
                                   ["blk.0.attn_k.weight"])
     files["version_1"] = (patch(good, 4, "I", 1), [])
@@ -576,10 +715,13 @@ def main():
                                                                           "ffn_gate.weight": "Q4_0", "token_embd.weight": "Q6_K",
                                                                           "output.weight": "F16", "ffn_down.weight": "BF16"}, "Q5_K",
                                                                          dump))
+    for t in ("IQ4_NL", "IQ4_XS", "MXFP4"):
+        verdict_with_detail("gguf_dequant_edges_" + t, dequant_fn(t))
     verdict_with_detail("gguf_format_versions_alignment_metadata", format_variants_fn())
     verdict_with_detail("gguf_generate_llama_q4_k", smoke_fn("llama_q4_k", "Q4_K", VARIANTS["llama_untied_gqa_ropefreqs"]))
     verdict_with_detail("gguf_generate_qwen2_q8_0", smoke_fn("qwen2_q8_0", "Q8_0", VARIANTS["qwen2_tied_mqa"]))
     llamacpp_fixture_cases()
+    llamacpp_live_cases()
     files = bad_files()
     bad_each(RUN, files, "gguf_bad")
     verdict_with_detail("gguf_bad_asan", bad_fn(ASAN, files))

@@ -1408,11 +1408,13 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
     const int per_row = C / type->block, groups = C / type->group;
     const size_t bytes = (size_t)R * per_row * type->block_bytes;
     uint8_t *blocks = xcalloc(bytes, 1);
-    for (size_t i = 0; i < bytes; i++) blocks[i] = extreme ? (number == 8 ? 0x80 : 0xFF) : (uint8_t)rand_below(256);
-    for (int b = 0; b < R * per_row; b++) { /* the f16 fields: d (and dmin, or Q4_1's m) */
+    const int table = number == 20 || number == 23, mxfp4 = number == 39; /* IQ4_NL, IQ4_XS: code 0 is -127 */
+    for (size_t i = 0; i < bytes; i++) blocks[i] = extreme ? (number == 8 ? 0x80 : table ? 0x00 : 0xFF) : (uint8_t)rand_below(256);
+    for (int b = 0; b < R * per_row; b++) { /* the f16 fields: d (and dmin, or Q4_1's m); MXFP4's exponent byte */
         uint8_t *at = blocks + (size_t)b * type->block_bytes;
-        uint16_t d = random_half(0.0005f, 0.004f, number == 8 || number == 14), second = random_half(0.0005f, 0.004f, number == 3);
-        memcpy(at + (number == 14 ? 208 : 0), &d, 2);
+        uint16_t d = random_half(0.0005f, 0.004f, number == 8 || number == 14 || table), second = random_half(0.0005f, 0.004f, number == 3);
+        if (mxfp4) at[0] = (uint8_t)(extreme ? 127 : 119 + rand_below(6)); /* 2^-9 .. 2^-4 a doubled E2M1 step */
+        else memcpy(at + (number == 14 ? 208 : 0), &d, 2);
         if (type->offsets) memcpy(at + 2, &second, 2);
     }
     Matrix blockwise = {.rows = R, .cols = C, .group_size = type->group, .scale_run = type->block / type->group,
@@ -1420,7 +1422,8 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
     void *packing = pack_for_kernels(&blockwise);
     expect(blockwise.packed != NULL, "not packed");
     expect(blockwise.packed_bits == type->value_bits, "values packed as %d bits", blockwise.packed_bits);
-    expect(blockwise.scale_form == (type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d", blockwise.scale_form);
+    expect(blockwise.scale_form == (!type->factors ? SCALES_F32 : type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d",
+           blockwise.scale_form);
     expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
            "offsets in form %d", blockwise.offset_form);
     /* the same matrix unpacked, as non-VNNI builds hold it */
@@ -1479,7 +1482,7 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
 
 /* GGUF matrices of every block type that the build packs, packed straight
    from their blocks (as VNNI and AVX2 builds load them): each form the type stores is chosen (values of 4, 5, 6 or 8
-   bits as such, f16 or shared scales, K-quants' offsets as minimums);
+   bits as such, f16, shared or (MXFP4) float32 scales, K-quants' offsets as minimums);
    (VNNI) every output is bit for bit the one of the same matrix unpacked as
    section 2.2 unpacks it (q, float32 scales and offsets) and packed from
    that; within 1e-5 of the double sum of its values times the quantised
@@ -1489,10 +1492,10 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
    the extremes: every value the largest the type stores (Q8_0: -128) and
    every input 127 once quantised, so that the int16 pair sums of AVX2's
    kernel are as large as they can be between widenings (random values
-   never come near). */
+   never come near; IQ4_NL, IQ4_XS: -127). */
 static void test_gguf_packing(void) {
 #ifdef PACKED_Q
-    const int types[] = {2, 3, 6, 7, 8, 12, 13, 14}; /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K */
+    const int types[] = {2, 3, 6, 7, 8, 12, 13, 14, 20, 23, 39}; /* Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4 */
     enum { R = 21, C = 512, N = 20 };
     for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
         const GGMLType *type = &ggml_types[types[ti]];

@@ -300,7 +300,8 @@ def gguf_seeds():
     needs numpy; without it these seeds are left as they are): a float32
     llama and a q8_0 qwen2 (the seeds the target's harness check loads), a
     float model of each other float type, models of each 32-value block
-    type, and one of each K type in ffn_down (rows of 256 values)."""
+    type, and one of each type of 256-value blocks (the K types, IQ4_XS) in
+    ffn_down (rows of 256 values)."""
     try:
         import sys
         sys.path.insert(0, os.path.dirname(HERE))
@@ -316,9 +317,9 @@ def gguf_seeds():
         "llama-f16": dict(small, wtype="F16", tied=True),
         "llama-bf16": dict(small, wtype="BF16"),
     }
-    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"):
         seeds["llama-" + t.lower()] = dict(blocks, wtype=t)
-    for t in ("Q4_K", "Q5_K", "Q6_K"):
+    for t in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
         seeds["llama-" + t.lower()] = dict(blocks, ffn=256, wtype="Q8_0", types={"ffn_down.weight": t})
     for name, kw in seeds.items():
         meta, tensors = gguf_ref.random_model(seed=len(name), **kw)
