@@ -940,7 +940,10 @@ typedef struct {
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
    holds a block table (section 4). A block has, for every layer, the key and
-   the value of each of its positions. */
+   the value of each of its positions; in a model with sliding-window layers,
+   for every layer that attends to all its past, and a block of a second
+   pool holds the windowed layers' rows while some sequence's window still
+   covers them (section 4, "Windowed layers"). */
 #define KV_BLOCK 16
 #define KV_RUN 8 /* blocks stored together, layer by layer (kv_block_offset) */
 
@@ -951,8 +954,8 @@ typedef struct {
 enum { KV_F32, KV_F16, KV_Q8_0 };
 #define KV_GROUP 32
 
-typedef struct {
-    int n_blocks, n_layers, kv_dim;
+typedef struct KVCache {
+    int n_blocks, n_layers, kv_dim; /* n_layers: the layers whose rows it holds */
     int type;            /* KV_F32, KV_F16 or KV_Q8_0 */
     size_t row_bytes;    /* one position's key (or value) of one layer */
     unsigned char *key;    /* (n_blocks / KV_RUN rounded up, n_layers, KV_RUN, KV_BLOCK) rows of row_bytes */
@@ -975,6 +978,13 @@ typedef struct {
     int *chain;             /* (n_blocks) next indexed block in the same bucket */
     int n_buckets;          /* a power of two */
     long long promised;     /* blocks promised to running requests (their worst case) */
+    /* sliding-window layers (section 4, "Windowed layers"); win NULL: this
+       cache holds every layer */
+    int window;             /* positions a windowed layer attends to */
+    int window_span;        /* blocks of win one sequence holds at once, at most */
+    int *layer_at;          /* (the model's layers) layer l's index here, or -1 - its index in win */
+    struct KVCache *win;    /* the windowed layers' pool (its own window fields unused) */
+    int *partner;           /* (n_blocks) the block of the other pool with the same positions, -1 none */
 } KVCache;
 
 /* Activations for up to max_rows rows processed together (the rows of one
@@ -5439,6 +5449,9 @@ typedef struct {
     int keep;           /* leading positions never dropped (attention sinks) */
     int shift;          /* 0 .. slots - keep - 1: how far the ring after them has turned */
     long long dropped;  /* positions dropped so far */
+    /* the blocks whose windowed layers' rows (the cache's win) the table
+       holds: wfirst .. wend - 1 (see "Windowed layers") */
+    int wfirst, wend;
 } BlockTable;
 
 static void list_remove(KVCache *c, int list, int b) {
@@ -5483,24 +5496,35 @@ static size_t kv_padded_blocks(int n_blocks) { return ((size_t)n_blocks + KV_RUN
 /* Bytes of c->key, and of c->value. */
 static size_t kv_array_bytes(const KVCache *c) { return kv_padded_blocks(c->n_blocks) * c->n_layers * KV_BLOCK * c->row_bytes; }
 
-/* A cache of n_blocks blocks of `type`, all free. */
-static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
+/* Whether layer l attends to a sliding window of positions (Gemma 3's
+   local layers; Config window_period). */
+static int layer_windowed(const Config *p, int l) {
+    return p->window > 0 && l % p->window_period != p->window_period - 1;
+}
+
+/* Bytes of one block's keys and values, all its layers. */
+static double kv_block_bytes(const KVCache *c) { return 2.0 * c->row_bytes * c->n_layers * KV_BLOCK; }
+
+/* A pool of n_blocks blocks of `type`, all free, for n_layers layers. */
+static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks, int type) {
     int kv_dim = kv_dim_of(p);
     if (type == KV_Q8_0 && kv_dim % KV_GROUP != 0)
         die(EXIT_USAGE, "--kv-type q8_0 needs a key/value dimension that is a multiple of %d; this model's is %d", KV_GROUP, kv_dim);
     size_t row_bytes = kv_row_bytes(type, kv_dim);
-    double bytes = 2.0 * row_bytes * p->n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
+    double bytes = 2.0 * row_bytes * n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
     if (bytes > (double)(SIZE_MAX / 4))
         die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", bytes);
     memset(c, 0, sizeof(*c));
     c->n_blocks = n_blocks;
-    c->n_layers = p->n_layers;
+    c->n_layers = n_layers;
     c->kv_dim = kv_dim;
     c->type = type;
     c->row_bytes = row_bytes;
     const char *what = "the key/value cache; --ctx-size, --kv-mb or --kv-type make it smaller";
-    c->key = alloc_pages(kv_array_bytes(c), what, 1);
-    c->value = alloc_pages(kv_array_bytes(c), what, 1);
+    if (n_layers > 0) { /* a model whose every layer is windowed has none outside the window pool */
+        c->key = alloc_pages(kv_array_bytes(c), what, 1);
+        c->value = alloc_pages(kv_array_bytes(c), what, 1);
+    }
     c->ref = xcalloc((size_t)n_blocks, sizeof(int));
     c->prev = xcalloc((size_t)n_blocks, sizeof(int));
     c->next = xcalloc((size_t)n_blocks, sizeof(int));
@@ -5517,12 +5541,36 @@ static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
     for (int b = 0; b < n_blocks; b++) list_append(c, 0, b);
 }
 
+/* A cache of n_blocks blocks of `type`, all free. In a model with windowed
+   layers, window_blocks > 0 puts those layers' rows in a pool of their own
+   of that many blocks (see "Windowed layers"); 0 keeps every layer here. */
+static void kv_init(KVCache *c, const Config *p, int n_blocks, int window_blocks, int type) {
+    int n_windowed = 0;
+    for (int l = 0; l < p->n_layers; l++) n_windowed += layer_windowed(p, l);
+    if (window_blocks == 0 || n_windowed == 0) {
+        kv_pool_init(c, p, p->n_layers, n_blocks, type);
+        return;
+    }
+    kv_pool_init(c, p, p->n_layers - n_windowed, n_blocks, type);
+    c->win = xcalloc(1, sizeof(KVCache));
+    kv_pool_init(c->win, p, n_windowed, window_blocks, type);
+    c->window = p->window;
+    c->layer_at = xcalloc((size_t)p->n_layers, sizeof(int));
+    for (int l = 0, g = 0, w = 0; l < p->n_layers; l++) c->layer_at[l] = layer_windowed(p, l) ? -1 - w++ : g++;
+    c->partner = xcalloc((size_t)n_blocks, sizeof(int));
+    c->win->partner = xcalloc((size_t)window_blocks, sizeof(int));
+    for (int b = 0; b < n_blocks; b++) c->partner[b] = -1;
+    for (int b = 0; b < window_blocks; b++) c->win->partner[b] = -1;
+}
+
 static void kv_free(KVCache *c) {
     if (c->key) free_pages(c->key, kv_array_bytes(c));
     if (c->value) free_pages(c->value, kv_array_bytes(c));
     free(c->ref); free(c->prev); free(c->next); free(c->state);
     free(c->tokens); free(c->parent); free(c->generation); free(c->parent_generation);
     free(c->chain); free(c->bucket);
+    if (c->win) kv_free(c->win);
+    free(c->win); free(c->layer_at); free(c->partner);
     memset(c, 0, sizeof(*c));
 }
 
@@ -5576,6 +5624,18 @@ static void prefix_remove(KVCache *c, int b) {
 
 /* ---- Taking and giving back blocks ------------------------------------- */
 
+/* Block b of a cache with windowed layers is taken for new positions: the
+   partner that kept its windowed rows (free, for a later prompt: see
+   "Windowed layers") holds nothing worth keeping any more. */
+static void partner_forget(KVCache *c, int b) {
+    KVCache *w = c->win;
+    int p = c->partner[b];
+    list_remove(w, 1, p);
+    w->state[p] = BLOCK_PLAIN;
+    list_prepend(w, 0, p);
+    w->partner[p] = c->partner[b] = -1;
+}
+
 /* A free block for the caller to fill (reference count 1): a plain one if
    any, else the indexed one freed longest ago, which leaves the index. The
    engine promises blocks before it takes them (see Engine), so one is free. */
@@ -5584,6 +5644,7 @@ static int block_take(KVCache *c) {
     if (b < 0) die(EXIT_BAD_FILE, "internal error: the key/value cache has no free block");
     list_remove(c, list, b);
     prefix_remove(c, b);
+    if (c->win && c->partner[b] >= 0) partner_forget(c, b);
     c->generation[b]++;
     c->ref[b] = 1;
     if (++c->held > c->peak_held) c->peak_held = c->held;
@@ -5606,6 +5667,73 @@ static void block_release(KVCache *c, int b) {
     else list_append(c, 1, b);
 }
 
+/* ---- Windowed layers ------------------------------------------------------
+   A windowed layer's row at pos attends to positions pos - window + 1 .. pos
+   only (attention_start), so a sequence never reads its keys and values
+   further back again. In a model with such layers (Gemma 3: 5 of every 6)
+   the cache keeps their rows in a second pool, win, of blocks of the same
+   KV_BLOCK positions, held only while some sequence's window covers them: a
+   context of N positions costs the other layers' rows for N positions and
+   the windowed layers' for about the window. The main pool's blocks, now of
+   the other layers only, work as before: block tables, reference counts,
+   copy on write, the prefix index. A main block's partner is the block of
+   win with the windowed rows of the same positions. A table holds the
+   partners of its blocks wfirst .. wend - 1, a reference each: it takes a
+   block's partner when it first writes into the block (table_prepare_write)
+   and gives back those wholly before its window once the positions it has
+   computed (a Sequence's n_cached) have left them (table_leave_window). Only
+   computed positions count: a sequence never goes back before them
+   (speculative drafts past them are verified or overwritten later), so it
+   never gives back a row it may read again. A partner whose last holder lets
+   go of it stays linked to its main block while that block is in the prefix
+   index, in win's second free list, taken last: a later prompt that resumes
+   within its window takes it (engine_start); otherwise it is freed plainly.
+   The draft model's cache (speculative decoding) keeps every layer in one
+   pool, since its sequences roll back (speculator_setup). */
+
+/* The first block whose windowed rows a sequence needs when its next
+   position to compute is `next`. */
+static int window_first_block(const KVCache *c, int next) {
+    return next >= c->window ? (next - c->window + 1) / KV_BLOCK : 0;
+}
+
+/* A free block of win for the windowed rows of new positions (reference
+   count 1): a plain one if any, else the one kept for a prefix longest ago,
+   whose main block loses it. Promised beforehand, as block_take's. */
+static int window_take(KVCache *c) {
+    KVCache *w = c->win;
+    int list = w->head[0] >= 0 ? 0 : 1, p = w->head[list];
+    if (p < 0) die(EXIT_BAD_FILE, "internal error: the key/value cache has no free block for the windowed layers");
+    list_remove(w, list, p);
+    if (list == 1) {
+        c->partner[w->partner[p]] = -1;
+        w->state[p] = BLOCK_PLAIN;
+    }
+    w->ref[p] = 1;
+    if (++w->held > w->peak_held) w->peak_held = w->held;
+    return p;
+}
+
+/* Drops a table's reference to the partner of main block b. Its last holder
+   leaves it linked (BLOCK_READY, the list kept for prefixes) only where b is
+   indexed and computed, so that a later prompt may take both. */
+static void window_release(KVCache *c, int b) {
+    KVCache *w = c->win;
+    int p = c->partner[b];
+    if (w->ref[p] == 1) {
+        w->state[p] = c->state[b] == BLOCK_READY ? BLOCK_READY : BLOCK_PLAIN;
+        if (w->state[p] == BLOCK_PLAIN) c->partner[b] = w->partner[p] = -1;
+    }
+    block_release(w, p);
+}
+
+/* Gives back the partners of t's blocks that no position from `next` on
+   reads: `next` is the first position t has not computed. */
+static void table_leave_window(KVCache *c, BlockTable *t, int next) {
+    if (!c->win) return;
+    for (int first = window_first_block(c, next); t->wfirst < first; t->wfirst++) window_release(c, t->ids[t->wfirst]);
+}
+
 static void table_push(BlockTable *t, int b) {
     if (t->n == t->cap) {
         t->cap = t->cap ? 2 * t->cap : 8;
@@ -5616,10 +5744,12 @@ static void table_push(BlockTable *t, int b) {
     t->ids[t->n++] = b;
 }
 
-/* Gives back every block of t and empties it. */
+/* Gives back every block of t and empties it (the partners first, whose
+   fate depends on their main blocks' state). */
 static void table_clear(KVCache *c, BlockTable *t) {
+    for (int i = t->wfirst; i < t->wend; i++) window_release(c, t->ids[i]);
     for (int i = 0; i < t->n; i++) block_release(c, t->ids[i]);
-    t->n = 0;
+    t->n = t->wfirst = t->wend = 0;
 }
 
 static void table_free(KVCache *c, BlockTable *t) {
@@ -5635,6 +5765,9 @@ static void table_copy(KVCache *c, BlockTable *dst, const BlockTable *src) {
         block_hold(c, src->ids[i]);
         table_push(dst, src->ids[i]);
     }
+    for (int i = src->wfirst; i < src->wend; i++) block_hold(c->win, c->partner[src->ids[i]]);
+    dst->wfirst = src->wfirst;
+    dst->wend = src->wend;
 }
 
 /* ---- Generation past the context (--keep N) -------------------------------
@@ -5647,7 +5780,7 @@ static void table_copy(KVCache *c, BlockTable *dst, const BlockTable *src) {
        keep + (j - keep + shift) mod w,
    where shift counts drops modulo w; the new position takes the slot of the
    one dropped. kv_slot() is that mapping, and every store and load goes
-   through it (kv_offset).
+   through it (kv_row).
 
    Keys are stored rotated (RoPE) at their PHYSICAL slot P, as they are
    without --keep, where P is the position: until the cache is full nothing
@@ -5693,13 +5826,20 @@ static size_t kv_block_offset(const KVCache *c, int layer, int block) {
     return ((run * c->n_layers + layer) * KV_RUN + in_run) * KV_BLOCK * c->row_bytes;
 }
 
-/* Where position pos of layer `layer` of block table t lives in `base` (the
-   keys or the values), in bytes: the one place that maps a position to the
-   cache. */
-static size_t kv_offset(const KVCache *c, int layer, const BlockTable *t, int pos) {
-    int slot = kv_slot(t, pos);
-    size_t block = (size_t)t->ids[slot / KV_BLOCK];
-    return kv_block_offset(c, layer, block) + (size_t)(slot % KV_BLOCK) * c->row_bytes;
+/* The key (values = 0) or the value of position pos of the model's layer
+   `layer` of block table t: the one place that maps a position to the
+   cache. A windowed layer's rows are in the partner of the main block. */
+static unsigned char *kv_row(const KVCache *c, int layer, const BlockTable *t, int pos, int values) {
+    int slot = kv_slot(t, pos), block = t->ids[slot / KV_BLOCK];
+    if (c->layer_at) {
+        layer = c->layer_at[layer];
+        if (layer < 0) {
+            block = c->partner[block];
+            layer = -1 - layer;
+            c = c->win;
+        }
+    }
+    return (values ? c->value : c->key) + kv_block_offset(c, layer, block) + (size_t)(slot % KV_BLOCK) * c->row_bytes;
 }
 
 /* ---- The cache's element types ---------------------------------------------
@@ -5787,16 +5927,15 @@ static void kv_encode(const KVCache *c, unsigned char *row, const float *x, int 
 /* The one function that stores a cache row: the key k and value v
    (kv_dim floats each) of position pos of layer `layer`, in the cache's type. */
 static void kv_store(KVCache *c, int layer, const BlockTable *t, int pos, const float *k, const float *v) {
-    size_t at = kv_offset(c, layer, t, pos);
-    kv_encode(c, c->key + at, k, c->kv_dim);
-    kv_encode(c, c->value + at, v, c->kv_dim);
+    kv_encode(c, kv_row(c, layer, t, pos, 0), k, c->kv_dim);
+    kv_encode(c, kv_row(c, layer, t, pos, 1), v, c->kv_dim);
 }
 
 /* The one function that finds a cache row to read: the key (values = 0) or
    the value (values = 1) of position pos of layer `layer`, as stored; kv_dot
    and kv_axpy read its values. */
 static const unsigned char *kv_load(const KVCache *c, int layer, const BlockTable *t, int pos, int values) {
-    return (values ? c->value : c->key) + kv_offset(c, layer, t, pos);
+    return kv_row(c, layer, t, pos, values);
 }
 
 /* Bytes of values from..from+n-1 of a row (the int8 part for q8_0), for
@@ -5880,36 +6019,55 @@ static void kv_axpy(const KVCache *c, const unsigned char *row, int off, float a
     for (int i = 0; i < n; i++) xb[i] += a * kv_value(c, row, off + i);
 }
 
+/* Copies the first n rows of block `from` of pool c to block `to`, every
+   layer. */
+static void kv_copy_rows(KVCache *c, int from, int to, int n) {
+    size_t bytes = (size_t)n * c->row_bytes;
+    for (int l = 0; l < c->n_layers; l++) {
+        size_t src = kv_block_offset(c, l, from), dst = kv_block_offset(c, l, to);
+        memcpy(c->key + dst, c->key + src, bytes);
+        memcpy(c->value + dst, c->value + src, bytes);
+    }
+}
+
 /* Makes position pos writable for table t: a new block when pos starts one,
    or a private copy of a shared last block (its first pos % KV_BLOCK
-   positions, every layer). Once a table drops positions (--keep), it writes
-   into full blocks, so that nobody else ever reads what the ring overwrites:
-   a shared one is copied whole first (a free block exists then, since the
-   promises count a shared block once per holder), and one of its own leaves
-   the prefix index (a new generation: links to it go stale). */
+   positions, every layer, its partner's too); and, in a cache with windowed
+   layers, a partner for a block t writes into for the first time. Once a
+   table drops positions (--keep), it writes into full blocks, so that
+   nobody else ever reads what the ring overwrites: a shared one is copied
+   whole first (a free block exists then, since the promises count a shared
+   block once per holder), and one of its own leaves the prefix index (a new
+   generation: links to it go stale). */
 static void table_prepare_write(KVCache *c, BlockTable *t, int pos) {
     int slot = kv_slot(t, pos), i = slot / KV_BLOCK;
     if (i == t->n) {
         table_push(t, block_take(c));
-        return;
-    }
-    int old = t->ids[i], ring = t->dropped > 0;
-    if (c->ref[old] == 1) {
-        if (ring && c->state[old] != BLOCK_PLAIN) {
+    } else if (c->ref[t->ids[i]] == 1) {
+        int old = t->ids[i];
+        if (t->dropped > 0 && c->state[old] != BLOCK_PLAIN) {
             prefix_remove(c, old);
             c->generation[old]++;
         }
-        return;
+    } else {
+        int old = t->ids[i], fresh = block_take(c), rows = t->dropped > 0 ? KV_BLOCK : slot % KV_BLOCK;
+        kv_copy_rows(c, old, fresh, rows);
+        if (i < t->wend) {
+            int p = window_take(c);
+            kv_copy_rows(c->win, c->partner[old], p, rows);
+            window_release(c, old);
+            c->partner[fresh] = p;
+            c->win->partner[p] = fresh;
+        }
+        block_release(c, old);
+        t->ids[i] = fresh;
     }
-    int fresh = block_take(c);
-    size_t bytes = (size_t)(ring ? KV_BLOCK : slot % KV_BLOCK) * c->row_bytes;
-    for (int l = 0; l < c->n_layers; l++) {
-        size_t from = kv_block_offset(c, l, old), to = kv_block_offset(c, l, fresh);
-        memcpy(c->key + to, c->key + from, bytes);
-        memcpy(c->value + to, c->value + from, bytes);
+    if (c->win && i == t->wend) {
+        int b = t->ids[i], p = window_take(c);
+        c->partner[b] = p;
+        c->win->partner[p] = b;
+        t->wend++;
     }
-    block_release(c, old);
-    t->ids[i] = fresh;
 }
 
 /* ---- Activations ---------------------------------------------------------- */
@@ -5989,8 +6147,9 @@ static inline float attention_scale(float score, float by) { return score / by; 
 #endif
 
 /* Activations for `max_rows` rows at once, for sequences of at most
-   `context` positions, and a cache of n_blocks blocks of kv_type. */
-static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int kv_type) {
+   `context` positions, and a cache of n_blocks blocks of kv_type (and
+   window_blocks for the windowed layers: kv_init). */
+static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int window_blocks, int kv_type) {
     int kv_dim = kv_dim_of(p);
     size_t rows = (size_t)max_rows;
     s->max_rows = max_rows;
@@ -6022,7 +6181,7 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
         s->eh2 = xcalloc(rows * p->expert_hidden, sizeof(float));
         s->slots = xcalloc(rows * k * p->dim, sizeof(float));
     }
-    kv_init(&s->cache, p, n_blocks, kv_type);
+    kv_init(&s->cache, p, n_blocks, window_blocks, kv_type);
 }
 
 static void free_run_state(RunState *s) {
@@ -6427,21 +6586,21 @@ static void attention_block(const KVCache *c, int layer, const BlockTable *table
 #endif
 }
 
-/* Whether layer l attends to a sliding window of positions (Gemma 3's
-   local layers; Config window_period), and the first position a row at pos
-   attends to there. */
-static int layer_windowed(const Config *p, int l) {
-    return p->window > 0 && l % p->window_period != p->window_period - 1;
-}
-
+/* The first position a row at pos attends to in layer l. */
 static int attention_start(const Config *p, int l, int pos) {
     return layer_windowed(p, l) && pos >= p->window ? pos - p->window + 1 : 0;
 }
 
-/* The first block of keys (a multiple of ATTENTION_KEYS) that any row of
-   b's tiles first[0..m-1] attends to in layer l: 0 but in windowed layers.
-   Scores before a row's own start are computed with the block and then
-   given weight 0 (window_softmax), so a row's result does not depend on the
+/* The first block of keys (a multiple of ATTENTION_KEYS) that a tile whose
+   first row is at `from` reads in layer l: 0 but in windowed layers. The
+   cache may no longer hold the blocks before it ("Windowed layers"). */
+static int tile_origin(const Config *p, int l, int from) { return attention_start(p, l, from) / ATTENTION_KEYS * ATTENTION_KEYS; }
+
+/* The first block of keys that any tile of b's tiles first[0..m-1] reads in
+   layer l. Scores of a row before its own start, in the blocks its tile
+   reads, are computed and then given weight 0 (window_softmax); a tile skips
+   the blocks before its origin, whose scores window_softmax sets to 0 and
+   whose values would add nothing; so a row's result does not depend on the
    rows it is read with. */
 static int attention_origin(const Config *p, const Batch *b, int l, const int *first, int m) {
     int origin = INT_MAX;
@@ -6494,7 +6653,7 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
         for (int j = 0; j < m; j++) {
             const BlockTable *table = b->table[first[j]];
             const int from = b->pos[first[j]], to = b->pos[first[j + 1] - 1];
-            if (to < t0) continue;
+            if (to < t0 || t0 < tile_origin(p, layer, from)) continue;
             const int nk = to + 1 - t0 < ATTENTION_KEYS ? to + 1 - t0 : ATTENTION_KEYS;
             int turn[ATTENTION_KEYS];
             attention_block(c, layer, table, t0, nk, to, 0, span, a->rows, &keys);
@@ -6542,7 +6701,7 @@ static void attention_values(Transformer *t, const Batch *b, int layer, const in
         values.n = 0;
         for (int j = 0; j < m; j++) {
             const int from = b->pos[first[j]], to = b->pos[first[j + 1] - 1], end = first[j + 1] - r0;
-            if (to < t0) continue;
+            if (to < t0 || t0 < tile_origin(p, layer, from)) continue;
             const int nk = to + 1 - t0 < ATTENTION_KEYS ? to + 1 - t0 : ATTENTION_KEYS;
             attention_block(c, layer, b->table[first[j]], t0, nk, to, 1, span, a->rows, &values);
             for (int h = 0; h < w; h++)
@@ -11493,6 +11652,7 @@ struct Request {
     Sequence *seqs;         /* (max(1, B)) */
     int n_seqs;
     long long promised;     /* cache blocks promised to it (its worst case) */
+    long long window_promised; /* and blocks of the windowed layers' pool */
     Sampler sampler;
     StopMatcher stops;      /* sampling: the text so far, against the stop strings */
     float *raw;             /* (vocab) sampling with a score: the logits before sampling */
@@ -11624,6 +11784,20 @@ static long long request_blocks(const Request *r, int context) {
     return (long long)r->n_seqs * per_seq + (r->n_seqs > 1);
 }
 
+/* The same for the windowed layers' pool of c (see "Windowed layers"): each
+   sequence holds no more than a window's span of it; 0 without one. */
+static long long request_window_blocks(const Request *r, const KVCache *c) {
+    if (!c->win) return 0;
+    long long per_seq = (request_positions(r) + KV_BLOCK - 1) / KV_BLOCK;
+    if (per_seq > c->window_span) per_seq = c->window_span;
+    return (long long)r->n_seqs * per_seq + (r->n_seqs > 1);
+}
+
+/* Whether r could ever fit the cache c, empty. */
+static int request_fits(const Request *r, const KVCache *c, int context) {
+    return request_blocks(r, context) <= c->n_blocks && (!c->win || request_window_blocks(r, c) <= c->win->n_blocks);
+}
+
 static void beam_state_free(BeamState *b) {
     if (!b) return;
     free(b->beam_scores); free(b->logprob_rows); free(b->logprobs); free(b->generated); free(b->next_generated);
@@ -11655,6 +11829,8 @@ static void request_finish(Engine *e, Request *r) {
     r->stops.held = NULL;
     c->promised -= r->promised;
     r->promised = 0;
+    if (c->win) c->win->promised -= r->window_promised;
+    r->window_promised = 0;
     r->state = REQUEST_DONE;
 }
 
@@ -12111,6 +12287,7 @@ static void verify_step(Engine *e, Request *r, float *logits) {
     for (int i = 0; i <= k; i++) {
         s->n_cached = s->n_tokens = first + i + 1;
         sequence_index_blocks(c, s);
+        table_leave_window(c, &s->table, s->n_cached);
         sample_step(e, r, logits + (size_t)i * vocab);
         if (r->state == REQUEST_DONE || i == k || s->tokens[first + i + 1] != draft[i]) break;
         accepted++;
@@ -12134,7 +12311,7 @@ static Speculator *speculator_new(int lookup, int draft_max, Transformer *draft)
 static void speculator_setup(Speculator *sp, int parallel, int context, int prefill) {
     if (!sp->draft) return;
     int rows = parallel + prefill, blocks_each = (context + KV_BLOCK - 1) / KV_BLOCK;
-    alloc_run_state(&sp->draft->state, &sp->draft->config, rows, context, parallel * blocks_each, KV_F32);
+    alloc_run_state(&sp->draft->state, &sp->draft->config, rows, context, parallel * blocks_each, 0, KV_F32);
     sp->row_token = xcalloc((size_t)rows, sizeof(int));
     sp->row_pos = xcalloc((size_t)rows, sizeof(int));
     sp->logit_rows = xcalloc((size_t)rows, sizeof(int));
@@ -12215,22 +12392,37 @@ static int prefix_match(const KVCache *c, const Request *r, int *blocks) {
     return n;
 }
 
+/* How many of the n blocks `matched` of a prompt's prefix (prefix_match) a
+   request can take in a cache with windowed layers: as many as leave the
+   partners of the window before the position it resumes at all kept. */
+static int window_resumable(const KVCache *c, const int *matched, int n) {
+    for (; n > 0; n--) {
+        int i = window_first_block(c, n * KV_BLOCK);
+        while (i < n && c->partner[matched[i]] >= 0) i++;
+        if (i == n) break;
+    }
+    return n;
+}
+
 /* Starts r: promises its blocks, takes the blocks of its prompt's prefix
    from the index, and takes (and indexes, as pending) the blocks the rest of
    its prompt will fill. Returns 0 when r must wait. */
 static int engine_start(Engine *e, Request *r) {
     Transformer *t = e->t;
     KVCache *c = &t->state.cache;
-    long long need = request_blocks(r, t->config.seq_len);
-    if (c->promised + need > c->n_blocks) return 0;
+    long long need = request_blocks(r, t->config.seq_len), window_need = request_window_blocks(r, c);
+    if (c->promised + need > c->n_blocks || (c->win && c->win->promised + window_need > c->win->n_blocks)) return 0;
     int *matched = xcalloc((size_t)r->n_prompt / KV_BLOCK + 1, sizeof(int));
     int n_matched = r->lp && r->lp->score_prompt ? 0 : prefix_match(c, r, matched);
     if (n_matched < 0) {
         free(matched);
         return 0;
     }
+    if (c->win) n_matched = window_resumable(c, matched, n_matched);
     c->promised += need;
     r->promised = need;
+    if (c->win) c->win->promised += window_need;
+    r->window_promised = window_need;
     r->seqs = xcalloc((size_t)r->n_seqs, sizeof(Sequence));
     int cap = r->n_prompt + r->max_new;
     for (int j = 0; j < r->n_seqs; j++) sequence_init(&r->seqs[j], r->prompt, j == 0 ? r->n_prompt : 0, cap);
@@ -12243,12 +12435,20 @@ static int engine_start(Engine *e, Request *r) {
         block_hold(c, matched[i]);
         table_push(&s->table, matched[i]);
     }
+    if (c->win) { /* the windowed rows of the window before the prompt's rest */
+        s->table.wfirst = window_first_block(c, n_matched * KV_BLOCK);
+        s->table.wend = n_matched;
+        for (int i = s->table.wfirst; i < n_matched; i++) block_hold(c->win, c->partner[matched[i]]);
+    }
     free(matched);
     s->n_cached = s->n_indexed = n_matched * KV_BLOCK;
     s->n_indexed = n_matched;
     e->stats.reused_tokens += s->n_cached;
+    /* the main blocks of the rest, taken now so that other prompts find them
+       pending; their partners come as the rows are computed, a window's at a
+       time (table_prepare_write) */
     for (int pos = s->n_cached; pos < r->n_prompt; pos += KV_BLOCK) {
-        table_prepare_write(c, &s->table, pos);
+        table_push(&s->table, block_take(c));
         int i = pos / KV_BLOCK;
         if ((i + 1) * KV_BLOCK <= r->n_prompt) prefix_add(c, s->table.ids[i], i > 0 ? s->table.ids[i - 1] : -1,
                                                           r->prompt + (size_t)i * KV_BLOCK, BLOCK_PENDING);
@@ -12273,7 +12473,7 @@ static void engine_admit(Engine *e) {
     const KVCache *c = &e->t->state.cache;
     while (e->next_waiting < e->n_queue && e->n_running < e->parallel) {
         Request *r = e->queue[e->next_waiting];
-        if (request_blocks(r, e->t->config.seq_len) > c->n_blocks) {
+        if (!request_fits(r, c, e->t->config.seq_len)) {
             r->error = "the request needs more key/value cache than --kv-mb allows";
             r->state = REQUEST_DONE;
             e->next_waiting++;
@@ -12364,6 +12564,7 @@ static int engine_step(Engine *e) {
         if (!e->row_seq[i]) continue; /* a draft's row: verify_step counts it */
         e->row_seq[i]->n_cached++;
         sequence_index_blocks(c, e->row_seq[i]);
+        table_leave_window(c, &e->row_seq[i]->table, e->row_seq[i]->n_cached);
     }
     const int vocab = e->t->config.vocab_size, stop_now = interrupted();
     for (int i = 0; i < e->n_running; i++) score_prompt_rows(e, e->running[i], logits);
@@ -12446,7 +12647,8 @@ static void print_stats(const Engine *e) {
     if (st->speculating)
         fprintf(stderr, "; drafted %lld, accepted %lld (%.2f tokens per target pass)", st->drafted, st->accepted,
                 st->target_passes > 0 ? (double)st->generated_tokens / (double)st->target_passes : 0.0);
-    fprintf(stderr, ", kv %s %.2f MB peak", kv_type_names[c->type], 2.0 * c->row_bytes * c->n_layers * KV_BLOCK * c->peak_held / 1e6);
+    double peak = kv_block_bytes(c) * c->peak_held + (c->win ? kv_block_bytes(c->win) * c->win->peak_held : 0);
+    fprintf(stderr, ", kv %s %.2f MB peak", kv_type_names[c->type], peak / 1e6);
     if (st->keeping) fprintf(stderr, "; %lld positions dropped (--keep)", st->dropped);
     fputc('\n', stderr);
 }
@@ -12557,6 +12759,53 @@ static void print_results(const Tokenizer *tok, OutputFormat format, const Hypot
     if (n_show <= 1) printf("\n");
 }
 
+/* What a cache for t costs (engine_setup): the bytes of a block of the main
+   pool and of the windowed layers' pool (0 without one), and the blocks of
+   that pool a sequence holds at once, at most (request_window_blocks). */
+typedef struct {
+    double main_bytes, window_bytes;
+    int span;
+} CacheShape;
+
+static CacheShape cache_shape(const Transformer *t, int kv_type, const Speculator *spec) {
+    const Config *p = &t->config;
+    int windowed = 0;
+    for (int l = 0; l < p->n_layers; l++) windowed += layer_windowed(p, l);
+    double row = 2.0 * kv_row_bytes(kv_type, kv_dim_of(p)) * KV_BLOCK;
+    CacheShape shape = {row * (p->n_layers - windowed), row * windowed, 0};
+    if (windowed > 0) {
+        /* a sequence feeds up to a prompt chunk or its drafts a step, and
+           holds the blocks from where the window of its first reaches back
+           to that of its last */
+        int rows = spec && spec->draft_max + 1 > prefill_rows(t) ? spec->draft_max + 1 : prefill_rows(t);
+        shape.span = (p->window + rows - 2) / KV_BLOCK + 2;
+    }
+    return shape;
+}
+
+/* Main blocks a request of `beams` sequences (1: sampled) of `positions`
+   positions may hold (as request_blocks), and blocks of the windowed
+   layers' pool. */
+static double request_main_blocks(int beams, int positions) {
+    return (double)beams * ((positions + KV_BLOCK - 1) / KV_BLOCK) + (beams > 1);
+}
+
+static double request_span_blocks(const CacheShape *shape, int beams, int positions) {
+    if (shape->window_bytes == 0) return 0;
+    return (double)beams * fmin((positions + KV_BLOCK - 1) / KV_BLOCK, shape->span) + (beams > 1);
+}
+
+/* The windowed layers' pool for `parallel` sampled requests of `positions`,
+   or one of `beams`, at once: the windows of every sequence at once, as the
+   main pool holds their whole length. */
+static double windows_wanted(const CacheShape *shape, int parallel, int beams, int positions) {
+    return fmax(parallel * request_span_blocks(shape, 1, positions), request_span_blocks(shape, beams, positions));
+}
+
+static double cache_bytes(const CacheShape *shape, double main_blocks, double window_blocks) {
+    return main_blocks * shape->main_bytes + window_blocks * shape->window_bytes;
+}
+
 /* Sets up e and t's activations and cache for `parallel` requests of
    `beams` sequences (1 when sampling) and `context` positions each: by
    default a cache that holds all of them at full length, or kv_mb MiB of it
@@ -12565,13 +12814,23 @@ static void print_results(const Tokenizer *tok, OutputFormat format, const Hypot
 static void engine_setup(Engine *e, Transformer *t, const Tokenizer *tok, int parallel, int beams, int context, int kv_mb,
                          int kv_type, Speculator *spec) {
     const Config *p = &t->config;
-    double block_bytes = 2.0 * kv_row_bytes(kv_type, kv_dim_of(p)) * p->n_layers * KV_BLOCK;
-    double per_request = (double)beams * ((context + KV_BLOCK - 1) / KV_BLOCK) + (beams > 1);
-    double n_blocks = kv_mb > 0 ? floor(kv_mb * 1048576.0 / block_bytes) : parallel * per_request;
-    if (n_blocks < 1) n_blocks = 1;
-    if (n_blocks > INT_MAX / KV_BLOCK)
-        die(EXIT_BAD_FILE, "the key/value cache would need %.0f blocks of %d positions, too many", n_blocks, KV_BLOCK);
-    alloc_run_state(&t->state, p, parallel * (beams + (spec ? spec->draft_max : 0)) + prefill_rows(t), context, (int)n_blocks, kv_type);
+    const CacheShape shape = cache_shape(t, kv_type, spec);
+    double main_blocks = parallel * request_main_blocks(beams, context), window_blocks = windows_wanted(&shape, parallel, beams, context);
+    if (kv_mb > 0) {
+        /* kv_mb MiB: the windows wanted, the rest main blocks; a budget too
+           small for that, as many blocks in each pool, so that whatever
+           fitted one pool of every layer still fits */
+        double bytes = kv_mb * 1048576.0, even = floor(bytes / (shape.main_bytes + shape.window_bytes));
+        if (even <= window_blocks) main_blocks = window_blocks = even;
+        else main_blocks = floor((bytes - window_blocks * shape.window_bytes) / shape.main_bytes);
+    }
+    if (main_blocks < 1) main_blocks = 1;
+    if (shape.window_bytes > 0 && window_blocks < 1) window_blocks = 1;
+    if (main_blocks > INT_MAX / KV_BLOCK || window_blocks > INT_MAX / KV_BLOCK)
+        die(EXIT_BAD_FILE, "the key/value cache would need %.0f blocks of %d positions, too many", fmax(main_blocks, window_blocks), KV_BLOCK);
+    alloc_run_state(&t->state, p, parallel * (beams + (spec ? spec->draft_max : 0)) + prefill_rows(t), context, (int)main_blocks,
+                    (int)window_blocks, kv_type);
+    t->state.cache.window_span = shape.span;
     engine_init(e, t, tok, parallel);
     if (spec) speculator_setup(spec, parallel, context, prefill_rows(t));
     e->spec = spec;
@@ -12590,8 +12849,12 @@ static void stream_text(Request *r, const char *text, size_t n) {
    request at a time would print nothing and succeed. Called before anything
    of r is printed. */
 static void require_room(const Engine *e, const Request *r) {
-    if (request_blocks(r, e->t->config.seq_len) <= e->t->state.cache.n_blocks) return;
+    const KVCache *c = &e->t->state.cache;
+    if (request_fits(r, c, e->t->config.seq_len)) return;
     const int beams = r->d.beam.beams;
+    if (request_blocks(r, e->t->config.seq_len) <= c->n_blocks)
+        die(EXIT_USAGE, "the key/value cache is too small for this request: its windowed layers need %lld blocks of %d "
+            "positions and --kv-mb leaves room for %d; raise --kv-mb", request_window_blocks(r, c), KV_BLOCK, c->win->n_blocks);
     if (beams > 1)
         die(EXIT_USAGE, "the key/value cache is too small for this request: it needs %d positions for each of %d beams "
             "and --kv-mb leaves room for %d in all; raise --kv-mb, or lower -n or -b", request_positions(r), beams,
@@ -13315,6 +13578,7 @@ static void score_window(Transformer *t, const int *window, int n, Score *sc) {
         for (int r = 0; r < rows; r++) sc->nll_sum -= log_prob(logits + (size_t)r * vocab, vocab, window[done + r + 1]);
         sc->tokens += rows;
         done += rows;
+        table_leave_window(&t->state.cache, &table, done);
     }
     table_free(&t->state.cache, &table);
 }
@@ -14619,11 +14883,11 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
     const Config *p = &t->config;
     int beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS, kv_mb = o->kv_mb;
     if (kv_mb == 0) {
-        double block_bytes = 2.0 * kv_row_bytes(o->kv_type, kv_dim_of(p)) * p->n_layers * KV_BLOCK;
-        double per_request = (context_positions(o, p->seq_len) + KV_BLOCK - 1) / KV_BLOCK + 1;
-        double one_of_most = (double)beams * ((p->seq_len + KV_BLOCK - 1) / KV_BLOCK) + 1;
-        double blocks = fmax(o->parallel * per_request, one_of_most);
-        kv_mb = (int)fmin(ceil(blocks * block_bytes / 1048576.0), INT_MAX);
+        const CacheShape shape = cache_shape(t, o->kv_type, spec);
+        int positions = context_positions(o, p->seq_len);
+        double main_blocks = fmax(o->parallel * (request_main_blocks(1, positions) + 1), request_main_blocks(beams, p->seq_len));
+        double bytes = cache_bytes(&shape, main_blocks, windows_wanted(&shape, o->parallel, beams, p->seq_len));
+        kv_mb = (int)fmin(ceil(bytes / 1048576.0), INT_MAX);
     }
     engine_setup(e, t, tok, o->parallel, beams, p->seq_len, kv_mb, o->kv_type, spec);
     e->stats.keeping = o->keep >= 0;
@@ -16155,8 +16419,9 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
            for --parallel sampled ones at full length unless --kv-mb says */
         int steps = o->steps_given ? resolve_steps(o->steps, p->seq_len) : p->seq_len;
         int beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS, kv_mb = o->kv_mb;
-        double block_bytes = 2.0 * sizeof(float) * p->n_layers * KV_BLOCK * kv_dim_of(p);
-        if (kv_mb == 0) kv_mb = (int)ceil(o->parallel * ((steps + KV_BLOCK - 1) / KV_BLOCK + 1.0) * block_bytes / 1048576.0);
+        const CacheShape shape = cache_shape(t, KV_F32, NULL);
+        if (kv_mb == 0)
+            kv_mb = (int)ceil(cache_bytes(&shape, o->parallel * (request_main_blocks(1, steps) + 1), windows_wanted(&shape, o->parallel, beams, steps)) / 1048576.0);
         engine_setup(e, t, tok, o->parallel, beams, steps, kv_mb, o->kv_type, NULL);
         if (o->seed == 0) name_clock_seed(clock_seed);
         return serve(e, tok, o, clock_seed);
