@@ -7139,7 +7139,7 @@ enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
    <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3), <start_of_turn>
    (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
    (Granite), [SYSTEM_PROMPT] (Mistral v7) */
-enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7 };
+enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7, CHAT_SMOLLM3 };
 /* what becomes of a reply's <think> block (Qwen3): printed as it comes, left
    out of what is printed, or not asked for (the template's empty block) */
 enum { REASONING_SHOW, REASONING_HIDE, REASONING_OFF };
@@ -8953,6 +8953,7 @@ static int lookup_special(const Tokenizer *t, const char *text);
    when it has none of them. */
 static int chat_family_of(const char *tmpl) {
     if (strstr(tmpl, "<|start_header_id|>")) return CHAT_LLAMA3;
+    if (strstr(tmpl, "<|im_start|>") && strstr(tmpl, "Reasoning Mode")) return CHAT_SMOLLM3; /* ChatML with its own system header */
     if (strstr(tmpl, "<|im_start|>")) return CHAT_CHATML;
     if (strstr(tmpl, "<|user|>")) return CHAT_PHI3;
     if (strstr(tmpl, "[SYSTEM_PROMPT]")) return CHAT_MISTRAL7;
@@ -8964,14 +8965,15 @@ static int chat_family_of(const char *tmpl) {
     return -1;
 }
 
-static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7"};
+static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7", "smollm3"};
 
 /* The token that closes a turn in the tokenizer's chat template: Llama 3's
    <|eot_id|>, ChatML's <|im_end|>, Phi-3's and Phi-4's <|end|>, Gemma's
    <end_of_turn>, Granite's <|end_of_text|> where the vocabulary has them,
    else the file's end of turn (Mistral's </s>). */
 static int turn_end_token(const Tokenizer *t) {
-    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL};
+    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL,
+                                        "<|im_end|>"};
     const char *name = names[t->chat_template];
     int id = name && t->special ? lookup_special(t, name) : -1;
     return id >= 0 ? id : t->end_of_turn;
@@ -13084,9 +13086,10 @@ static int append_tagged_message(const Tokenizer *tok, const char *role, const c
     return append_text_tokens(tok, "\n", out, n, room);
 }
 
-/* Whether the template is ChatML and the vocabulary has Qwen3's <think>. */
+/* Whether the template is ChatML (Qwen3's, SmolLM3's) and the vocabulary
+   has <think>. */
 static int chatml_thinks(const Tokenizer *tok) {
-    return tok->chat_template == CHAT_CHATML && tok->special && lookup_special(tok, "<think>") >= 0;
+    return (tok->chat_template == CHAT_CHATML || tok->chat_template == CHAT_SMOLLM3) && tok->special && lookup_special(tok, "<think>") >= 0;
 }
 
 /* The ChatML (Qwen, SmolLM) or Phi-3 template for one user turn, as tokens:
@@ -13187,13 +13190,35 @@ static void render_phi4(TurnBuilder *b, const char *system_prompt, const char *u
     turn_token(b, "<|assistant|>");
 }
 
+/* Today's date in the local time zone as strftime's `format` has it, as
+   the templates' strftime_now gives it (Granite's and Mistral v7's default
+   system messages carry it). */
+static const char *today(const char *format, char *out, size_t size) {
+    time_t now = time(NULL);
+    struct tm local;
+#ifdef _WIN32
+    localtime_s(&local, &now);
+#else
+    localtime_r(&now, &local);
+#endif
+    if (strftime(out, size, format, &local) == 0) out[0] = '\0';
+    return out;
+}
+
 /* Granite: <|start_of_role|>role<|end_of_role|>content<|end_of_text|>\n per
    message, then <|start_of_role|>assistant<|end_of_role|>; the newline
-   after the previous reply's <|end_of_text|> starts a later turn. Granite's
-   own default system message (with today's date) is not added. */
+   after the previous reply's <|end_of_text|> starts a later turn. Without a
+   system prompt the first turn has Granite 3.3's default one, with today's
+   date (its template's, without tools, documents or thinking). */
 static void render_granite(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
     if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
     if (!first) turn_string(b, "\n");
+    char date[64], fallback[192];
+    if (first && (!system_prompt || system_prompt[0] == '\0')) {
+        snprintf(fallback, sizeof(fallback), "Knowledge Cutoff Date: April 2024. Today's Date: %s. You are Granite, developed by IBM. "
+                 "You are a helpful AI assistant.", today("%B %d, %Y", date, sizeof(date)));
+        system_prompt = fallback;
+    }
     const char *roles[2] = {"system", "user"}, *contents[2] = {system_prompt, user};
     for (int i = 0; i < 2; i++) {
         if (!contents[i] || (i == 0 && contents[i][0] == '\0')) continue;
@@ -13209,14 +13234,68 @@ static void render_granite(TurnBuilder *b, const char *system_prompt, const char
     turn_token(b, "<|end_of_role|>");
 }
 
+/* SmolLM3's default custom instructions in "/think" mode. */
+static const char SMOLLM3_THINKING[] =
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly "
+    "exploring questions through a systematic thinking process before providing the final precise and accurate solutions. "
+    "This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, "
+    "backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main "
+    "sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the "
+    "Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as "
+    "analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, "
+    "refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and "
+    "reflections from the Thought section, systematically present the final solution that you deem correct. The Solution "
+    "section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.";
+
+/* Mistral Small 3.2's default system message: the head, today's date
+   (%Y-%m-%d), the rest. */
+static const char MISTRAL7_SYSTEM_HEAD[] =
+    "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a French startup headquartered in Paris.\n"
+    "Your knowledge base was last updated on 2023-10-01. The current date is ";
+static const char MISTRAL7_SYSTEM_TAIL[] =
+    ".\n\n"
+    "When you're not sure about some information or when the user's request requires up-to-date or specific data, you must use "
+    "the available tools to fetch the information. Do not hesitate to use tools whenever they can provide a more accurate or "
+    "complete response. If no relevant tools are available, then clearly state that you don't have the information and avoid "
+    "making up anything.\n\n"
+    "If the user's question is not clear, ambiguous, or does not provide enough context for you to accurately answer the "
+    "question, you do not try to answer it right away and you rather ask the user to clarify their request (e.g. \"What are "
+    "some good restaurants around me?\" => \"Where are you?\" or \"When is the next flight to Tokyo\" => \"Where do you travel "
+    "from?\").\n"
+    "You are always very attentive to dates, and when asked about information at specific dates, you discard information that "
+    "is at another date.\n"
+    "You follow these instructions in all languages, and always respond to the user in the language they use or request.\n"
+    "Next sections describe the capabilities that you have.\n\n"
+    "# WEB BROWSING INSTRUCTIONS\n\n"
+    "You cannot perform any web search or access internet to open URLs, links etc. If it seems like the user is expecting you "
+    "to do so, you clarify the situation and ask the user to copy paste the text directly in the chat.\n\n"
+    "# MULTI-MODAL INSTRUCTIONS\n\n"
+    "You have the ability to read images, but you cannot generate images. You also cannot transcribe audio files or videos.\n"
+    "You cannot read nor transcribe audio files or videos.\n\n"
+    "# TOOL CALLING INSTRUCTIONS\n\n"
+    "You may have access to tools that you can use to fetch information or perform actions. You must use these tools in the "
+    "following situations:\n\n"
+    "1. When the request requires up-to-date information.\n"
+    "2. When the request requires specific data that you do not have in your knowledge base.\n"
+    "3. When the request involves actions that you cannot perform without tools.\n\n"
+    "Always prioritize using tools to provide the most accurate and helpful response. If tools are not available, inform the "
+    "user that you cannot perform the requested action at the moment.";
+
 /* Mistral v7 (Tekken: no spaces around the tags): BOS, then
-   [SYSTEM_PROMPT]system[/SYSTEM_PROMPT] (first turn), [INST]message[/INST];
-   the reply ends with </s>. Mistral's default system message is not added. */
+   [SYSTEM_PROMPT]system[/SYSTEM_PROMPT] (first turn; without a system
+   prompt, Mistral Small 3.2's default one with today's date, as its
+   template renders it), [INST]message[/INST]; the reply ends with </s>. */
 static void render_mistral7(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
-    if (first) turn_id(b, b->tok->bos);
-    if (system_prompt && system_prompt[0] != '\0') {
+    if (first) {
+        char date[64];
+        turn_id(b, b->tok->bos);
         turn_token(b, "[SYSTEM_PROMPT]");
-        turn_string(b, system_prompt);
+        if (system_prompt && system_prompt[0] != '\0') turn_string(b, system_prompt);
+        else {
+            turn_string(b, MISTRAL7_SYSTEM_HEAD);
+            turn_string(b, today("%Y-%m-%d", date, sizeof(date)));
+            turn_string(b, MISTRAL7_SYSTEM_TAIL);
+        }
         turn_token(b, "[/SYSTEM_PROMPT]");
     }
     turn_token(b, "[INST]");
@@ -13224,17 +13303,89 @@ static void render_mistral7(TurnBuilder *b, const char *system_prompt, const cha
     turn_token(b, "[/INST]");
 }
 
+/* SmolLM3's reasoning mode for a conversation with `system_prompt` (NULL:
+   a later turn, whose tokenizer the caller has set: smollm3_tokenizer):
+   the system prompt's "/no_think", else its "/think", as its template reads
+   them; otherwise "/no_think" with --reasoning off and "/think" with show
+   or hide. 1: "/think". */
+static int smollm3_thinks(const Tokenizer *tok, const char *system_prompt) {
+    if (system_prompt && strstr(system_prompt, "/no_think")) return 0;
+    if (system_prompt && strstr(system_prompt, "/think")) return 1;
+    return tok->reasoning != REASONING_OFF;
+}
+
+/* A copy of tok whose --reasoning is SmolLM3's mode under system_prompt's
+   flags, for rendering every turn of that conversation alike (tok itself
+   for the other families). */
+static Tokenizer smollm3_tokenizer(const Tokenizer *tok, const char *system_prompt) {
+    Tokenizer t = *tok;
+    if (tok->chat_template == CHAT_SMOLLM3 && smollm3_thinks(tok, system_prompt) != smollm3_thinks(tok, NULL))
+        t.reasoning = t.reasoning == REASONING_OFF ? REASONING_SHOW : REASONING_OFF;
+    return t;
+}
+
+/* Appends `s` with every `flag` taken out to text. */
+static void turn_without(ByteBuf *text, const char *s, const char *flag) {
+    for (const char *at; (at = strstr(s, flag)) != NULL; s = at + strlen(flag)) buf_add(text, s, (size_t)(at - s));
+    buf_str(text, s);
+}
+
+/* SmolLM3 (ChatML with a system header of its own, always there): in the
+   first turn <|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June
+   2025\nReasoning Mode: {/think or /no_think}\n\n## Custom Instructions\n\n
+   then the system prompt without its flags and trailing white space, or
+   its default (by the mode) when that leaves nothing, \n\n<|im_end|>\n;
+   <|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n, and with
+   "/no_think" an empty think block, <think>\n\n</think>\n, there (so in
+   every turn, as the template gives each earlier reply one). The newline
+   after the previous reply's <|im_end|> starts a later turn. */
+static void render_smollm3(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    const int think = smollm3_thinks(b->tok, first ? system_prompt : NULL);
+    if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
+    if (first) {
+        turn_token(b, "<|im_start|>");
+        turn_string(b, "system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: ");
+        turn_string(b, think ? "/think" : "/no_think");
+        turn_string(b, "\n\n## Custom Instructions\n\n");
+        size_t before = b->text.n;
+        if (system_prompt) { /* .replace("/no_think", "").replace("/think", "").rstrip() */
+            ByteBuf once = {NULL, 0, 0};
+            turn_without(&once, system_prompt, "/no_think");
+            turn_without(&b->text, once.data ? once.data : "", "/think");
+            free(once.data);
+            while (b->text.n > before && isspace((unsigned char)b->text.data[b->text.n - 1])) b->text.n--;
+        }
+        if (b->text.n == before)
+            turn_string(b, think ? SMOLLM3_THINKING : "You are a helpful AI assistant named SmolLM, trained by Hugging Face.");
+        turn_string(b, "\n\n");
+        turn_token(b, "<|im_end|>");
+        turn_string(b, "\n");
+    } else {
+        turn_string(b, "\n");
+    }
+    turn_token(b, "<|im_start|>");
+    turn_string(b, "user\n");
+    turn_string(b, user);
+    turn_token(b, "<|im_end|>");
+    turn_string(b, "\n");
+    turn_token(b, "<|im_start|>");
+    turn_string(b, "assistant\n");
+    if (!think) turn_string(b, "<think>\n\n</think>\n");
+}
+
 /* One user turn of the families rendered with a TurnBuilder. */
 static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
                                    int *n_tokens) {
-    /* at most a token per byte of text and template, and the special tokens */
-    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 64) + 32;
+    /* at most a token per byte of text and template (a default system
+       message at most Mistral's), and the special tokens */
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + sizeof(MISTRAL7_SYSTEM_HEAD) + sizeof(MISTRAL7_SYSTEM_TAIL) + sizeof(SMOLLM3_THINKING) + 64) + 32;
     int cap = bound < (size_t)room ? (int)bound : room;
     TurnBuilder b = {tok, xcalloc((size_t)cap + 1, sizeof(int)), 0, cap, 1, {NULL, 0, 0}};
     switch (tok->chat_template) {
     case CHAT_GEMMA: render_gemma(&b, system_prompt, user, first); break;
     case CHAT_PHI4: render_phi4(&b, system_prompt, user, first); break;
     case CHAT_GRANITE: render_granite(&b, system_prompt, user, first); break;
+    case CHAT_SMOLLM3: render_smollm3(&b, system_prompt, user, first); break;
     default: render_mistral7(&b, system_prompt, user, first); break;
     }
     turn_flush(&b);
@@ -13499,6 +13650,8 @@ static int reply_end_token(const Tokenizer *tok, const Hypothesis *h) {
 static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char *cli_user, const char *cli_system, int steps) {
     int text_mode = d->format == FORMAT_TEXT;
     char *system_prompt = cli_system ? strdup(cli_system) : read_line("Enter system prompt (optional): ", d->format);
+    const Tokenizer flagged = smollm3_tokenizer(tok, system_prompt); /* SmolLM3: its /think or /no_think, every turn */
+    tok = &flagged;
     Conversation conv = {system_prompt, NULL, 0, steps};
     int reserve = cap_new_tokens(d, steps / 4);
     Decoding turn_decoding = *d; /* each turn's sampler goes on from where the last one stopped */
@@ -13685,7 +13838,7 @@ static const char *usage_text =
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
     "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
     "                     declares 131072: chat and serve size their caches by it)\n"
-    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7\n"
+    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, smollm3\n"
     "  --reasoning <show|hide|off>  a Qwen3 reply's <think> block in chat: printed, not printed,\n"
     "                     or not asked for (default show); serve sends it as reasoning_content\n"
     "  -f <format>        output: text or json (default text)\n"
@@ -13914,7 +14067,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         o->chat_template = -1;
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
-        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite or mistral7, got '%s'", v);
+        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7 or smollm3, got '%s'", v);
         return 2;
     }
     if (strcmp(flag, "--reasoning") == 0) {
@@ -15290,14 +15443,16 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
     *why = "the last message must be the user's";
     if (n == i || strcmp(roles[n - 1], "user") != 0) return NULL;
     int *out = xcalloc((size_t)room + 1, sizeof(int));
-    /* earlier turns as the template renders them: without --reasoning off's
-       empty think block, which only opens the reply asked for */
-    Tokenizer earlier = *tok;
-    earlier.reasoning = REASONING_SHOW;
+    /* earlier turns as the template renders them: Qwen3's without
+       --reasoning off's empty think block, which only opens the reply asked
+       for; SmolLM3's with it, in the mode its system prompt's flags set */
+    const Tokenizer current = smollm3_tokenizer(tok, system_prompt);
+    Tokenizer earlier = current;
+    if (tok->chat_template != CHAT_SMOLLM3) earlier.reasoning = REASONING_SHOW;
     for (int first = 1; i < n; i++) {
         if (strcmp(roles[i], "user") == 0) {
             int nt = 0;
-            int *turn = chat_turn_tokens(i == n - 1 ? tok : &earlier, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
+            int *turn = chat_turn_tokens(i == n - 1 ? &current : &earlier, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
             first = 0;
             if (!turn) break;
             memcpy(out + count, turn, (size_t)nt * sizeof(int));
