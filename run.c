@@ -940,7 +940,10 @@ typedef struct {
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
    holds a block table (section 4). A block has, for every layer, the key and
-   the value of each of its positions. */
+   the value of each of its positions; in a model with sliding-window layers,
+   for every layer that attends to all its past, and a block of a second
+   pool holds the windowed layers' rows while some sequence's window still
+   covers them (section 4, "Windowed layers"). */
 #define KV_BLOCK 16
 #define KV_RUN 8 /* blocks stored together, layer by layer (kv_block_offset) */
 
@@ -951,8 +954,8 @@ typedef struct {
 enum { KV_F32, KV_F16, KV_Q8_0 };
 #define KV_GROUP 32
 
-typedef struct {
-    int n_blocks, n_layers, kv_dim;
+typedef struct KVCache {
+    int n_blocks, n_layers, kv_dim; /* n_layers: the layers whose rows it holds */
     int type;            /* KV_F32, KV_F16 or KV_Q8_0 */
     size_t row_bytes;    /* one position's key (or value) of one layer */
     unsigned char *key;    /* (n_blocks / KV_RUN rounded up, n_layers, KV_RUN, KV_BLOCK) rows of row_bytes */
@@ -975,6 +978,13 @@ typedef struct {
     int *chain;             /* (n_blocks) next indexed block in the same bucket */
     int n_buckets;          /* a power of two */
     long long promised;     /* blocks promised to running requests (their worst case) */
+    /* sliding-window layers (section 4, "Windowed layers"); win NULL: this
+       cache holds every layer */
+    int window;             /* positions a windowed layer attends to */
+    int window_span;        /* blocks of win one sequence holds at once, at most */
+    int *layer_at;          /* (the model's layers) layer l's index here, or -1 - its index in win */
+    struct KVCache *win;    /* the windowed layers' pool (its own window fields unused) */
+    int *partner;           /* (n_blocks) the block of the other pool with the same positions, -1 none */
 } KVCache;
 
 /* Activations for up to max_rows rows processed together (the rows of one
@@ -5505,6 +5515,9 @@ typedef struct {
     int keep;           /* leading positions never dropped (attention sinks) */
     int shift;          /* 0 .. slots - keep - 1: how far the ring after them has turned */
     long long dropped;  /* positions dropped so far */
+    /* the blocks whose windowed layers' rows (the cache's win) the table
+       holds: wfirst .. wend - 1 (see "Windowed layers") */
+    int wfirst, wend;
 } BlockTable;
 
 static void list_remove(KVCache *c, int list, int b) {
@@ -5549,24 +5562,35 @@ static size_t kv_padded_blocks(int n_blocks) { return ((size_t)n_blocks + KV_RUN
 /* Bytes of c->key, and of c->value. */
 static size_t kv_array_bytes(const KVCache *c) { return kv_padded_blocks(c->n_blocks) * c->n_layers * KV_BLOCK * c->row_bytes; }
 
-/* A cache of n_blocks blocks of `type`, all free. */
-static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
+/* Whether layer l attends to a sliding window of positions (Gemma 3's
+   local layers; Config window_period). */
+static int layer_windowed(const Config *p, int l) {
+    return p->window > 0 && l % p->window_period != p->window_period - 1;
+}
+
+/* Bytes of one block's keys and values, all its layers. */
+static double kv_block_bytes(const KVCache *c) { return 2.0 * c->row_bytes * c->n_layers * KV_BLOCK; }
+
+/* A pool of n_blocks blocks of `type`, all free, for n_layers layers. */
+static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks, int type) {
     int kv_dim = kv_dim_of(p);
     if (type == KV_Q8_0 && kv_dim % KV_GROUP != 0)
         die(EXIT_USAGE, "--kv-type q8_0 needs a key/value dimension that is a multiple of %d; this model's is %d", KV_GROUP, kv_dim);
     size_t row_bytes = kv_row_bytes(type, kv_dim);
-    double bytes = 2.0 * row_bytes * p->n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
+    double bytes = 2.0 * row_bytes * n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
     if (bytes > (double)(SIZE_MAX / 4))
         die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", bytes);
     memset(c, 0, sizeof(*c));
     c->n_blocks = n_blocks;
-    c->n_layers = p->n_layers;
+    c->n_layers = n_layers;
     c->kv_dim = kv_dim;
     c->type = type;
     c->row_bytes = row_bytes;
     const char *what = "the key/value cache; --ctx-size, --kv-mb or --kv-type make it smaller";
-    c->key = alloc_pages(kv_array_bytes(c), what, 1);
-    c->value = alloc_pages(kv_array_bytes(c), what, 1);
+    if (n_layers > 0) { /* a model whose every layer is windowed has none outside the window pool */
+        c->key = alloc_pages(kv_array_bytes(c), what, 1);
+        c->value = alloc_pages(kv_array_bytes(c), what, 1);
+    }
     c->ref = xcalloc((size_t)n_blocks, sizeof(int));
     c->prev = xcalloc((size_t)n_blocks, sizeof(int));
     c->next = xcalloc((size_t)n_blocks, sizeof(int));
@@ -5583,12 +5607,36 @@ static void kv_init(KVCache *c, const Config *p, int n_blocks, int type) {
     for (int b = 0; b < n_blocks; b++) list_append(c, 0, b);
 }
 
+/* A cache of n_blocks blocks of `type`, all free. In a model with windowed
+   layers, window_blocks > 0 puts those layers' rows in a pool of their own
+   of that many blocks (see "Windowed layers"); 0 keeps every layer here. */
+static void kv_init(KVCache *c, const Config *p, int n_blocks, int window_blocks, int type) {
+    int n_windowed = 0;
+    for (int l = 0; l < p->n_layers; l++) n_windowed += layer_windowed(p, l);
+    if (window_blocks == 0 || n_windowed == 0) {
+        kv_pool_init(c, p, p->n_layers, n_blocks, type);
+        return;
+    }
+    kv_pool_init(c, p, p->n_layers - n_windowed, n_blocks, type);
+    c->win = xcalloc(1, sizeof(KVCache));
+    kv_pool_init(c->win, p, n_windowed, window_blocks, type);
+    c->window = p->window;
+    c->layer_at = xcalloc((size_t)p->n_layers, sizeof(int));
+    for (int l = 0, g = 0, w = 0; l < p->n_layers; l++) c->layer_at[l] = layer_windowed(p, l) ? -1 - w++ : g++;
+    c->partner = xcalloc((size_t)n_blocks, sizeof(int));
+    c->win->partner = xcalloc((size_t)window_blocks, sizeof(int));
+    for (int b = 0; b < n_blocks; b++) c->partner[b] = -1;
+    for (int b = 0; b < window_blocks; b++) c->win->partner[b] = -1;
+}
+
 static void kv_free(KVCache *c) {
     if (c->key) free_pages(c->key, kv_array_bytes(c));
     if (c->value) free_pages(c->value, kv_array_bytes(c));
     free(c->ref); free(c->prev); free(c->next); free(c->state);
     free(c->tokens); free(c->parent); free(c->generation); free(c->parent_generation);
     free(c->chain); free(c->bucket);
+    if (c->win) kv_free(c->win);
+    free(c->win); free(c->layer_at); free(c->partner);
     memset(c, 0, sizeof(*c));
 }
 
@@ -5642,6 +5690,18 @@ static void prefix_remove(KVCache *c, int b) {
 
 /* ---- Taking and giving back blocks ------------------------------------- */
 
+/* Block b of a cache with windowed layers is taken for new positions: the
+   partner that kept its windowed rows (free, for a later prompt: see
+   "Windowed layers") holds nothing worth keeping any more. */
+static void partner_forget(KVCache *c, int b) {
+    KVCache *w = c->win;
+    int p = c->partner[b];
+    list_remove(w, 1, p);
+    w->state[p] = BLOCK_PLAIN;
+    list_prepend(w, 0, p);
+    w->partner[p] = c->partner[b] = -1;
+}
+
 /* A free block for the caller to fill (reference count 1): a plain one if
    any, else the indexed one freed longest ago, which leaves the index. The
    engine promises blocks before it takes them (see Engine), so one is free. */
@@ -5650,6 +5710,7 @@ static int block_take(KVCache *c) {
     if (b < 0) die(EXIT_BAD_FILE, "internal error: the key/value cache has no free block");
     list_remove(c, list, b);
     prefix_remove(c, b);
+    if (c->win && c->partner[b] >= 0) partner_forget(c, b);
     c->generation[b]++;
     c->ref[b] = 1;
     if (++c->held > c->peak_held) c->peak_held = c->held;
@@ -5672,6 +5733,73 @@ static void block_release(KVCache *c, int b) {
     else list_append(c, 1, b);
 }
 
+/* ---- Windowed layers ------------------------------------------------------
+   A windowed layer's row at pos attends to positions pos - window + 1 .. pos
+   only (attention_start), so a sequence never reads its keys and values
+   further back again. In a model with such layers (Gemma 3: 5 of every 6)
+   the cache keeps their rows in a second pool, win, of blocks of the same
+   KV_BLOCK positions, held only while some sequence's window covers them: a
+   context of N positions costs the other layers' rows for N positions and
+   the windowed layers' for about the window. The main pool's blocks, now of
+   the other layers only, work as before: block tables, reference counts,
+   copy on write, the prefix index. A main block's partner is the block of
+   win with the windowed rows of the same positions. A table holds the
+   partners of its blocks wfirst .. wend - 1, a reference each: it takes a
+   block's partner when it first writes into the block (table_prepare_write)
+   and gives back those wholly before its window once the positions it has
+   computed (a Sequence's n_cached) have left them (table_leave_window). Only
+   computed positions count: a sequence never goes back before them
+   (speculative drafts past them are verified or overwritten later), so it
+   never gives back a row it may read again. A partner whose last holder lets
+   go of it stays linked to its main block while that block is in the prefix
+   index, in win's second free list, taken last: a later prompt that resumes
+   within its window takes it (engine_start); otherwise it is freed plainly.
+   The draft model's cache (speculative decoding) keeps every layer in one
+   pool, since its sequences roll back (speculator_setup). */
+
+/* The first block whose windowed rows a sequence needs when its next
+   position to compute is `next`. */
+static int window_first_block(const KVCache *c, int next) {
+    return next >= c->window ? (next - c->window + 1) / KV_BLOCK : 0;
+}
+
+/* A free block of win for the windowed rows of new positions (reference
+   count 1): a plain one if any, else the one kept for a prefix longest ago,
+   whose main block loses it. Promised beforehand, as block_take's. */
+static int window_take(KVCache *c) {
+    KVCache *w = c->win;
+    int list = w->head[0] >= 0 ? 0 : 1, p = w->head[list];
+    if (p < 0) die(EXIT_BAD_FILE, "internal error: the key/value cache has no free block for the windowed layers");
+    list_remove(w, list, p);
+    if (list == 1) {
+        c->partner[w->partner[p]] = -1;
+        w->state[p] = BLOCK_PLAIN;
+    }
+    w->ref[p] = 1;
+    if (++w->held > w->peak_held) w->peak_held = w->held;
+    return p;
+}
+
+/* Drops a table's reference to the partner of main block b. Its last holder
+   leaves it linked (BLOCK_READY, the list kept for prefixes) only where b is
+   indexed and computed, so that a later prompt may take both. */
+static void window_release(KVCache *c, int b) {
+    KVCache *w = c->win;
+    int p = c->partner[b];
+    if (w->ref[p] == 1) {
+        w->state[p] = c->state[b] == BLOCK_READY ? BLOCK_READY : BLOCK_PLAIN;
+        if (w->state[p] == BLOCK_PLAIN) c->partner[b] = w->partner[p] = -1;
+    }
+    block_release(w, p);
+}
+
+/* Gives back the partners of t's blocks that no position from `next` on
+   reads: `next` is the first position t has not computed. */
+static void table_leave_window(KVCache *c, BlockTable *t, int next) {
+    if (!c->win) return;
+    for (int first = window_first_block(c, next); t->wfirst < first; t->wfirst++) window_release(c, t->ids[t->wfirst]);
+}
+
 static void table_push(BlockTable *t, int b) {
     if (t->n == t->cap) {
         t->cap = t->cap ? 2 * t->cap : 8;
@@ -5682,10 +5810,12 @@ static void table_push(BlockTable *t, int b) {
     t->ids[t->n++] = b;
 }
 
-/* Gives back every block of t and empties it. */
+/* Gives back every block of t and empties it (the partners first, whose
+   fate depends on their main blocks' state). */
 static void table_clear(KVCache *c, BlockTable *t) {
+    for (int i = t->wfirst; i < t->wend; i++) window_release(c, t->ids[i]);
     for (int i = 0; i < t->n; i++) block_release(c, t->ids[i]);
-    t->n = 0;
+    t->n = t->wfirst = t->wend = 0;
 }
 
 static void table_free(KVCache *c, BlockTable *t) {
@@ -5701,6 +5831,9 @@ static void table_copy(KVCache *c, BlockTable *dst, const BlockTable *src) {
         block_hold(c, src->ids[i]);
         table_push(dst, src->ids[i]);
     }
+    for (int i = src->wfirst; i < src->wend; i++) block_hold(c->win, c->partner[src->ids[i]]);
+    dst->wfirst = src->wfirst;
+    dst->wend = src->wend;
 }
 
 /* ---- Generation past the context (--keep N) -------------------------------
@@ -5713,7 +5846,7 @@ static void table_copy(KVCache *c, BlockTable *dst, const BlockTable *src) {
        keep + (j - keep + shift) mod w,
    where shift counts drops modulo w; the new position takes the slot of the
    one dropped. kv_slot() is that mapping, and every store and load goes
-   through it (kv_offset).
+   through it (kv_row).
 
    Keys are stored rotated (RoPE) at their PHYSICAL slot P, as they are
    without --keep, where P is the position: until the cache is full nothing
@@ -5759,13 +5892,20 @@ static size_t kv_block_offset(const KVCache *c, int layer, int block) {
     return ((run * c->n_layers + layer) * KV_RUN + in_run) * KV_BLOCK * c->row_bytes;
 }
 
-/* Where position pos of layer `layer` of block table t lives in `base` (the
-   keys or the values), in bytes: the one place that maps a position to the
-   cache. */
-static size_t kv_offset(const KVCache *c, int layer, const BlockTable *t, int pos) {
-    int slot = kv_slot(t, pos);
-    size_t block = (size_t)t->ids[slot / KV_BLOCK];
-    return kv_block_offset(c, layer, block) + (size_t)(slot % KV_BLOCK) * c->row_bytes;
+/* The key (values = 0) or the value of position pos of the model's layer
+   `layer` of block table t: the one place that maps a position to the
+   cache. A windowed layer's rows are in the partner of the main block. */
+static unsigned char *kv_row(const KVCache *c, int layer, const BlockTable *t, int pos, int values) {
+    int slot = kv_slot(t, pos), block = t->ids[slot / KV_BLOCK];
+    if (c->layer_at) {
+        layer = c->layer_at[layer];
+        if (layer < 0) {
+            block = c->partner[block];
+            layer = -1 - layer;
+            c = c->win;
+        }
+    }
+    return (values ? c->value : c->key) + kv_block_offset(c, layer, block) + (size_t)(slot % KV_BLOCK) * c->row_bytes;
 }
 
 /* ---- The cache's element types ---------------------------------------------
@@ -5853,16 +5993,15 @@ static void kv_encode(const KVCache *c, unsigned char *row, const float *x, int 
 /* The one function that stores a cache row: the key k and value v
    (kv_dim floats each) of position pos of layer `layer`, in the cache's type. */
 static void kv_store(KVCache *c, int layer, const BlockTable *t, int pos, const float *k, const float *v) {
-    size_t at = kv_offset(c, layer, t, pos);
-    kv_encode(c, c->key + at, k, c->kv_dim);
-    kv_encode(c, c->value + at, v, c->kv_dim);
+    kv_encode(c, kv_row(c, layer, t, pos, 0), k, c->kv_dim);
+    kv_encode(c, kv_row(c, layer, t, pos, 1), v, c->kv_dim);
 }
 
 /* The one function that finds a cache row to read: the key (values = 0) or
    the value (values = 1) of position pos of layer `layer`, as stored; kv_dot
    and kv_axpy read its values. */
 static const unsigned char *kv_load(const KVCache *c, int layer, const BlockTable *t, int pos, int values) {
-    return (values ? c->value : c->key) + kv_offset(c, layer, t, pos);
+    return kv_row(c, layer, t, pos, values);
 }
 
 /* Bytes of values from..from+n-1 of a row (the int8 part for q8_0), for
@@ -5946,36 +6085,55 @@ static void kv_axpy(const KVCache *c, const unsigned char *row, int off, float a
     for (int i = 0; i < n; i++) xb[i] += a * kv_value(c, row, off + i);
 }
 
+/* Copies the first n rows of block `from` of pool c to block `to`, every
+   layer. */
+static void kv_copy_rows(KVCache *c, int from, int to, int n) {
+    size_t bytes = (size_t)n * c->row_bytes;
+    for (int l = 0; l < c->n_layers; l++) {
+        size_t src = kv_block_offset(c, l, from), dst = kv_block_offset(c, l, to);
+        memcpy(c->key + dst, c->key + src, bytes);
+        memcpy(c->value + dst, c->value + src, bytes);
+    }
+}
+
 /* Makes position pos writable for table t: a new block when pos starts one,
    or a private copy of a shared last block (its first pos % KV_BLOCK
-   positions, every layer). Once a table drops positions (--keep), it writes
-   into full blocks, so that nobody else ever reads what the ring overwrites:
-   a shared one is copied whole first (a free block exists then, since the
-   promises count a shared block once per holder), and one of its own leaves
-   the prefix index (a new generation: links to it go stale). */
+   positions, every layer, its partner's too); and, in a cache with windowed
+   layers, a partner for a block t writes into for the first time. Once a
+   table drops positions (--keep), it writes into full blocks, so that
+   nobody else ever reads what the ring overwrites: a shared one is copied
+   whole first (a free block exists then, since the promises count a shared
+   block once per holder), and one of its own leaves the prefix index (a new
+   generation: links to it go stale). */
 static void table_prepare_write(KVCache *c, BlockTable *t, int pos) {
     int slot = kv_slot(t, pos), i = slot / KV_BLOCK;
     if (i == t->n) {
         table_push(t, block_take(c));
-        return;
-    }
-    int old = t->ids[i], ring = t->dropped > 0;
-    if (c->ref[old] == 1) {
-        if (ring && c->state[old] != BLOCK_PLAIN) {
+    } else if (c->ref[t->ids[i]] == 1) {
+        int old = t->ids[i];
+        if (t->dropped > 0 && c->state[old] != BLOCK_PLAIN) {
             prefix_remove(c, old);
             c->generation[old]++;
         }
-        return;
+    } else {
+        int old = t->ids[i], fresh = block_take(c), rows = t->dropped > 0 ? KV_BLOCK : slot % KV_BLOCK;
+        kv_copy_rows(c, old, fresh, rows);
+        if (i < t->wend) {
+            int p = window_take(c);
+            kv_copy_rows(c->win, c->partner[old], p, rows);
+            window_release(c, old);
+            c->partner[fresh] = p;
+            c->win->partner[p] = fresh;
+        }
+        block_release(c, old);
+        t->ids[i] = fresh;
     }
-    int fresh = block_take(c);
-    size_t bytes = (size_t)(ring ? KV_BLOCK : slot % KV_BLOCK) * c->row_bytes;
-    for (int l = 0; l < c->n_layers; l++) {
-        size_t from = kv_block_offset(c, l, old), to = kv_block_offset(c, l, fresh);
-        memcpy(c->key + to, c->key + from, bytes);
-        memcpy(c->value + to, c->value + from, bytes);
+    if (c->win && i == t->wend) {
+        int b = t->ids[i], p = window_take(c);
+        c->partner[b] = p;
+        c->win->partner[p] = b;
+        t->wend++;
     }
-    block_release(c, old);
-    t->ids[i] = fresh;
 }
 
 /* ---- Activations ---------------------------------------------------------- */
@@ -6055,8 +6213,9 @@ static inline float attention_scale(float score, float by) { return score / by; 
 #endif
 
 /* Activations for `max_rows` rows at once, for sequences of at most
-   `context` positions, and a cache of n_blocks blocks of kv_type. */
-static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int kv_type) {
+   `context` positions, and a cache of n_blocks blocks of kv_type (and
+   window_blocks for the windowed layers: kv_init). */
+static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int window_blocks, int kv_type) {
     int kv_dim = kv_dim_of(p);
     size_t rows = (size_t)max_rows;
     s->max_rows = max_rows;
@@ -6088,7 +6247,7 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
         s->eh2 = xcalloc(rows * p->expert_hidden, sizeof(float));
         s->slots = xcalloc(rows * k * p->dim, sizeof(float));
     }
-    kv_init(&s->cache, p, n_blocks, kv_type);
+    kv_init(&s->cache, p, n_blocks, window_blocks, kv_type);
 }
 
 static void free_run_state(RunState *s) {
@@ -6493,21 +6652,21 @@ static void attention_block(const KVCache *c, int layer, const BlockTable *table
 #endif
 }
 
-/* Whether layer l attends to a sliding window of positions (Gemma 3's
-   local layers; Config window_period), and the first position a row at pos
-   attends to there. */
-static int layer_windowed(const Config *p, int l) {
-    return p->window > 0 && l % p->window_period != p->window_period - 1;
-}
-
+/* The first position a row at pos attends to in layer l. */
 static int attention_start(const Config *p, int l, int pos) {
     return layer_windowed(p, l) && pos >= p->window ? pos - p->window + 1 : 0;
 }
 
-/* The first block of keys (a multiple of ATTENTION_KEYS) that any row of
-   b's tiles first[0..m-1] attends to in layer l: 0 but in windowed layers.
-   Scores before a row's own start are computed with the block and then
-   given weight 0 (window_softmax), so a row's result does not depend on the
+/* The first block of keys (a multiple of ATTENTION_KEYS) that a tile whose
+   first row is at `from` reads in layer l: 0 but in windowed layers. The
+   cache may no longer hold the blocks before it ("Windowed layers"). */
+static int tile_origin(const Config *p, int l, int from) { return attention_start(p, l, from) / ATTENTION_KEYS * ATTENTION_KEYS; }
+
+/* The first block of keys that any tile of b's tiles first[0..m-1] reads in
+   layer l. Scores of a row before its own start, in the blocks its tile
+   reads, are computed and then given weight 0 (window_softmax); a tile skips
+   the blocks before its origin, whose scores window_softmax sets to 0 and
+   whose values would add nothing; so a row's result does not depend on the
    rows it is read with. */
 static int attention_origin(const Config *p, const Batch *b, int l, const int *first, int m) {
     int origin = INT_MAX;
@@ -6560,7 +6719,7 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
         for (int j = 0; j < m; j++) {
             const BlockTable *table = b->table[first[j]];
             const int from = b->pos[first[j]], to = b->pos[first[j + 1] - 1];
-            if (to < t0) continue;
+            if (to < t0 || t0 < tile_origin(p, layer, from)) continue;
             const int nk = to + 1 - t0 < ATTENTION_KEYS ? to + 1 - t0 : ATTENTION_KEYS;
             int turn[ATTENTION_KEYS];
             attention_block(c, layer, table, t0, nk, to, 0, span, a->rows, &keys);
@@ -6608,7 +6767,7 @@ static void attention_values(Transformer *t, const Batch *b, int layer, const in
         values.n = 0;
         for (int j = 0; j < m; j++) {
             const int from = b->pos[first[j]], to = b->pos[first[j + 1] - 1], end = first[j + 1] - r0;
-            if (to < t0) continue;
+            if (to < t0 || t0 < tile_origin(p, layer, from)) continue;
             const int nk = to + 1 - t0 < ATTENTION_KEYS ? to + 1 - t0 : ATTENTION_KEYS;
             attention_block(c, layer, b->table[first[j]], t0, nk, to, 1, span, a->rows, &values);
             for (int h = 0; h < w; h++)
@@ -7046,7 +7205,7 @@ enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
    <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3), <start_of_turn>
    (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
    (Granite), [SYSTEM_PROMPT] (Mistral v7) */
-enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7 };
+enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7, CHAT_SMOLLM3 };
 /* what becomes of a reply's <think> block (Qwen3): printed as it comes, left
    out of what is printed, or not asked for (the template's empty block) */
 enum { REASONING_SHOW, REASONING_HIDE, REASONING_OFF };
@@ -8860,6 +9019,7 @@ static int lookup_special(const Tokenizer *t, const char *text);
    when it has none of them. */
 static int chat_family_of(const char *tmpl) {
     if (strstr(tmpl, "<|start_header_id|>")) return CHAT_LLAMA3;
+    if (strstr(tmpl, "<|im_start|>") && strstr(tmpl, "Reasoning Mode")) return CHAT_SMOLLM3; /* ChatML with its own system header */
     if (strstr(tmpl, "<|im_start|>")) return CHAT_CHATML;
     if (strstr(tmpl, "<|user|>")) return CHAT_PHI3;
     if (strstr(tmpl, "[SYSTEM_PROMPT]")) return CHAT_MISTRAL7;
@@ -8871,14 +9031,15 @@ static int chat_family_of(const char *tmpl) {
     return -1;
 }
 
-static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7"};
+static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7", "smollm3"};
 
 /* The token that closes a turn in the tokenizer's chat template: Llama 3's
    <|eot_id|>, ChatML's <|im_end|>, Phi-3's and Phi-4's <|end|>, Gemma's
    <end_of_turn>, Granite's <|end_of_text|> where the vocabulary has them,
    else the file's end of turn (Mistral's </s>). */
 static int turn_end_token(const Tokenizer *t) {
-    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL};
+    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL,
+                                        "<|im_end|>"};
     const char *name = names[t->chat_template];
     int id = name && t->special ? lookup_special(t, name) : -1;
     return id >= 0 ? id : t->end_of_turn;
@@ -11399,6 +11560,7 @@ typedef struct {
     long long target_passes; /* forward passes that gave a sampled request its next token(s) */
     int keeping;            /* --keep was given (printed then) */
     long long dropped;      /* positions dropped by --keep */
+    long long paused;       /* times a request paused for another (see "Turns") */
 } Stats;
 
 /* How to choose the continuation of a prompt. */
@@ -11561,6 +11723,7 @@ struct Request {
     Sequence *seqs;         /* (max(1, B)) */
     int n_seqs;
     long long promised;     /* cache blocks promised to it (its worst case) */
+    long long window_promised; /* and blocks of the windowed layers' pool */
     Sampler sampler;
     StopMatcher stops;      /* sampling: the text so far, against the stop strings */
     float *raw;             /* (vocab) sampling with a score: the logits before sampling */
@@ -11696,12 +11859,34 @@ static long long request_blocks(const Request *r, int context) {
     return (long long)r->n_seqs * per_seq + (r->n_seqs > 1);
 }
 
+/* The same for the windowed layers' pool of c (see "Windowed layers"): each
+   sequence holds no more than a window's span of it; 0 without one. */
+static long long request_window_blocks(const Request *r, const KVCache *c) {
+    if (!c->win) return 0;
+    long long per_seq = (request_positions(r) + KV_BLOCK - 1) / KV_BLOCK;
+    if (per_seq > c->window_span) per_seq = c->window_span;
+    return (long long)r->n_seqs * per_seq + (r->n_seqs > 1);
+}
+
+/* Whether r could ever fit the cache c, empty. */
+static int request_fits(const Request *r, const KVCache *c, int context) {
+    return request_blocks(r, context) <= c->n_blocks && (!c->win || request_window_blocks(r, c) <= c->win->n_blocks);
+}
+
 static void beam_state_free(BeamState *b) {
     if (!b) return;
     free(b->beam_scores); free(b->logprob_rows); free(b->logprobs); free(b->generated); free(b->next_generated);
     free(b->parent); free(b->next_token); free(b->next_scores); free(b->cand);
     free(b->json); free(b->next_json);
     free(b);
+}
+
+/* Takes back the blocks promised to r, in each pool. */
+static void release_promise(KVCache *c, Request *r) {
+    c->promised -= r->promised;
+    r->promised = 0;
+    if (c->win) c->win->promised -= r->window_promised;
+    r->window_promised = 0;
 }
 
 /* Ends a request: its hypotheses are final, its cache blocks and working
@@ -11725,8 +11910,7 @@ static void request_finish(Engine *e, Request *r) {
     free_sampler(&r->sampler);
     free_stop_matcher(&r->stops);
     r->stops.held = NULL;
-    c->promised -= r->promised;
-    r->promised = 0;
+    release_promise(c, r);
     r->state = REQUEST_DONE;
 }
 
@@ -12183,6 +12367,7 @@ static void verify_step(Engine *e, Request *r, float *logits) {
     for (int i = 0; i <= k; i++) {
         s->n_cached = s->n_tokens = first + i + 1;
         sequence_index_blocks(c, s);
+        table_leave_window(c, &s->table, s->n_cached);
         sample_step(e, r, logits + (size_t)i * vocab);
         if (r->state == REQUEST_DONE || i == k || s->tokens[first + i + 1] != draft[i]) break;
         accepted++;
@@ -12206,7 +12391,7 @@ static Speculator *speculator_new(int lookup, int draft_max, Transformer *draft)
 static void speculator_setup(Speculator *sp, int parallel, int context, int prefill) {
     if (!sp->draft) return;
     int rows = parallel + prefill, blocks_each = (context + KV_BLOCK - 1) / KV_BLOCK;
-    alloc_run_state(&sp->draft->state, &sp->draft->config, rows, context, parallel * blocks_each, KV_F32);
+    alloc_run_state(&sp->draft->state, &sp->draft->config, rows, context, parallel * blocks_each, 0, KV_F32);
     sp->row_token = xcalloc((size_t)rows, sizeof(int));
     sp->row_pos = xcalloc((size_t)rows, sizeof(int));
     sp->logit_rows = xcalloc((size_t)rows, sizeof(int));
@@ -12289,25 +12474,59 @@ static int prefix_match(const KVCache *c, const int *tokens, int n_tokens, int *
     return n;
 }
 
+/* How many of the n blocks `matched` of a prompt's prefix (prefix_match) a
+   request can take in a cache with windowed layers: as many as leave the
+   partners of the window before the position it resumes at all kept. */
+static int window_resumable(const KVCache *c, const int *matched, int n) {
+    for (; n > 0; n--) {
+        int i = window_first_block(c, n * KV_BLOCK);
+        while (i < n && c->partner[matched[i]] >= 0) i++;
+        if (i == n) break;
+    }
+    return n;
+}
+
 /* Gives s (empty) the blocks of its tokens: the first n_matched from the
-   prefix index (`matched`), cached already; then fresh ones for the rest,
-   each full one indexed as pending, so that another request with the same
-   tokens waits for it rather than computes it too. */
+   prefix index (`matched`), cached already (with the partners of the window
+   before them, in a cache with windowed layers); then the main blocks of
+   the rest, each full one indexed as pending, so that another request with
+   the same tokens waits for it rather than computes it too. Their partners
+   come as the rows are computed, a window's at a time (table_prepare_write). */
 static void sequence_take_blocks(Engine *e, Sequence *s, const int *matched, int n_matched) {
     KVCache *c = &e->t->state.cache;
     for (int i = 0; i < n_matched; i++) {
         block_hold(c, matched[i]);
         table_push(&s->table, matched[i]);
     }
+    if (c->win) {
+        s->table.wfirst = window_first_block(c, n_matched * KV_BLOCK);
+        s->table.wend = n_matched;
+        for (int i = s->table.wfirst; i < n_matched; i++) block_hold(c->win, c->partner[matched[i]]);
+    }
     s->n_cached = n_matched * KV_BLOCK;
     s->n_indexed = n_matched;
     e->stats.reused_tokens += s->n_cached;
     for (int pos = s->n_cached; pos < s->n_tokens; pos += KV_BLOCK) {
-        table_prepare_write(c, &s->table, pos);
+        table_push(&s->table, block_take(c));
         int i = pos / KV_BLOCK;
         if ((i + 1) * KV_BLOCK <= s->n_tokens) prefix_add(c, s->table.ids[i], i > 0 ? s->table.ids[i - 1] : -1,
                                                           s->tokens + (size_t)i * KV_BLOCK, BLOCK_PENDING);
     }
+}
+
+/* Whether the blocks r may need (its worst case, in each pool) can be
+   promised now. */
+static int cache_has_room(const KVCache *c, const Request *r, int context) {
+    return c->promised + request_blocks(r, context) <= c->n_blocks &&
+           (!c->win || c->win->promised + request_window_blocks(r, c) <= c->win->n_blocks);
+}
+
+/* Promises r the blocks it may need (its worst case, in each pool). */
+static void promise_blocks(KVCache *c, Request *r, int context) {
+    r->promised = request_blocks(r, context);
+    c->promised += r->promised;
+    r->window_promised = c->win ? request_window_blocks(r, c) : 0;
+    if (c->win) c->win->promised += r->window_promised;
 }
 
 /* Starts r: promises its blocks, takes the blocks of its prompt's prefix
@@ -12316,16 +12535,15 @@ static void sequence_take_blocks(Engine *e, Sequence *s, const int *matched, int
 static int engine_start(Engine *e, Request *r) {
     Transformer *t = e->t;
     KVCache *c = &t->state.cache;
-    long long need = request_blocks(r, t->config.seq_len);
-    if (c->promised + need > c->n_blocks) return 0;
+    if (!cache_has_room(c, r, t->config.seq_len)) return 0;
     int *matched = xcalloc((size_t)r->n_prompt / KV_BLOCK + 1, sizeof(int));
     int n_matched = r->lp && r->lp->score_prompt ? 0 : prefix_match(c, r->prompt, r->n_prompt, matched);
     if (n_matched < 0) {
         free(matched);
         return 0;
     }
-    c->promised += need;
-    r->promised = need;
+    if (c->win) n_matched = window_resumable(c, matched, n_matched);
+    promise_blocks(c, r, t->config.seq_len);
     r->seqs = xcalloc((size_t)r->n_seqs, sizeof(Sequence));
     int cap = r->n_prompt + r->max_new;
     for (int j = 0; j < r->n_seqs; j++) sequence_init(&r->seqs[j], r->prompt, j == 0 ? r->n_prompt : 0, cap);
@@ -12390,8 +12608,8 @@ static void engine_pause(Engine *e, int i) {
     Sequence *s = &r->seqs[0];
     table_clear(c, &s->table);
     s->n_cached = s->n_indexed = 0;
-    c->promised -= r->promised;
-    r->promised = 0;
+    release_promise(c, r);
+    e->stats.paused++;
     r->paused_at = now_seconds();
     r->state = REQUEST_WAITING; /* a server that stops refuses it, as it refuses those not started */
     memmove(e->running + i, e->running + i + 1, (size_t)(--e->n_running - i) * sizeof(Request *));
@@ -12413,8 +12631,8 @@ static int engine_resume(Engine *e, Request *r) {
     int *matched = xcalloc((size_t)s->n_tokens / KV_BLOCK + 1, sizeof(int));
     int n_matched = prefix_match(c, s->tokens, s->n_tokens, matched);
     if (n_matched >= 0) {
-        r->promised = request_blocks(r, e->t->config.seq_len);
-        c->promised += r->promised;
+        if (c->win) n_matched = window_resumable(c, matched, n_matched);
+        promise_blocks(c, r, e->t->config.seq_len);
         sequence_take_blocks(e, s, matched, n_matched);
         r->state = REQUEST_RUNNING;
     }
@@ -12467,15 +12685,14 @@ static void engine_admit(Engine *e) {
     const KVCache *c = &e->t->state.cache;
     int at;
     for (Request *r; (r = next_to_start(e, &at)) != NULL;) {
-        long long need = request_blocks(r, e->t->config.seq_len);
-        if (at < 0 && need > c->n_blocks) {
+        if (at < 0 && !request_fits(r, c, e->t->config.seq_len)) {
             r->error = "the request needs more key/value cache than --kv-mb allows";
             r->state = REQUEST_DONE;
             e->next_waiting++;
             engine_done(e, r);
             continue;
         }
-        if (e->n_running == e->parallel || c->promised + need > c->n_blocks) {
+        if (e->n_running == e->parallel || !cache_has_room(c, r, e->t->config.seq_len)) {
             if (e->turn > 0 && pause_one_above(e, service_level(e, r))) continue;
             return;
         }
@@ -12567,6 +12784,7 @@ static int engine_step(Engine *e) {
         if (!e->row_seq[i]) continue; /* a draft's row: verify_step counts it */
         e->row_seq[i]->n_cached++;
         sequence_index_blocks(c, e->row_seq[i]);
+        table_leave_window(c, &e->row_seq[i]->table, e->row_seq[i]->n_cached);
     }
     const int vocab = e->t->config.vocab_size, stop_now = interrupted();
     for (int i = 0; i < e->n_running; i++) score_prompt_rows(e, e->running[i], logits);
@@ -12655,7 +12873,8 @@ static void print_stats(const Engine *e) {
     if (st->speculating)
         fprintf(stderr, "; drafted %lld, accepted %lld (%.2f tokens per target pass)", st->drafted, st->accepted,
                 st->target_passes > 0 ? (double)st->generated_tokens / (double)st->target_passes : 0.0);
-    fprintf(stderr, ", kv %s %.2f MB peak", kv_type_names[c->type], 2.0 * c->row_bytes * c->n_layers * KV_BLOCK * c->peak_held / 1e6);
+    double peak = kv_block_bytes(c) * c->peak_held + (c->win ? kv_block_bytes(c->win) * c->win->peak_held : 0);
+    fprintf(stderr, ", kv %s %.2f MB peak", kv_type_names[c->type], peak / 1e6);
     if (st->keeping) fprintf(stderr, "; %lld positions dropped (--keep)", st->dropped);
     fputc('\n', stderr);
 }
@@ -12766,6 +12985,53 @@ static void print_results(const Tokenizer *tok, OutputFormat format, const Hypot
     if (n_show <= 1) printf("\n");
 }
 
+/* What a cache for t costs (engine_setup): the bytes of a block of the main
+   pool and of the windowed layers' pool (0 without one), and the blocks of
+   that pool a sequence holds at once, at most (request_window_blocks). */
+typedef struct {
+    double main_bytes, window_bytes;
+    int span;
+} CacheShape;
+
+static CacheShape cache_shape(const Transformer *t, int kv_type, const Speculator *spec) {
+    const Config *p = &t->config;
+    int windowed = 0;
+    for (int l = 0; l < p->n_layers; l++) windowed += layer_windowed(p, l);
+    double row = 2.0 * kv_row_bytes(kv_type, kv_dim_of(p)) * KV_BLOCK;
+    CacheShape shape = {row * (p->n_layers - windowed), row * windowed, 0};
+    if (windowed > 0) {
+        /* a sequence feeds up to a prompt chunk or its drafts a step, and
+           holds the blocks from where the window of its first reaches back
+           to that of its last */
+        int rows = spec && spec->draft_max + 1 > prefill_rows(t) ? spec->draft_max + 1 : prefill_rows(t);
+        shape.span = (p->window + rows - 2) / KV_BLOCK + 2;
+    }
+    return shape;
+}
+
+/* Main blocks a request of `beams` sequences (1: sampled) of `positions`
+   positions may hold (as request_blocks), and blocks of the windowed
+   layers' pool. */
+static double request_main_blocks(int beams, int positions) {
+    return (double)beams * ((positions + KV_BLOCK - 1) / KV_BLOCK) + (beams > 1);
+}
+
+static double request_span_blocks(const CacheShape *shape, int beams, int positions) {
+    if (shape->window_bytes == 0) return 0;
+    return (double)beams * fmin((positions + KV_BLOCK - 1) / KV_BLOCK, shape->span) + (beams > 1);
+}
+
+/* The windowed layers' pool for `parallel` sampled requests of `positions`,
+   or one of `beams`, at once: the windows of every sequence at once, as the
+   main pool holds their whole length. */
+static double windows_wanted(const CacheShape *shape, int parallel, int beams, int positions) {
+    return fmax(parallel * request_span_blocks(shape, 1, positions), request_span_blocks(shape, beams, positions));
+}
+
+static double cache_bytes(const CacheShape *shape, double main_blocks, double window_blocks) {
+    return main_blocks * shape->main_bytes + window_blocks * shape->window_bytes;
+}
+
 /* Sets up e and t's activations and cache for `parallel` requests of
    `beams` sequences (1 when sampling) and `context` positions each: by
    default a cache that holds all of them at full length, or kv_mb MiB of it
@@ -12774,13 +13040,23 @@ static void print_results(const Tokenizer *tok, OutputFormat format, const Hypot
 static void engine_setup(Engine *e, Transformer *t, const Tokenizer *tok, int parallel, int beams, int context, int kv_mb,
                          int kv_type, Speculator *spec) {
     const Config *p = &t->config;
-    double block_bytes = 2.0 * kv_row_bytes(kv_type, kv_dim_of(p)) * p->n_layers * KV_BLOCK;
-    double per_request = (double)beams * ((context + KV_BLOCK - 1) / KV_BLOCK) + (beams > 1);
-    double n_blocks = kv_mb > 0 ? floor(kv_mb * 1048576.0 / block_bytes) : parallel * per_request;
-    if (n_blocks < 1) n_blocks = 1;
-    if (n_blocks > INT_MAX / KV_BLOCK)
-        die(EXIT_BAD_FILE, "the key/value cache would need %.0f blocks of %d positions, too many", n_blocks, KV_BLOCK);
-    alloc_run_state(&t->state, p, parallel * (beams + (spec ? spec->draft_max : 0)) + prefill_rows(t), context, (int)n_blocks, kv_type);
+    const CacheShape shape = cache_shape(t, kv_type, spec);
+    double main_blocks = parallel * request_main_blocks(beams, context), window_blocks = windows_wanted(&shape, parallel, beams, context);
+    if (kv_mb > 0) {
+        /* kv_mb MiB: the windows wanted, the rest main blocks; a budget too
+           small for that, as many blocks in each pool, so that whatever
+           fitted one pool of every layer still fits */
+        double bytes = kv_mb * 1048576.0, even = floor(bytes / (shape.main_bytes + shape.window_bytes));
+        if (even <= window_blocks) main_blocks = window_blocks = even;
+        else main_blocks = floor((bytes - window_blocks * shape.window_bytes) / shape.main_bytes);
+    }
+    if (main_blocks < 1) main_blocks = 1;
+    if (shape.window_bytes > 0 && window_blocks < 1) window_blocks = 1;
+    if (main_blocks > INT_MAX / KV_BLOCK || window_blocks > INT_MAX / KV_BLOCK)
+        die(EXIT_BAD_FILE, "the key/value cache would need %.0f blocks of %d positions, too many", fmax(main_blocks, window_blocks), KV_BLOCK);
+    alloc_run_state(&t->state, p, parallel * (beams + (spec ? spec->draft_max : 0)) + prefill_rows(t), context, (int)main_blocks,
+                    (int)window_blocks, kv_type);
+    t->state.cache.window_span = shape.span;
     engine_init(e, t, tok, parallel);
     if (spec) speculator_setup(spec, parallel, context, prefill_rows(t));
     e->spec = spec;
@@ -12799,8 +13075,12 @@ static void stream_text(Request *r, const char *text, size_t n) {
    request at a time would print nothing and succeed. Called before anything
    of r is printed. */
 static void require_room(const Engine *e, const Request *r) {
-    if (request_blocks(r, e->t->config.seq_len) <= e->t->state.cache.n_blocks) return;
+    const KVCache *c = &e->t->state.cache;
+    if (request_fits(r, c, e->t->config.seq_len)) return;
     const int beams = r->d.beam.beams;
+    if (request_blocks(r, e->t->config.seq_len) <= c->n_blocks)
+        die(EXIT_USAGE, "the key/value cache is too small for this request: its windowed layers need %lld blocks of %d "
+            "positions and --kv-mb leaves room for %d; raise --kv-mb", request_window_blocks(r, c), KV_BLOCK, c->win->n_blocks);
     if (beams > 1)
         die(EXIT_USAGE, "the key/value cache is too small for this request: it needs %d positions for each of %d beams "
             "and --kv-mb leaves room for %d in all; raise --kv-mb, or lower -n or -b", request_positions(r), beams,
@@ -13030,9 +13310,10 @@ static int append_tagged_message(const Tokenizer *tok, const char *role, const c
     return append_text_tokens(tok, "\n", out, n, room);
 }
 
-/* Whether the template is ChatML and the vocabulary has Qwen3's <think>. */
+/* Whether the template is ChatML (Qwen3's, SmolLM3's) and the vocabulary
+   has <think>. */
 static int chatml_thinks(const Tokenizer *tok) {
-    return tok->chat_template == CHAT_CHATML && tok->special && lookup_special(tok, "<think>") >= 0;
+    return (tok->chat_template == CHAT_CHATML || tok->chat_template == CHAT_SMOLLM3) && tok->special && lookup_special(tok, "<think>") >= 0;
 }
 
 /* The ChatML (Qwen, SmolLM) or Phi-3 template for one user turn, as tokens:
@@ -13133,13 +13414,35 @@ static void render_phi4(TurnBuilder *b, const char *system_prompt, const char *u
     turn_token(b, "<|assistant|>");
 }
 
+/* Today's date in the local time zone as strftime's `format` has it, as
+   the templates' strftime_now gives it (Granite's and Mistral v7's default
+   system messages carry it). */
+static const char *today(const char *format, char *out, size_t size) {
+    time_t now = time(NULL);
+    struct tm local;
+#ifdef _WIN32
+    localtime_s(&local, &now);
+#else
+    localtime_r(&now, &local);
+#endif
+    if (strftime(out, size, format, &local) == 0) out[0] = '\0';
+    return out;
+}
+
 /* Granite: <|start_of_role|>role<|end_of_role|>content<|end_of_text|>\n per
    message, then <|start_of_role|>assistant<|end_of_role|>; the newline
-   after the previous reply's <|end_of_text|> starts a later turn. Granite's
-   own default system message (with today's date) is not added. */
+   after the previous reply's <|end_of_text|> starts a later turn. Without a
+   system prompt the first turn has Granite 3.3's default one, with today's
+   date (its template's, without tools, documents or thinking). */
 static void render_granite(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
     if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
     if (!first) turn_string(b, "\n");
+    char date[64], fallback[192];
+    if (first && (!system_prompt || system_prompt[0] == '\0')) {
+        snprintf(fallback, sizeof(fallback), "Knowledge Cutoff Date: April 2024. Today's Date: %s. You are Granite, developed by IBM. "
+                 "You are a helpful AI assistant.", today("%B %d, %Y", date, sizeof(date)));
+        system_prompt = fallback;
+    }
     const char *roles[2] = {"system", "user"}, *contents[2] = {system_prompt, user};
     for (int i = 0; i < 2; i++) {
         if (!contents[i] || (i == 0 && contents[i][0] == '\0')) continue;
@@ -13155,14 +13458,68 @@ static void render_granite(TurnBuilder *b, const char *system_prompt, const char
     turn_token(b, "<|end_of_role|>");
 }
 
+/* SmolLM3's default custom instructions in "/think" mode. */
+static const char SMOLLM3_THINKING[] =
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly "
+    "exploring questions through a systematic thinking process before providing the final precise and accurate solutions. "
+    "This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, "
+    "backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main "
+    "sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the "
+    "Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as "
+    "analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, "
+    "refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and "
+    "reflections from the Thought section, systematically present the final solution that you deem correct. The Solution "
+    "section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.";
+
+/* Mistral Small 3.2's default system message: the head, today's date
+   (%Y-%m-%d), the rest. */
+static const char MISTRAL7_SYSTEM_HEAD[] =
+    "You are Mistral Small 3, a Large Language Model (LLM) created by Mistral AI, a French startup headquartered in Paris.\n"
+    "Your knowledge base was last updated on 2023-10-01. The current date is ";
+static const char MISTRAL7_SYSTEM_TAIL[] =
+    ".\n\n"
+    "When you're not sure about some information or when the user's request requires up-to-date or specific data, you must use "
+    "the available tools to fetch the information. Do not hesitate to use tools whenever they can provide a more accurate or "
+    "complete response. If no relevant tools are available, then clearly state that you don't have the information and avoid "
+    "making up anything.\n\n"
+    "If the user's question is not clear, ambiguous, or does not provide enough context for you to accurately answer the "
+    "question, you do not try to answer it right away and you rather ask the user to clarify their request (e.g. \"What are "
+    "some good restaurants around me?\" => \"Where are you?\" or \"When is the next flight to Tokyo\" => \"Where do you travel "
+    "from?\").\n"
+    "You are always very attentive to dates, and when asked about information at specific dates, you discard information that "
+    "is at another date.\n"
+    "You follow these instructions in all languages, and always respond to the user in the language they use or request.\n"
+    "Next sections describe the capabilities that you have.\n\n"
+    "# WEB BROWSING INSTRUCTIONS\n\n"
+    "You cannot perform any web search or access internet to open URLs, links etc. If it seems like the user is expecting you "
+    "to do so, you clarify the situation and ask the user to copy paste the text directly in the chat.\n\n"
+    "# MULTI-MODAL INSTRUCTIONS\n\n"
+    "You have the ability to read images, but you cannot generate images. You also cannot transcribe audio files or videos.\n"
+    "You cannot read nor transcribe audio files or videos.\n\n"
+    "# TOOL CALLING INSTRUCTIONS\n\n"
+    "You may have access to tools that you can use to fetch information or perform actions. You must use these tools in the "
+    "following situations:\n\n"
+    "1. When the request requires up-to-date information.\n"
+    "2. When the request requires specific data that you do not have in your knowledge base.\n"
+    "3. When the request involves actions that you cannot perform without tools.\n\n"
+    "Always prioritize using tools to provide the most accurate and helpful response. If tools are not available, inform the "
+    "user that you cannot perform the requested action at the moment.";
+
 /* Mistral v7 (Tekken: no spaces around the tags): BOS, then
-   [SYSTEM_PROMPT]system[/SYSTEM_PROMPT] (first turn), [INST]message[/INST];
-   the reply ends with </s>. Mistral's default system message is not added. */
+   [SYSTEM_PROMPT]system[/SYSTEM_PROMPT] (first turn; without a system
+   prompt, Mistral Small 3.2's default one with today's date, as its
+   template renders it), [INST]message[/INST]; the reply ends with </s>. */
 static void render_mistral7(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
-    if (first) turn_id(b, b->tok->bos);
-    if (system_prompt && system_prompt[0] != '\0') {
+    if (first) {
+        char date[64];
+        turn_id(b, b->tok->bos);
         turn_token(b, "[SYSTEM_PROMPT]");
-        turn_string(b, system_prompt);
+        if (system_prompt && system_prompt[0] != '\0') turn_string(b, system_prompt);
+        else {
+            turn_string(b, MISTRAL7_SYSTEM_HEAD);
+            turn_string(b, today("%Y-%m-%d", date, sizeof(date)));
+            turn_string(b, MISTRAL7_SYSTEM_TAIL);
+        }
         turn_token(b, "[/SYSTEM_PROMPT]");
     }
     turn_token(b, "[INST]");
@@ -13170,17 +13527,89 @@ static void render_mistral7(TurnBuilder *b, const char *system_prompt, const cha
     turn_token(b, "[/INST]");
 }
 
+/* SmolLM3's reasoning mode for a conversation with `system_prompt` (NULL:
+   a later turn, whose tokenizer the caller has set: smollm3_tokenizer):
+   the system prompt's "/no_think", else its "/think", as its template reads
+   them; otherwise "/no_think" with --reasoning off and "/think" with show
+   or hide. 1: "/think". */
+static int smollm3_thinks(const Tokenizer *tok, const char *system_prompt) {
+    if (system_prompt && strstr(system_prompt, "/no_think")) return 0;
+    if (system_prompt && strstr(system_prompt, "/think")) return 1;
+    return tok->reasoning != REASONING_OFF;
+}
+
+/* A copy of tok whose --reasoning is SmolLM3's mode under system_prompt's
+   flags, for rendering every turn of that conversation alike (tok itself
+   for the other families). */
+static Tokenizer smollm3_tokenizer(const Tokenizer *tok, const char *system_prompt) {
+    Tokenizer t = *tok;
+    if (tok->chat_template == CHAT_SMOLLM3 && smollm3_thinks(tok, system_prompt) != smollm3_thinks(tok, NULL))
+        t.reasoning = t.reasoning == REASONING_OFF ? REASONING_SHOW : REASONING_OFF;
+    return t;
+}
+
+/* Appends `s` with every `flag` taken out to text. */
+static void turn_without(ByteBuf *text, const char *s, const char *flag) {
+    for (const char *at; (at = strstr(s, flag)) != NULL; s = at + strlen(flag)) buf_add(text, s, (size_t)(at - s));
+    buf_str(text, s);
+}
+
+/* SmolLM3 (ChatML with a system header of its own, always there): in the
+   first turn <|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June
+   2025\nReasoning Mode: {/think or /no_think}\n\n## Custom Instructions\n\n
+   then the system prompt without its flags and trailing white space, or
+   its default (by the mode) when that leaves nothing, \n\n<|im_end|>\n;
+   <|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n, and with
+   "/no_think" an empty think block, <think>\n\n</think>\n, there (so in
+   every turn, as the template gives each earlier reply one). The newline
+   after the previous reply's <|im_end|> starts a later turn. */
+static void render_smollm3(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    const int think = smollm3_thinks(b->tok, first ? system_prompt : NULL);
+    if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
+    if (first) {
+        turn_token(b, "<|im_start|>");
+        turn_string(b, "system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: ");
+        turn_string(b, think ? "/think" : "/no_think");
+        turn_string(b, "\n\n## Custom Instructions\n\n");
+        size_t before = b->text.n;
+        if (system_prompt) { /* .replace("/no_think", "").replace("/think", "").rstrip() */
+            ByteBuf once = {NULL, 0, 0};
+            turn_without(&once, system_prompt, "/no_think");
+            turn_without(&b->text, once.data ? once.data : "", "/think");
+            free(once.data);
+            while (b->text.n > before && isspace((unsigned char)b->text.data[b->text.n - 1])) b->text.n--;
+        }
+        if (b->text.n == before)
+            turn_string(b, think ? SMOLLM3_THINKING : "You are a helpful AI assistant named SmolLM, trained by Hugging Face.");
+        turn_string(b, "\n\n");
+        turn_token(b, "<|im_end|>");
+        turn_string(b, "\n");
+    } else {
+        turn_string(b, "\n");
+    }
+    turn_token(b, "<|im_start|>");
+    turn_string(b, "user\n");
+    turn_string(b, user);
+    turn_token(b, "<|im_end|>");
+    turn_string(b, "\n");
+    turn_token(b, "<|im_start|>");
+    turn_string(b, "assistant\n");
+    if (!think) turn_string(b, "<think>\n\n</think>\n");
+}
+
 /* One user turn of the families rendered with a TurnBuilder. */
 static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
                                    int *n_tokens) {
-    /* at most a token per byte of text and template, and the special tokens */
-    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 64) + 32;
+    /* at most a token per byte of text and template (a default system
+       message at most Mistral's), and the special tokens */
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + sizeof(MISTRAL7_SYSTEM_HEAD) + sizeof(MISTRAL7_SYSTEM_TAIL) + sizeof(SMOLLM3_THINKING) + 64) + 32;
     int cap = bound < (size_t)room ? (int)bound : room;
     TurnBuilder b = {tok, xcalloc((size_t)cap + 1, sizeof(int)), 0, cap, 1, {NULL, 0, 0}};
     switch (tok->chat_template) {
     case CHAT_GEMMA: render_gemma(&b, system_prompt, user, first); break;
     case CHAT_PHI4: render_phi4(&b, system_prompt, user, first); break;
     case CHAT_GRANITE: render_granite(&b, system_prompt, user, first); break;
+    case CHAT_SMOLLM3: render_smollm3(&b, system_prompt, user, first); break;
     default: render_mistral7(&b, system_prompt, user, first); break;
     }
     turn_flush(&b);
@@ -13445,6 +13874,8 @@ static int reply_end_token(const Tokenizer *tok, const Hypothesis *h) {
 static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char *cli_user, const char *cli_system, int steps) {
     int text_mode = d->format == FORMAT_TEXT;
     char *system_prompt = cli_system ? strdup(cli_system) : read_line("Enter system prompt (optional): ", d->format);
+    const Tokenizer flagged = smollm3_tokenizer(tok, system_prompt); /* SmolLM3: its /think or /no_think, every turn */
+    tok = &flagged;
     Conversation conv = {system_prompt, NULL, 0, steps};
     int reserve = cap_new_tokens(d, steps / 4);
     Decoding turn_decoding = *d; /* each turn's sampler goes on from where the last one stopped */
@@ -13524,6 +13955,7 @@ static void score_window(Transformer *t, const int *window, int n, Score *sc) {
         for (int r = 0; r < rows; r++) sc->nll_sum -= log_prob(logits + (size_t)r * vocab, vocab, window[done + r + 1]);
         sc->tokens += rows;
         done += rows;
+        table_leave_window(&t->state.cache, &table, done);
     }
     table_free(&t->state.cache, &table);
 }
@@ -13630,7 +14062,7 @@ static const char *usage_text =
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
     "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
     "                     declares 131072: chat and serve size their caches by it)\n"
-    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7\n"
+    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, smollm3\n"
     "  --reasoning <show|hide|off>  a Qwen3 reply's <think> block in chat: printed, not printed,\n"
     "                     or not asked for (default show); serve sends it as reasoning_content\n"
     "  -f <format>        output: text or json (default text)\n"
@@ -13859,7 +14291,7 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         o->chat_template = -1;
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
-        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite or mistral7, got '%s'", v);
+        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7 or smollm3, got '%s'", v);
         return 2;
     }
     if (strcmp(flag, "--reasoning") == 0) {
@@ -14819,11 +15251,11 @@ static void batch_setup(Engine *e, Transformer *t, const Tokenizer *tok, const O
     const Config *p = &t->config;
     int beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS, kv_mb = o->kv_mb;
     if (kv_mb == 0) {
-        double block_bytes = 2.0 * kv_row_bytes(o->kv_type, kv_dim_of(p)) * p->n_layers * KV_BLOCK;
-        double per_request = (context_positions(o, p->seq_len) + KV_BLOCK - 1) / KV_BLOCK + 1;
-        double one_of_most = (double)beams * ((p->seq_len + KV_BLOCK - 1) / KV_BLOCK) + 1;
-        double blocks = fmax(o->parallel * per_request, one_of_most);
-        kv_mb = (int)fmin(ceil(blocks * block_bytes / 1048576.0), INT_MAX);
+        const CacheShape shape = cache_shape(t, o->kv_type, spec);
+        int positions = context_positions(o, p->seq_len);
+        double main_blocks = fmax(o->parallel * (request_main_blocks(1, positions) + 1), request_main_blocks(beams, p->seq_len));
+        double bytes = cache_bytes(&shape, main_blocks, windows_wanted(&shape, o->parallel, beams, p->seq_len));
+        kv_mb = (int)fmin(ceil(bytes / 1048576.0), INT_MAX);
     }
     engine_setup(e, t, tok, o->parallel, beams, p->seq_len, kv_mb, o->kv_type, spec);
     e->stats.keeping = o->keep >= 0;
@@ -15272,14 +15704,16 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
     *why = "the last message must be the user's";
     if (n == i || strcmp(roles[n - 1], "user") != 0) return NULL;
     int *out = xcalloc((size_t)room + 1, sizeof(int));
-    /* earlier turns as the template renders them: without --reasoning off's
-       empty think block, which only opens the reply asked for */
-    Tokenizer earlier = *tok;
-    earlier.reasoning = REASONING_SHOW;
+    /* earlier turns as the template renders them: Qwen3's without
+       --reasoning off's empty think block, which only opens the reply asked
+       for; SmolLM3's with it, in the mode its system prompt's flags set */
+    const Tokenizer current = smollm3_tokenizer(tok, system_prompt);
+    Tokenizer earlier = current;
+    if (tok->chat_template != CHAT_SMOLLM3) earlier.reasoning = REASONING_SHOW;
     for (int first = 1; i < n; i++) {
         if (strcmp(roles[i], "user") == 0) {
             int nt = 0;
-            int *turn = chat_turn_tokens(i == n - 1 ? tok : &earlier, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
+            int *turn = chat_turn_tokens(i == n - 1 ? &current : &earlier, first ? system_prompt : NULL, contents[i], first, room - count, &nt);
             first = 0;
             if (!turn) break;
             memcpy(out + count, turn, (size_t)nt * sizeof(int));
@@ -16070,6 +16504,7 @@ static void answer_metrics(Server *srv, Conn *c) {
     buf_printf(&b, "# TYPE run_generated_tokens_total counter\nrun_generated_tokens_total %d\n", e->stats.generated_tokens);
     buf_printf(&b, "# TYPE run_prompt_tokens_total counter\nrun_prompt_tokens_total %d\n", e->stats.prompt_tokens);
     buf_printf(&b, "# TYPE run_prompt_tokens_reused_total counter\nrun_prompt_tokens_reused_total %d\n", e->stats.reused_tokens);
+    buf_printf(&b, "# TYPE run_requests_paused_total counter\nrun_requests_paused_total %lld\n", e->stats.paused);
     buf_printf(&b, "# TYPE run_queue_length gauge\nrun_queue_length %d\n", waiting_requests(e));
     buf_printf(&b, "# TYPE run_running_requests gauge\nrun_running_requests %d\n", e->n_running);
     buf_printf(&b, "# TYPE run_requests_refused_total counter\nrun_requests_refused_total %lld\n", srv->n_refused);
@@ -16444,8 +16879,9 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
            for --parallel sampled ones at full length unless --kv-mb says */
         int steps = o->steps_given ? resolve_steps(o->steps, p->seq_len) : p->seq_len;
         int beams = o->beams > SERVE_MAX_BEAMS ? o->beams : SERVE_MAX_BEAMS, kv_mb = o->kv_mb;
-        double block_bytes = 2.0 * sizeof(float) * p->n_layers * KV_BLOCK * kv_dim_of(p);
-        if (kv_mb == 0) kv_mb = (int)ceil(o->parallel * ((steps + KV_BLOCK - 1) / KV_BLOCK + 1.0) * block_bytes / 1048576.0);
+        const CacheShape shape = cache_shape(t, KV_F32, NULL);
+        if (kv_mb == 0)
+            kv_mb = (int)ceil(cache_bytes(&shape, o->parallel * (request_main_blocks(1, steps) + 1), windows_wanted(&shape, o->parallel, beams, steps)) / 1048576.0);
         engine_setup(e, t, tok, o->parallel, beams, steps, kv_mb, o->kv_type, NULL);
         e->turn = SERVE_TURN;
         if (o->seed == 0) name_clock_seed(clock_seed);

@@ -54,7 +54,7 @@ int main(int argc, char **argv) {
         Transformer t;
         load_checkpoint(&t, argv[2]);
         int n = argc - 3;
-        alloc_run_state(&t.state, &t.config, 1, n, n / KV_BLOCK + 2, KV_F32);
+        alloc_run_state(&t.state, &t.config, 1, n, n / KV_BLOCK + 2, 0, KV_F32);
         BlockTable table = {0};
         const BlockTable *tables[1] = {&table};
         for (int i = 0; i < n; i++) {

@@ -68,6 +68,7 @@ Env: RUN (default ./run), PYTHON, TEST_TMP. Prints PASS/FAIL/SKIP lines."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,7 @@ DUMP = os.path.join(HERE, ".bin", "llama3_dump")
 TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "arch")
 PROMPT = "e t a o i n s h r d l c u m w f g y p"
 STEPS = 48
+LONG_STEPS = 240  # the window cases': 15 windows of 16
 CTX = 256
 EOS = 2
 BOS = 1   # run.c ends a text at BOS too ("stop": "bos"), its log-prob in the score
@@ -152,13 +154,13 @@ def context(name):
     return 512 if name == "phi3_long" else CTX
 
 
-def generate(binary, path, ctx, extra=()):
+def generate(binary, path, ctx, extra=(), steps=STEPS):
     """(prompt ids, generated ids with the EOS or BOS it ended at, score)."""
     r = sh([binary, path, "-m", "tokenize", "-f", "json", "-i", PROMPT])
     if r.returncode != 0:
         raise AssertionError("tokenize: %s" % r.stderr.strip()[-300:])
     prompt = json.loads(r.stdout)["tokens"]
-    r = sh([binary, path, "-t", "0", "-n", str(len(prompt) + STEPS), "--ctx-size", str(ctx), "-i", PROMPT, "-f", "json", *extra])
+    r = sh([binary, path, "-t", "0", "-n", str(len(prompt) + steps), "--ctx-size", str(ctx), "-i", PROMPT, "-f", "json", *extra])
     if r.returncode != 0:
         raise AssertionError("%s exited %d: %s" % (binary, r.returncode, r.stderr.strip()[-300:]))
     out = json.loads(r.stdout.strip().splitlines()[0])
@@ -328,6 +330,161 @@ def main():
                 want = gen[:-1] if gen and gen[-1] in (EOS, BOS) and got.get("stop") in ("eos", "bos") else gen
                 if got["tokens"][:len(want)] != want[:len(got["tokens"])]:
                     raise AssertionError("--batch request %s: %s, generate: %s" % (got.get("id"), got["tokens"][:12], want[:12]))
+
+    # the windowed layers' pool (run.c section 4, "Windowed layers"): a
+    # window of 16 and a generation of 200+ tokens past it, so that blocks
+    # leave the windows and are taken again many times over; llama.cpp
+    # agrees with generate, and --batch (rows of several sequences in one
+    # step, a beam search among them), beam search and speculative decoding
+    # give generate's tokens
+    long_kw = dict(window=16, ctx=1024, seed=7)
+
+    def long_file(neutralise=None):
+        path = os.path.join(TMP, "gemma3_window16%s.gguf" % ("_no_" + neutralise if neutralise else ""))
+        if not os.path.exists(path):
+            write_gguf(path, *arch_models.arch_model("gemma3", neutralise=neutralise, **long_kw))
+        return path
+
+    long_runs = {}
+
+    @case("arch_gemma3_window_past_it")
+    def _():
+        prompt, gen, score = generate(RUN, long_file(), 512, steps=LONG_STEPS)
+        if len(gen) < 200:
+            raise AssertionError("only %d tokens generated: the window is not passed often enough" % len(gen))
+        why = disagreement(long_file(), prompt, gen, score, tolerance("gemma3"), 512)
+        if why:
+            raise AssertionError(why)
+        control = disagreement(long_file("window"), prompt, gen, score, tolerance("gemma3"), 512)
+        if control is None:
+            raise AssertionError("llama.cpp cannot tell the file without its window apart: the check would not bite")
+        print("    (%d tokens; without the window: %s)" % (len(gen), control))
+        long_runs["gen"] = (prompt, gen)
+
+    @case("arch_gemma3_window_drivers_same_tokens")
+    def _():
+        if "gen" not in long_runs:
+            raise Skip("arch_gemma3_window_past_it did not pass")
+        prompt, gen = long_runs["gen"]
+        n = str(len(prompt) + LONG_STEPS)
+        want = gen[:-1] if gen[-1] in (EOS, BOS) else gen
+        for extra in (["--lookup", "2"], ["--draft", long_file()], ["--kv-type", "f32", "--kv-mb", "1"]):
+            _, got, _ = generate(RUN, long_file(), 512, steps=LONG_STEPS, extra=extra)
+            if got != gen:
+                raise AssertionError("%s: %s..., generate: %s..." % (" ".join(extra), got[:12], gen[:12]))
+        # beam search alone and in a batch with sampled rows of other lengths
+        beam = sh([RUN, long_file(), "-b", "3", "-n", n, "--ctx-size", "512", "-i", PROMPT, "-f", "json"])
+        if beam.returncode != 0:
+            raise AssertionError(beam.stderr.strip()[-300:])
+        beam = json.loads(beam.stdout.strip().splitlines()[0])
+        # prompts of other lengths put rows of other positions, whose windows
+        # start elsewhere, in one step
+        prompts = [PROMPT + " e t a" * (15 * i) for i in range(4)]
+        steps = [int(n)] + [400 - 30 * i for i in range(1, 4)]
+        solo = []
+        for i, text in enumerate(prompts):
+            r = sh([RUN, long_file(), "-t", "0", "-n", str(steps[i]), "--ctx-size", "512", "-i", text, "-f", "json"])
+            if r.returncode != 0:
+                raise AssertionError(r.stderr.strip()[-300:])
+            solo.append(json.loads(r.stdout.strip().splitlines()[0])["tokens"])
+        if solo[0] != want:
+            raise AssertionError("-n %s: %s, generate: %s" % (n, solo[0][:12], want[:12]))
+        lines = [{"prompt": text, "id": i, "steps": steps[i]} for i, text in enumerate(prompts)]
+        lines.append({"prompt": PROMPT, "id": "beam", "beams": 3, "steps": int(n)})
+        # --kv-mb 2: main blocks to spare, windows for the 4 sequences only, so
+        # that blocks left behind are taken again at once
+        for flags, rows in ((["--parallel", "5"], lines), (["--parallel", "2"], lines), (["--parallel", "4", "--kv-mb", "2"], lines[:4])):
+            r = subprocess.run([RUN, long_file(), "-t", "0", "--ctx-size", "512", "--batch", "-", "-f", "json"] + flags,
+                               input="".join(json.dumps(x) + "\n" for x in rows), capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise AssertionError(r.stderr.strip()[-300:])
+            for line in r.stdout.strip().splitlines():
+                got = json.loads(line)
+                if got["id"] == "beam":
+                    if got.get("rank") == 1 and (got["tokens"], got["score"]) != (beam["tokens"], beam["score"]):
+                        raise AssertionError("--batch beam search: %s, -b 3: %s" % (got["tokens"][:12], beam["tokens"][:12]))
+                elif got["tokens"] != solo[got["id"]]:
+                    raise AssertionError("--batch request %s: %s, alone: %s" % (got["id"], got["tokens"][:12], solo[got["id"]][:12]))
+
+    # the memory: the windowed file keeps its global layer for every position
+    # and the windowed ones for about a window, so a budget that cannot hold
+    # every layer of every position holds it, while the copy without its
+    # window (every layer global) is refused the same budget
+    @case("arch_gemma3_window_cache_bytes")
+    def _():
+        args = ["-t", "0", "-n", "1000", "--min-new-tokens", "960", "-i", PROMPT, "-f", "json"]
+        peaks = {}
+        for label, path in (("window 16", long_file()), ("no window", long_file("window"))):
+            r = sh([RUN, path] + args)
+            if r.returncode != 0:
+                raise AssertionError("%s: %s" % (label, r.stderr.strip()[-300:]))
+            peaks[label] = float(re.search(r"kv f32 ([\d.]+) MB peak", r.stderr).group(1))
+            if label == "window 16":
+                tokens = json.loads(r.stdout.strip().splitlines()[0])["tokens"]
+        small = sh([RUN, long_file(), "--kv-mb", "1"] + args)
+        if small.returncode != 0 or json.loads(small.stdout.strip().splitlines()[0])["tokens"] != tokens:
+            raise AssertionError("--kv-mb 1 with the window: exit %d, %s" % (small.returncode, small.stderr.strip()[-300:]))
+        refused = sh([RUN, long_file("window"), "--kv-mb", "1"] + args)
+        if refused.returncode != 2 or "too small" not in refused.stderr:
+            raise AssertionError("--kv-mb 1 without the window: exit %d, %s" % (refused.returncode, refused.stderr.strip()[-300:]))
+        # 6 layers, key/value rows of 64 floats: 3 KiB a position for all of
+        # them, 512 B for the global one
+        per_token = {k: v * 1e6 / 1000 for k, v in peaks.items()}
+        print("    (1000 positions, peak: window 16 %.3f MB (%.0f B a position), no window %.3f MB (%.0f B))"
+              % (peaks["window 16"], per_token["window 16"], peaks["no window"], per_token["no window"]))
+        if not peaks["window 16"] * 3 < peaks["no window"]:
+            raise AssertionError("the windowed file's peak %.3f MB is not a third of the other's %.3f MB" % (peaks["window 16"], peaks["no window"]))
+
+    # the server's turns (run.c section 7, "Turns") on the windowed pool: a
+    # long sampled request pauses for each short one that comes (its blocks
+    # and its windows given back), resumes from the prefix index and its
+    # window, and ends with the command line's text, as the short ones do
+    @case("arch_gemma3_window_serve_turns")
+    def _():
+        import http.client
+        import threading
+        proc = subprocess.Popen([RUN, long_file(), "-m", "serve", "--port", "0", "--parallel", "1", "--ctx-size", "1024"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            port = None
+            for line in proc.stderr:
+                m = re.match(r"listening on http://[^:]+:(\d+)$", line.strip())
+                if m:
+                    port = int(m.group(1))
+                    break
+            if not port:
+                raise AssertionError("the server did not start")
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+
+            def ask(method, path, body=None):
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                c.request(method, path, json.dumps(body) if body else None, {"Content-Type": "application/json"})
+                return c.getresponse().read().decode()
+            long_body = {"prompt": PROMPT, "max_tokens": 900, "min_new_tokens": 900, "temperature": 0.9, "seed": 5}
+            answers = {}
+            waiter = threading.Thread(target=lambda: answers.setdefault("long", json.loads(ask("POST", "/v1/completions", long_body))))
+            waiter.start()
+            shorts = []
+            for i in range(5):
+                shorts.append(json.loads(ask("POST", "/v1/completions", {"prompt": "q r", "max_tokens": 20, "temperature": 0})))
+            waiter.join()
+            paused = int(re.search(r"run_requests_paused_total (\d+)", ask("GET", "/metrics")).group(1))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+        def cli(args):
+            r = sh([RUN, long_file(), "--ctx-size", "1024", "-n", "0", "-f", "json"] + args)
+            return json.loads(r.stdout.strip().splitlines()[0])["text"]
+        want = cli(["-i", PROMPT, "--max-new-tokens", "900", "--min-new-tokens", "900", "-t", "0.9", "-s", "5"])
+        short = cli(["-i", "q r", "--max-new-tokens", "20", "-t", "0"])
+        if paused < 1:
+            raise AssertionError("the long request never paused (the check would not bite)")
+        if answers["long"]["choices"][0]["text"] != want:
+            raise AssertionError("the long request differs from the command line after %d pauses" % paused)
+        if any(s["choices"][0]["text"] != short for s in shorts):
+            raise AssertionError("a short request differs from the command line")
+        print("    (the long request paused %d times; its text and the short ones' the command line's)" % paused)
 
     @case("arch_gemma3_keep_refused")
     def _():

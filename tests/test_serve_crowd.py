@@ -385,14 +385,16 @@ def test_unread_streams_take_turns(n=100, ordinary=20, tokens=400):
         code = srv.stop()
     assert code == 0, 'exit %r' % code
     assert in_flight >= n / 2, 'the first ordinary answer came when only %d of %d streams were in flight' % (in_flight, n)
+    assert after['run_requests_paused_total'] > 0, 'no stream paused: the check of their texts would not bite'
     want = {seed: cli(['-i', 'Once upon a time', '-n', '0', '--max-new-tokens', str(tokens), '--min-new-tokens', str(tokens),
                        '-t', '0.8', '-s', str(seed)])['text'] for seed in seeds}
     for i, (text, done) in enumerate(texts):
         assert done and text == want[seeds[i % 4]], 'stream %d differs from the command line after its pauses' % i
     return ('%d unread streams of %d tokens: the first of %d ordinary requests answered in %.2f s with %d streams in flight, '
-            'the others in %.2f s at most; every stream equal to the CLI (%d prompt tokens computed, %d more taken from '
-            'the prefix index)') % (n, tokens, ordinary, latencies[0], in_flight, max(latencies[1:]),
-                                after['run_prompt_tokens_total'], after['run_prompt_tokens_reused_total'])
+            'the others in %.2f s at most; %d pauses, every stream equal to the CLI (%d prompt tokens computed, %d '
+            'more taken from the prefix index)') % (n, tokens, ordinary, latencies[0], in_flight, max(latencies[1:]),
+                                                  after['run_requests_paused_total'], after['run_prompt_tokens_total'],
+                                                  after['run_prompt_tokens_reused_total'])
 
 
 def test_default_buffer_non_readers(n=20):

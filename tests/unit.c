@@ -1913,7 +1913,7 @@ static void test_block_allocator(void) {
     const char *broken = NULL;
     int op = 0;
     begin("block allocator: reference counts, free lists, copy on write, the prefix index and --keep rings against a model");
-    kv_init(&c, &p, 37, KV_F32); /* not a whole number of KV_RUN runs: the last run is padded */
+    kv_init(&c, &p, 37, 0, KV_F32); /* not a whole number of KV_RUN runs: the last run is padded */
     tables[0].slots = tables[1].slots = tables[2].slots = RING_SLOTS;
     tables[0].keep = tables[2].keep = 5;
     int drops = 0;
@@ -1978,6 +1978,146 @@ static void test_block_allocator(void) {
     expect(!broken, "after %d operations: %s", op, broken ? broken : "");
     expect(drops > 1000, "only %d positions dropped by the rings", drops);
     expect(n_free == c.n_blocks, "%d of %d blocks are free at the end (leaked blocks)", n_free, c.n_blocks);
+    kv_free(&c);
+    end();
+}
+
+/* The windowed layers' pool (run.c section 4, "Windowed layers") against
+   the same kind of model: 3 layers, 0 and 1 windowed (window 24), 2 global.
+   A table writes its next position and then leaves its window behind it, as
+   a Sequence does; tables copy one another (beams), end, index their full
+   blocks and start from the indexed prefix of another's positions or of an
+   ended one's (engine_start's way, as far as window_resumable allows).
+   After each operation: every position of
+   a table reads back in the global layer, every position its window covers
+   in the windowed ones; the pool's reference counts are the tables' holds
+   of [wfirst, wend); partners are linked both ways; a free pool block is in
+   the list of its state, linked only if kept for a prefix. */
+#define WINDOW_TABLES 4
+#define WINDOW_POSITIONS 80
+
+static const char *window_pool_broken(const KVCache *c, BlockTable *tables, const TableModel *model, char *why, size_t cap) {
+    const KVCache *w = c->win;
+    int count[64] = {0}, in_list[64] = {0}, held = 0;
+    for (int t = 0; t < WINDOW_TABLES; t++) {
+        if (tables[t].wend > tables[t].n || tables[t].wfirst > tables[t].wend) {
+            snprintf(why, cap, "table %d: window blocks %d..%d of %d", t, tables[t].wfirst, tables[t].wend, tables[t].n);
+            return why;
+        }
+        for (int i = tables[t].wfirst; i < tables[t].wend; i++) {
+            int p = c->partner[tables[t].ids[i]];
+            if (p < 0 || w->partner[p] != tables[t].ids[i]) { snprintf(why, cap, "table %d block %d: partner %d not linked back", t, i, p); return why; }
+            count[p]++;
+        }
+    }
+    for (int list = 0; list < 2; list++)
+        for (int p = w->head[list]; p >= 0; p = w->next[p]) {
+            if (in_list[p]++) { snprintf(why, cap, "window block %d is twice in the free lists", p); return why; }
+            if ((w->state[p] == BLOCK_READY) != list || (list == 1) != (w->partner[p] >= 0)) {
+                snprintf(why, cap, "window block %d (state %d, partner %d) in free list %d", p, w->state[p], w->partner[p], list);
+                return why;
+            }
+        }
+    for (int p = 0; p < w->n_blocks; p++) {
+        if (w->ref[p] != count[p]) { snprintf(why, cap, "window block %d: reference count %d, held %d times", p, w->ref[p], count[p]); return why; }
+        if ((count[p] == 0) != (in_list[p] == 1)) { snprintf(why, cap, "window block %d: held %d times, in a free list %d times", p, count[p], in_list[p]); return why; }
+        if (w->partner[p] >= 0 && c->partner[w->partner[p]] != p) { snprintf(why, cap, "window block %d: partner not linked back", p); return why; }
+        held += count[p] > 0;
+    }
+    if (held != w->held) { snprintf(why, cap, "%d window blocks held, the pool counts %d", held, w->held); return why; }
+    for (int t = 0; t < WINDOW_TABLES; t++)
+        for (int pos = 0; pos < model[t].len; pos++)
+            for (int l = pos / KV_BLOCK >= tables[t].wfirst ? 0 : 2; l < 3; l++) {
+                const float *k = (const float *)kv_load(c, l, &tables[t], pos, 0), *v = (const float *)kv_load(c, l, &tables[t], pos, 1);
+                if (k[0] != model[t].value[pos] || v[3] != -model[t].value[pos]) {
+                    snprintf(why, cap, "table %d position %d layer %d reads %g/%g, wrote %g", t, pos, l, k[0], v[3], model[t].value[pos]);
+                    return why;
+                }
+            }
+    return NULL;
+}
+
+static void test_window_pool(void) {
+    const Config p = {.dim = 8, .hidden_dim = 16, .n_layers = 3, .n_heads = 2, .n_kv_heads = 1, .vocab_size = 10, .seq_len = 100,
+                      .head_size = 4, .window = 24, .window_period = 3};
+    KVCache c;
+    BlockTable tables[WINDOW_TABLES] = {{0}};
+    TableModel model[WINDOW_TABLES] = {{0}}, ended[8] = {{0}};
+    char why[256];
+    const char *broken = NULL;
+    int op = 0, left = 0, resumed = 0, cut = 0, n_ended = 0;
+    begin("windowed layers' pool: partners, windows left behind, copies and prefixes against a model");
+    /* 5 blocks a table and one for a copy on write; 3 window blocks a table
+       (a window of 24 spans at most 3 blocks) and one */
+    kv_init(&c, &p, 4 * 5 + 1, 4 * 3 + 1, KV_F32);
+    expect(c.win && c.n_layers == 1 && c.win->n_layers == 2, "layers: %d here, %d windowed", c.n_layers, c.win ? c.win->n_layers : 0);
+    float stamp = 1.0f;
+    for (op = 0; op < 20000 && !broken && c.win; op++) {
+        int t = rand_below(WINDOW_TABLES), u = rand_below(WINDOW_TABLES), kind = rand_below(10);
+        if (kind < 5 && model[t].len < WINDOW_POSITIONS) { /* write the next position, then leave what the window has passed */
+            int pos = model[t].len++, first = tables[t].wfirst;
+            table_prepare_write(&c, &tables[t], pos);
+            float k[4] = {stamp, 0, 0, 0}, v[4] = {0, 0, 0, -stamp};
+            for (int l = 0; l < 3; l++) kv_store(&c, l, &tables[t], pos, k, v);
+            model[t].value[pos] = stamp++;
+            int i = pos / KV_BLOCK, parent = i > 0 ? tables[t].ids[i - 1] : -1;
+            if (t != 3 && pos % KV_BLOCK == KV_BLOCK - 1 && (parent < 0 || c.state[parent] != BLOCK_PLAIN)) {
+                int tokens[KV_BLOCK]; /* tables 0 to 2 index a block once full, as a Sequence does */
+                for (int j = 0; j < KV_BLOCK; j++) tokens[j] = (int)model[t].value[i * KV_BLOCK + j];
+                prefix_add(&c, tables[t].ids[i], parent, tokens, BLOCK_READY);
+            }
+            table_leave_window(&c, &tables[t], model[t].len);
+            left += tables[t].wfirst - first;
+        } else if (kind == 5 && t != u && rand_below(4) == 0) { /* u becomes a copy of t */
+            table_copy(&c, &tables[u], &tables[t]);
+            model[u] = model[t];
+        } else if (kind == 6 && (model[t].len == WINDOW_POSITIONS || rand_below(10) == 0)) { /* t ends (the longer ones sooner) */
+            table_clear(&c, &tables[t]);
+            ended[n_ended++ % 8] = model[t];
+            model[t].len = 0;
+        } else if (kind == 7) { /* index t's full blocks */
+            int tokens[KV_BLOCK], parent = -1;
+            for (int i = 0; (i + 1) * KV_BLOCK <= model[t].len; i++) {
+                for (int j = 0; j < KV_BLOCK; j++) tokens[j] = (int)model[t].value[i * KV_BLOCK + j];
+                if (parent >= 0 && c.state[parent] == BLOCK_PLAIN) break;
+                prefix_add(&c, tables[t].ids[i], parent, tokens, BLOCK_READY);
+                parent = tables[t].ids[i];
+            }
+        } else if (kind == 8 && t != u && rand_below(3) == 0) { /* u starts again from the indexed prefix of t's positions, or of one
+                                                                  of the 8 tables that ended last */
+            int tokens[KV_BLOCK], matched[WINDOW_POSITIONS / KV_BLOCK], n = 0, parent = -1;
+            const TableModel *from = rand_below(2) ? &ended[rand_below(8)] : &model[t];
+            table_clear(&c, &tables[u]);
+            for (; (n + 1) * KV_BLOCK <= from->len; n++) {
+                for (int j = 0; j < KV_BLOCK; j++) tokens[j] = (int)from->value[n * KV_BLOCK + j];
+                int b = prefix_find(&c, parent, tokens);
+                if (b < 0) break;
+                matched[n] = parent = b;
+            }
+            int found = n;
+            n = window_resumable(&c, matched, n);
+            cut += n < found;
+            for (int i = 0; i < n; i++) {
+                block_hold(&c, matched[i]);
+                table_push(&tables[u], matched[i]);
+            }
+            tables[u].wfirst = window_first_block(&c, n * KV_BLOCK);
+            tables[u].wend = n;
+            for (int i = tables[u].wfirst; i < n; i++) block_hold(c.win, c.partner[matched[i]]);
+            memcpy(model[u].value, from->value, (size_t)n * KV_BLOCK * sizeof(float));
+            model[u].len = n * KV_BLOCK;
+            resumed += n > 0;
+        }
+        if (!broken) broken = window_pool_broken(&c, tables, model, why, sizeof(why));
+    }
+    for (int t = 0; t < WINDOW_TABLES; t++) table_free(&c, &tables[t]);
+    int n_free = 0;
+    for (int list = 0; c.win && list < 2; list++)
+        for (int b = c.win->head[list]; b >= 0; b = c.win->next[b]) n_free++;
+    expect(!broken, "after %d operations: %s", op, broken ? broken : "");
+    expect(left > 150 && resumed > 10 && cut > 0, "only %d blocks left behind, %d prefixes resumed, %d cut short", left, resumed, cut);
+    expect(c.win && n_free == c.win->n_blocks && c.win->held == 0, "%d of %d window blocks are free at the end (leaked blocks)", n_free,
+           c.win ? c.win->n_blocks : 0);
     kv_free(&c);
     end();
 }
@@ -2052,7 +2192,7 @@ static void test_attention_tiles(void) {
             memset(&t, 0, sizeof(t));
             t.config = p;
             const int max_rows = 80, context = 300;
-            alloc_run_state(&t.state, &p, max_rows, context, 3 * (context / KV_BLOCK + 1), type);
+            alloc_run_state(&t.state, &p, max_rows, context, 3 * (context / KV_BLOCK + 1), 0, type);
             /* table 0: a long sequence whose chunk is attended; tables 1, 2:
                decoding sequences sharing the batch */
             BlockTable tables[3] = {{0}};
@@ -2126,7 +2266,7 @@ static void test_forward(void) {
            "config %d %d %d %d %d %d %d v%d", p->dim, p->hidden_dim, p->n_layers, p->n_heads, p->n_kv_heads, p->vocab_size, p->seq_len, t.version);
     end();
 
-    alloc_run_state(&t.state, p, 64, p->seq_len, p->seq_len / KV_BLOCK + 2, KV_F32);
+    alloc_run_state(&t.state, p, 64, p->seq_len, p->seq_len / KV_BLOCK + 2, 0, KV_F32);
     const int V = p->vocab_size;
 
     /* a prompt of 70 tokens: BOS + text, padded with repeats */
@@ -2241,7 +2381,7 @@ static void write_checkpoint(const char *path, int ak42, int32_t version, const 
 static void child_load_checkpoint(const void *arg) {
     Transformer t;
     load_checkpoint(&t, (const char *)arg);
-    alloc_run_state(&t.state, &t.config, 4, t.config.seq_len, 1, KV_F32);
+    alloc_run_state(&t.state, &t.config, 4, t.config.seq_len, 1, 0, KV_F32);
     int tokens[2] = {1, 0};
     BlockTable table = {0};
     float *l = forward_rows(&t, &table, tokens, t.config.seq_len < 2 ? 1 : 2, 0, 0);
@@ -2894,7 +3034,7 @@ static double ref_half(float x) {
 /* A cache of one layer and one block whose rows are n values of `type`. */
 static void tiny_cache(KVCache *c, int type, int n) {
     const Config p = {.dim = n, .hidden_dim = n, .n_layers = 1, .n_heads = 1, .n_kv_heads = 1, .vocab_size = 4, .seq_len = 16, .head_size = n};
-    kv_init(c, &p, 1, type);
+    kv_init(c, &p, 1, 0, type);
 }
 
 /* Stores x as a row of c's type and reads it back through kv_axpy (1 * v + 0
@@ -3217,6 +3357,7 @@ int main(void) {
     test_matmul_bf16_split();
 #endif
     test_block_allocator();
+    test_window_pool();
     test_attention_tiles();
     test_kv_f16();
     test_kv_q8_0();

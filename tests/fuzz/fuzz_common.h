@@ -194,7 +194,7 @@ static inline int load_and_run(const char *path, size_t size, void (*check)(cons
               "a loaded config has inconsistent heads");
         if (check) check(&t, size);
         t.config.seq_len = 4; /* only the state's size depends on it now */
-        alloc_run_state(&t.state, &t.config, 2, t.config.seq_len, 1, KV_F32);
+        alloc_run_state(&t.state, &t.config, 2, t.config.seq_len, 1, 0, KV_F32);
         int tokens[3] = {0, t.config.vocab_size - 1, t.config.vocab_size / 2};
         forward_rows(&t, &table, tokens, 2, 0, 1);
         forward_rows(&t, &table, tokens + 2, 1, 2, 0);
