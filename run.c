@@ -795,7 +795,7 @@ typedef struct {
     int window;          /* the windowed layers' attention reaches the last `window` positions; 0: no windows */
     int window_period;   /* layer l is global when l % window_period == window_period - 1, else windowed */
     float rope_theta_local;   /* RoPE base of the windowed layers */
-    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 0 or 1: none */
+    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor, YaRN's); 0 or 1: none */
     int rope_off;             /* no layer turns RoPE (Granite's rope.scaling.finetuned false) */
     float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite); 0: none */
     float residual_scale;     /* each block's output times this as it joins the residual (Granite); 0: none */
@@ -813,7 +813,9 @@ typedef struct {
 /* An architecture (GGUF's general.architecture): llama's forward pass and
    which of a few optional steps it adds (section 4 names each where it
    runs). run.c's own checkpoints are `llama`. */
-enum { ACT_SILU, ACT_GELU };
+enum { ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI };
+/* how a router's logits become the chosen experts and their weights (route) */
+enum { GATING_SOFTMAX, GATING_TOPK_SOFTMAX };
 typedef struct Arch {
     const char *name;
     int rope_halves;    /* RoPE pairs (i, i + rope_dims / 2) (llama.cpp's NEOX); 0: adjacent pairs
@@ -821,7 +823,8 @@ typedef struct Arch {
     int qk_norm;        /* q and k RMS-normalised head by head (attn_q_norm, attn_k_norm), before RoPE */
     int post_norms;     /* the attention's and the FFN's outputs RMS-normalised before they join the
                            residual (post_attention_norm, post_ffw_norm) */
-    int activation;     /* the gated FFN's: ACT_SILU (SwiGLU) or ACT_GELU (GELU, tanh form) */
+    int activation;     /* the gated FFN's (the experts' too): ACT_SILU (SwiGLU), ACT_GELU (GELU, tanh form)
+                           or ACT_SWIGLU_OAI (gpt-oss: gate and up clamped, sigmoid(1.702 g), up + 1) */
     int embed_sqrt_dim; /* the embedding times sqrt(dim) */
     int window_period;  /* where the file gives a sliding window, the period of its layers unless the file
                            says (attention.sliding_window_pattern): layer l attends to all its past when
@@ -830,23 +833,45 @@ typedef struct Arch {
     int fused;          /* attn_qkv may hold q, k and v's rows, ffn_up the gate's then the up's */
     int scales;         /* the file's embedding, residual, attention and logit scales (Granite) */
     int moe_norm;       /* with experts (expert_count): the chosen experts' weights renormalised to sum to 1 */
+    int gating;         /* with experts: GATING_SOFTMAX (the softmax over all experts, the k most probable)
+                           or GATING_TOPK_SOFTMAX (the k largest logits, their softmax: gpt-oss) */
+    int sinks;          /* attn_sinks: a learned logit per head that joins each softmax's denominator */
+    int biases;         /* attn_output.bias, the router's (ffn_gate_inp.bias) and the experts' biases
+                           (ffn_{gate,up,down}_exps.bias, a row per expert), all required (gpt-oss) */
+    const char *ffn_norm; /* the FFN's input norm: blk.N.<ffn_norm>.weight */
+    float swa_base;     /* the windowed layers' RoPE base unless the file says (rope.freq_base_swa);
+                           0: the global layers' */
 } Arch;
 
 static const Arch ARCHS[] = {
-    /* name      halves qk_norm post_norms activation sqrt(dim) window no_rope fused scales moe_norm */
-    {"llama",    0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     1},
-    {"qwen2",    1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
-    {"qwen3",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
-    {"gemma3",   1,     1,      1,         ACT_GELU,  1,        6,     0,      0,    0,     0},
-    {"phi3",     1,     0,      0,         ACT_SILU,  0,        0,     0,      1,    0,     0},
-    {"smollm3",  0,     0,      0,         ACT_SILU,  0,        0,     4,      0,    0,     0},
-    {"granite",  0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    1,     0},
-    {"qwen3moe", 1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     1},
-    {"qwen2moe", 1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
-    {"olmoe",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
+    /* name      halves qk_norm post_norms activation      sqrt(dim) window no_rope fused scales moe_norm gating
+                 sinks biases ffn_norm swa_base */
+    {"llama",    0,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     1, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen2",    1,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen3",    1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"gemma3",   1,     1,      1,         ACT_GELU,       1,        6,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 10000.0f},
+    {"phi3",     1,     0,      0,         ACT_SILU,       0,        0,     0,      1,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"smollm3",  0,     0,      0,         ACT_SILU,       0,        0,     4,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"granite",  0,     0,      0,         ACT_SILU,       0,        0,     0,      0,    1,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen3moe", 1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     1, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen2moe", 1,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"olmoe",    1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    /* gpt-oss: the FFN's norm is named post_attention_norm; every second layer windowed (0, 2, ...) */
+    {"gpt-oss",  1,     0,      0,         ACT_SWIGLU_OAI, 0,        2,     0,      0,    0,     0, GATING_TOPK_SOFTMAX,
+                 1,     1,     "post_attention_norm", 0},
 };
 #define N_ARCHS ((int)(sizeof(ARCHS) / sizeof(ARCHS[0])))
-#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe"
+#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe, gpt-oss"
 
 /* Query and key/value widths of a row: heads x head_size. */
 static int q_dim(const Config *p) { return p->n_heads * p->head_size; }
@@ -926,6 +951,8 @@ typedef struct {
     const float *bq; /* GGUF qwen2: (n_layers, dim) biases of q; NULL: none */
     const float *bk; /* (n_layers, kv_dim) biases of k, or NULL */
     const float *bv; /* (n_layers, kv_dim) biases of v, or NULL */
+    const float *bo; /* Arch biases: (n_layers, dim) biases of the attention's output, or NULL */
+    const float *sinks; /* Arch sinks: (n_layers, n_heads) each head's sink logit, or NULL */
     const float *q_norm, *k_norm;     /* Arch qk_norm: (n_layers, head_size); NULL: none */
     const float *post_att, *post_ffn; /* Arch post_norms: (n_layers, dim); NULL: none */
     /* mixture of experts: each layer's router (n_experts, dim), rows 0 in a
@@ -936,6 +963,9 @@ typedef struct {
     Matrix *router;
     Matrix *e_gate, *e_up, *e_down;
     const float *shared_gate; /* (n_layers, dim) or NULL */
+    /* Arch biases: the router's (n_layers, n_experts) and the experts'
+       (n_layers, n_experts, rows): gate and up expert_hidden, down dim; NULL: none */
+    const float *router_bias, *e_gate_bias, *e_up_bias, *e_down_bias;
 } Weights;
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
@@ -2011,16 +2041,18 @@ static float tensor_float(const GGUFTensor *x, size_t i) {
     return x->type == GGML_F32 ? read_f32((const char *)p + 4 * i) : x->type == GGML_F16 ? f16_at(p + 2 * i) : bf16_at(p + 2 * i);
 }
 
-/* Copies the vector tensor `name` (n floats) to out; 0 when it is absent
-   and not required. */
-static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int required) {
-    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)n, 1, required);
+/* Copies the float tensor `name` of `rows` rows of n (a vector: one row)
+   to out; 0 when it is absent and not required. */
+static int gguf_table(const GGUF *g, const char *name, float *out, int n, int rows, int required) {
+    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)n, (uint64_t)rows, required);
     if (!x) return 0;
     if (!ggml_types[x->type].bits || ggml_types[x->type].unpack)
         die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' is %s; a vector must be F32, F16 or BF16", g->path, name, ggml_types[x->type].name);
-    for (int i = 0; i < n; i++) out[i] = tensor_float(x, (size_t)i);
+    for (size_t i = 0; i < (size_t)n * rows; i++) out[i] = tensor_float(x, i);
     return 1;
 }
+
+static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int required) { return gguf_table(g, name, out, n, 1, required); }
 
 /* Unpacks the blocks of x into values (int8, or 4-bit as section 2 lays
    them out: value 2k in the low nibble of byte k), scales and offsets
@@ -2126,20 +2158,26 @@ static Matrix *gguf_layer_matrices(Transformer *t, const GGUF *g, const char *wh
     return m;
 }
 
-/* The vectors blk.N.<what> of n floats of every layer, (n_layers, n), into
-   memory of the model (fresh pages, zeros: a layer without an optional one
-   adds nothing); NULL when no layer has one and it is optional. */
-static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what, int n, int required) {
+/* The tables blk.N.<what> of `rows` rows of n floats of every layer,
+   (n_layers, rows, n), into memory of the model (fresh pages, zeros: a
+   layer without an optional one adds nothing); NULL when no layer has one
+   and it is optional. */
+static float *gguf_layer_tables(Transformer *t, const GGUF *g, const char *what, int n, int rows, int required) {
     const int L = t->config.n_layers;
     float *v = NULL;
     for (int l = 0; l < L; l++) {
         char name[64];
         snprintf(name, sizeof(name), "blk.%d.%s", l, what);
         if (!required && !gguf_tensor(g, name)) continue;
-        if (!v) v = model_pages(t, (size_t)L * n * sizeof(float));
-        gguf_vector(g, name, v + (size_t)l * n, n, 1);
+        if (!v) v = model_pages(t, (size_t)L * rows * n * sizeof(float));
+        gguf_table(g, name, v + (size_t)l * rows * n, n, rows, 1);
     }
     return v;
+}
+
+/* The vectors blk.N.<what> of n floats of every layer, (n_layers, n). */
+static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what, int n, int required) {
+    return gguf_layer_tables(t, g, what, n, 1, required);
 }
 
 /* The architecture named by the file: its row of ARCHS. Linear-attention and
@@ -2200,7 +2238,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         if (pattern && pattern->type == GGUF_ARRAY)
             die(EXIT_BAD_FILE, "%s: %s is a per-layer array; this program reads it as one period (every n-th layer global)", g->path, key);
         p->window_period = gguf_int(g, key, a->window_period, 1, 65536);
-        p->rope_theta_local = gguf_positive(g, ARCH_KEY("rope.freq_base_swa"), 10000.0f);
+        p->rope_theta_local = gguf_positive(g, ARCH_KEY("rope.freq_base_swa"), a->swa_base > 0.0f ? a->swa_base : p->rope_theta);
     }
     p->rope_mscale = gguf_positive(g, ARCH_KEY("rope.scaling.attn_factor"), 1.0f);
     p->softcap = gguf_positive(g, ARCH_KEY("final_logit_softcapping"), 0.0f);
@@ -2215,7 +2253,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         if (p->logit_scale == 0.0f) die(EXIT_BAD_FILE, "%s: GGUF metadata '%s' is missing", g->path, key);
         p->rope_off = !gguf_int(g, ARCH_KEY("rope.scaling.finetuned"), 1, 0, 1); /* Granite's switch for RoPE, on by default */
     }
-    p->n_experts = gguf_int(g, ARCH_KEY("expert_count"), 0, 0, 4096);
+    p->n_experts = gguf_int(g, ARCH_KEY("expert_count"), a->biases ? -1 : 0, 0, 4096); /* gpt-oss: experts in every layer */
     if (p->n_experts == 1) p->n_experts = 0; /* one expert is a dense FFN, as llama.cpp takes it */
     if (p->n_experts > 0) {
         p->n_experts_used = gguf_int(g, ARCH_KEY("expert_used_count"), -1, 1, p->n_experts);
@@ -2239,12 +2277,28 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
 #undef ARCH_KEY
 }
 
+/* YaRN's ramp (rope.scaling.type yarn, as ggml's rope computes it): pair i
+   of rope_dims turns at its frequency times (1 - r) / factor + r, r = 1
+   for the pairs of fast rotation (below the dimension at which a pair turns
+   beta_fast = 32 times over the original context), 0 for the slow ones
+   (beyond beta_slow = 1 turn), linear between; the dimensions in float as
+   ggml_rope_yarn_corr_dims has them. */
+static double yarn_ramp(const Config *p, double theta, double factor, int i) {
+    const float n = (float)p->rope_dims, ctx = (float)p->rope_original_context, base = logf((float)theta);
+    const float low = floorf(n * logf(ctx / (32.0f * 2 * (float)M_PI)) / (2 * base));
+    const float high = ceilf(n * logf(ctx / (1.0f * 2 * (float)M_PI)) / (2 * base));
+    const float lo = low > 0.0f ? low : 0.0f, hi = high < n - 1 ? high : n - 1;
+    float y = (i - lo) / (hi - lo > 0.001f ? hi - lo : 0.001f);
+    const float r = 1.0f - (y < 0.0f ? 0.0f : y > 1.0f ? 1.0f : y);
+    return (1.0 - r) / factor + r;
+}
+
 /* RoPE's inverse frequencies (rope_dims / 2) for base theta:
    theta^(-2i / rope_dims), divided by the factors of the tensor `factors`
    (Llama 3.1's rope_freqs, Phi-3's LongRoPE factors) and by a linear
-   scaling factor where the file has them. Computed in double, rounded once
-   to float. `linear`: whether the file's linear scaling applies (not to
-   Gemma 3's windowed layers). */
+   scaling factor, or YaRN's ramp (yarn_ramp), where the file has them.
+   Computed in double, rounded once to float. `linear`: whether the file's
+   scaling applies (not to Gemma 3's windowed layers). */
 static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *arch, double theta, const char *factors_name, int linear) {
     const int half = p->rope_dims / 2;
     float *freq = xcalloc((size_t)half, sizeof(float)), *factors = xcalloc((size_t)half, sizeof(float));
@@ -2253,16 +2307,20 @@ static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *
     snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
     char *scaling = gguf_string(g, key);
     double by = 1.0;
-    if (scaling && strcmp(scaling, "linear") == 0 && linear) {
+    const int yarn = scaling && strcmp(scaling, "yarn") == 0 && linear;
+    if (scaling && (strcmp(scaling, "linear") == 0 || yarn) && linear) {
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
         by = gguf_float(g, key, 1.0f);
+        if (by == 0.0) by = 1.0; /* llama.cpp: 0, no scaling */
         if (!(by > 0.0 && isfinite(by))) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, by);
-    } else if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0)
-        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, longrope, or rope_freqs factors)", g->path, scaling);
+    } else if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0 &&
+               strcmp(scaling, "yarn") != 0)
+        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, yarn, longrope, or rope_freqs factors)", g->path,
+            scaling);
     for (int i = 0; i < half; i++) {
         if (have_factors && !(factors[i] > 0.0f && isfinite(factors[i])))
             die(EXIT_BAD_FILE, "%s: bad GGUF: %s[%d] is %g, must be positive", g->path, factors_name, i, factors[i]);
-        double f = pow(theta, -2.0 * i / (2.0 * half)) / by;
+        double f = yarn ? pow(theta, -2.0 * i / (2.0 * half)) * yarn_ramp(p, theta, by, i) : pow(theta, -2.0 * i / (2.0 * half)) / by;
         freq[i] = (float)(have_factors ? f / factors[i] : f);
     }
     free(scaling);
@@ -2300,7 +2358,21 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
         choose_rope_factors(t);
     } else
         t->rope_freq = gguf_rope_frequencies(g, p, arch, p->rope_theta, "rope_freqs.weight", 1);
-    if (p->window > 0) t->rope_freq_local = gguf_rope_frequencies(g, p, arch, p->rope_theta_local, "", 0);
+    /* the windowed layers: Gemma 3's unscaled, gpt-oss's as the global ones */
+    if (p->window > 0) t->rope_freq_local = gguf_rope_frequencies(g, p, arch, p->rope_theta_local, "", p->arch->swa_base == 0.0f);
+    /* YaRN's attention factor: cosines and sines times 1 + ln(factor) / 10
+       where the factor is above 1 (llama.cpp's yarn_attn_factor, its
+       cancelled mscale and ggml's rope's together) */
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
+    char *scaling = gguf_string(g, key);
+    if (scaling && strcmp(scaling, "yarn") == 0) {
+        snprintf(key, sizeof(key), "%s.rope.scaling.yarn_log_multiplier", arch);
+        if (gguf_float(g, key, 0.0f) != 0.0f) die(EXIT_BAD_FILE, "%s: %s is set: YaRN with a log multiplier is not one this program runs", g->path, key);
+        snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
+        const float factor = gguf_float(g, key, 1.0f);
+        if (factor > 1.0f) p->rope_mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (1.0f + 0.1f * logf(factor));
+    }
+    free(scaling);
 }
 
 /* Layer matrices stored apart (blk.N.<names[i]>.weight) or fused in one
@@ -2371,7 +2443,7 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
         snprintf(name, sizeof(name), "blk.%d.ffn_gate_inp.weight", l);
         const char *ffn[3] = {"ffn_gate", "ffn_up", "ffn_down"};
         int width = p->hidden_dim;
-        if (gguf_tensor(g, name)) {
+        if (gguf_tensor(g, name) || p->arch->biases) { /* gpt-oss: a router in every layer (gguf_matrix names it if missing) */
             w->router[l] = gguf_matrix(t, g, name, E, dim);
             gguf_experts(t, g, l, "ffn_gate_exps", F, dim, w->e_gate + (size_t)l * E);
             gguf_experts(t, g, l, "ffn_up_exps", F, dim, w->e_up + (size_t)l * E);
@@ -2388,6 +2460,12 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
         }
     }
     w->shared_gate = gguf_layer_vectors(t, g, "ffn_gate_inp_shexp.weight", dim, 0);
+    if (p->arch->biases) { /* gpt-oss: the router's and each expert's biases */
+        w->router_bias = gguf_layer_vectors(t, g, "ffn_gate_inp.bias", E, 1);
+        w->e_gate_bias = gguf_layer_tables(t, g, "ffn_gate_exps.bias", F, E, 1);
+        w->e_up_bias = gguf_layer_tables(t, g, "ffn_up_exps.bias", F, E, 1);
+        w->e_down_bias = gguf_layer_tables(t, g, "ffn_down_exps.bias", dim, E, 1);
+    }
 }
 
 /* The norm weights blk.N.<what>.weight of n floats of every layer, when
@@ -2428,7 +2506,9 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
         w->w2 = gguf_layer_matrices(t, g, "ffn_down", dim, hidden);
     }
     w->rms_att = gguf_layer_vectors(t, g, "attn_norm.weight", dim, 1);
-    w->rms_ffn = gguf_layer_vectors(t, g, "ffn_norm.weight", dim, 1);
+    char ffn_norm[48];
+    snprintf(ffn_norm, sizeof(ffn_norm), "%s.weight", a->ffn_norm); /* gpt-oss: post_attention_norm */
+    w->rms_ffn = gguf_layer_vectors(t, g, ffn_norm, dim, 1);
     /* QK-norm head by head, or (OLMoE: its weights as wide as q) over the whole row */
     const GGUFTensor *q_norm = gguf_tensor(g, "blk.0.attn_q_norm.weight");
     p->qk_norm_whole = a->qk_norm && q_norm && q_norm->ne[0] == (uint64_t)qd && qd != p->head_size;
@@ -2442,6 +2522,8 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     w->bq = gguf_layer_vectors(t, g, "attn_q.bias", qd, 0);
     w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
     w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
+    w->bo = gguf_layer_vectors(t, g, "attn_output.bias", dim, a->biases);
+    w->sinks = a->sinks ? gguf_layer_vectors(t, g, "attn_sinks.weight", p->n_heads, 1) : NULL;
     if (gguf_tensor(g, "output.weight")) w->wcls = gguf_matrix(t, g, "output.weight", p->vocab_size, dim);
     else if (w->token_embedding.blocks) w->wcls = gguf_matrix(t, g, "token_embd.weight", p->vocab_size, dim); /* tied: converted */
     else w->wcls = w->token_embedding; /* tied: both read in place */
@@ -5341,12 +5423,16 @@ static void rope(float *q, float *k, int pos, int dim, int kv_dim, Rope r) {
 /* The gated FFN's activation, h = act(h) * g for n rows of `size` values:
    SwiGLU, act(v) = silu(v) = v * sigmoid(v), or (Gemma) GELU in its tanh
    form, gelu(v) = v / 2 * (1 + tanh(u)) = v * sigmoid(2u) with
-   u = sqrt(2 / pi) (v + 0.044715 v^3). Split between threads for a prompt
+   u = sqrt(2 / pi) (v + 0.044715 v^3); or gpt-oss's clamped SwiGLU
+   (ggml's swiglu_oai), h = v sigmoid(1.702 v) (u + 1) with v = min(h, 7)
+   and u = g clamped to [-7, 7]. Split between threads for a prompt
    chunk (an exponential costs about as much as 20 multiply-adds). The plain
    build uses expf, as llama2.c. The vector builds use exp_poly on blocks of
    GATED_BLOCK values, the end of a row padded into a full block, so that
    the compiler vectorises one loop and every value is computed by the same
    instructions: a row's result does not depend on its place in the batch. */
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.0f
 #ifdef SIMD_WIDTH
 #define GATED_BLOCK 16
 /* e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a
@@ -5375,6 +5461,14 @@ static inline float exp_poly(float x) {
 }
 
 KERNEL void gated_block(float *h, const float *g, const int activation) {
+    if (activation == ACT_SWIGLU_OAI) {
+        for (int i = 0; i < GATED_BLOCK; i++) {
+            const float v = h[i] < SWIGLU_OAI_LIMIT ? h[i] : SWIGLU_OAI_LIMIT;
+            const float u = g[i] < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : g[i] > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : g[i];
+            h[i] = v / (1.0f + exp_poly(-SWIGLU_OAI_ALPHA * v)) * (u + 1.0f);
+        }
+        return;
+    }
     for (int i = 0; i < GATED_BLOCK; i++) {
         const float v = h[i], minus = activation == ACT_SILU ? -v : -1.5957691216f * (v + 0.044715f * v * v * v);
         h[i] = v / (1.0f + exp_poly(minus)) * g[i];
@@ -5396,7 +5490,8 @@ static void gated_activation(int activation, float *h, const float *g, int n, in
             hb = hp, gb = gp;
         }
         if (activation == ACT_SILU) gated_block(hb, gb, ACT_SILU);
-        else gated_block(hb, gb, ACT_GELU);
+        else if (activation == ACT_GELU) gated_block(hb, gb, ACT_GELU);
+        else gated_block(hb, gb, ACT_SWIGLU_OAI);
         if (count < GATED_BLOCK) memcpy(h + at, hp, (size_t)count * sizeof(float));
     }
 }
@@ -5404,10 +5499,16 @@ static void gated_activation(int activation, float *h, const float *g, int n, in
 static void gated_activation(int activation, float *h, const float *g, int n, int size) {
     PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
     for (size_t i = 0; i < (size_t)n * size; i++) {
-        float val = h[i];
+        float val = h[i], up = g[i];
+        if (activation == ACT_SWIGLU_OAI) {
+            val = val < SWIGLU_OAI_LIMIT ? val : SWIGLU_OAI_LIMIT;
+            up = up < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : up > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : up;
+            h[i] = val / (1.0f + expf(-SWIGLU_OAI_ALPHA * val)) * (up + 1.0f);
+            continue;
+        }
         if (activation == ACT_SILU) val *= (1.0f / (1.0f + expf(-val)));
         else val /= 1.0f + expf(-1.5957691216f * (val + 0.044715f * val * val * val));
-        val *= g[i];
+        val *= up;
         h[i] = val;
     }
 }
@@ -6147,12 +6248,12 @@ static inline vfloat vf_exp(vfloat x) {
     return vf_mul(e, vf_pow2(n));
 }
 
-static void attention_softmax(float *x, int size) {
+static void attention_softmax(float *x, int size, float sink) {
     const int whole = size / SIMD_WIDTH * SIMD_WIDTH, n = whole < size ? whole + SIMD_WIDTH : whole;
     for (int i = size; i < n; i++) x[i] = -INFINITY;
     vfloat m = vf_load(x);
     for (int i = SIMD_WIDTH; i < n; i += SIMD_WIDTH) m = vf_max(m, vf_load(x + i));
-    float lanes[SIMD_WIDTH], max_val = -INFINITY;
+    float lanes[SIMD_WIDTH], max_val = sink;
     vf_store(lanes, m);
     for (int k = 0; k < SIMD_WIDTH; k++)
         if (lanes[k] > max_val) max_val = lanes[k];
@@ -6164,11 +6265,25 @@ static void attention_softmax(float *x, int size) {
             for (int k = size; k < n; k++) x[k] = 0.0f;
         sum = vf_add(sum, vf_load(x + i));
     }
-    const vfloat inverse = vf_set(1.0f / vf_sum(sum));
+    const vfloat inverse = vf_set(1.0f / (vf_sum(sum) + (sink > -INFINITY ? expf(sink - max_val) : 0.0f)));
     for (int i = 0; i < n; i += SIMD_WIDTH) vf_store(x + i, vf_mul(vf_load(x + i), inverse));
 }
 #else
-static void attention_softmax(float *x, int size) { softmax(x, size); }
+static void attention_softmax(float *x, int size, float sink) {
+    if (sink == -INFINITY) {
+        softmax(x, size);
+        return;
+    }
+    float max_val = sink, sum = 0.0f;
+    for (int i = 0; i < size; i++)
+        if (x[i] > max_val) max_val = x[i];
+    for (int i = 0; i < size; i++) {
+        x[i] = expf(x[i] - max_val);
+        sum += x[i];
+    }
+    sum += expf(sink - max_val);
+    for (int i = 0; i < size; i++) x[i] /= sum;
+}
 #endif
 
 /* The kernels of a block of keys. Each score and each output value is
@@ -6428,8 +6543,8 @@ static void attention_block(const KVCache *c, int layer, const BlockTable *table
 }
 
 /* Whether layer l attends to a sliding window of positions (Gemma 3's
-   local layers; Config window_period), and the first position a row at pos
-   attends to there. */
+   local layers, gpt-oss's even ones; Config window_period), and the first
+   position a row at pos attends to there. */
 static int layer_windowed(const Config *p, int l) {
     return p->window > 0 && l % p->window_period != p->window_period - 1;
 }
@@ -6452,12 +6567,15 @@ static int attention_origin(const Config *p, const Batch *b, int l, const int *f
     return origin / ATTENTION_KEYS * ATTENTION_KEYS;
 }
 
-/* The softmax of a row of scores (positions from 0) at pos over the
-   positions it attends to in layer l, those before them (from `origin`)
-   given weight 0. */
-static void window_softmax(const Config *p, int l, float *scores, int origin, int pos) {
+/* The softmax of a row of scores (positions from 0) of head h at pos over
+   the positions it attends to in layer l, those before them (from
+   `origin`) given weight 0; the head's sink logit (Arch sinks), where the
+   model has one, joins the denominator only: the weights sum to less than 1. */
+static void window_softmax(const Transformer *t, int l, int h, float *scores, int origin, int pos) {
+    const Config *p = &t->config;
     const int start = attention_start(p, l, pos);
-    attention_softmax(scores + start, pos + 1 - start);
+    const float *sinks = t->weights.sinks;
+    attention_softmax(scores + start, pos + 1 - start, sinks ? sinks[(size_t)l * p->n_heads + h] : -INFINITY);
     for (int k = origin; k < start; k++) scores[k] = 0.0f;
 }
 
@@ -6515,7 +6633,7 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
         }
     }
     for (int i = 0; i < n; i++)
-        for (int h = g0; h < g1; h++) window_softmax(p, layer, a->scores + ((size_t)i * w + h - g0) * a->stride, origin, b->pos[r0 + i]);
+        for (int h = g0; h < g1; h++) window_softmax(t, layer, h, a->scores + ((size_t)i * w + h - g0) * a->stride, origin, b->pos[r0 + i]);
 }
 
 /* xb of the rows of the tiles first[0..m-1] (a group), heads g0..g1-1 =
@@ -6663,7 +6781,7 @@ static void attention_lone_row(Transformer *t, const Batch *b, int layer) {
         attention_row_scores(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores + t0, shared.stride);
     }
     PARALLEL_FOR_IF(1)
-    for (int h = 0; h < p->n_heads; h++) window_softmax(p, layer, shared.scores + (size_t)h * shared.stride, origin, last);
+    for (int h = 0; h < p->n_heads; h++) window_softmax(t, layer, h, shared.scores + (size_t)h * shared.stride, origin, last);
     PARALLEL_FOR_IF(1)
     for (int chunk = first_chunk; chunk < n_chunks; chunk++) {
         float *sum = s->chunks + (size_t)chunk * qd;
@@ -6724,7 +6842,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     }
 }
 
-/* x (n, size) += layer l's bias (row l of biases, (n_layers, size)) in
+/* x (n, size) += layer l's bias (row l of biases, (n_layers, size); an expert's: row l * n_experts + e) in
    every row; NULL biases add nothing. */
 static void add_bias(float *x, const float *biases, int l, int n, int size) {
     for (int r = 0; biases && r < n; r++)
@@ -6815,11 +6933,13 @@ static void add_shared_expert(Transformer *t, int l, int n, const float *y) {
    llama.cpp's sort takes them up to 16 experts; beyond, its order at exact
    ties is its sort's), their probabilities as weights, renormalised to sum
    1 where the architecture does so (Arch moe_norm; the sum held above
-   2^-14 as llama.cpp holds it). These architectures' expert_weights_scale
-   is not read, as llama.cpp reads it not. */
+   2^-14 as llama.cpp holds it); or (Arch gating GATING_TOPK_SOFTMAX,
+   gpt-oss) the k largest logits, weighted by their softmax among
+   themselves. These architectures' expert_weights_scale is not read, as
+   llama.cpp reads it not. */
 static void route(const Config *p, float *probs, int *chosen, float *weights) {
-    const int E = p->n_experts, k = p->n_experts_used;
-    softmax(probs, E);
+    const int E = p->n_experts, k = p->n_experts_used, topk_softmax = p->arch->gating == GATING_TOPK_SOFTMAX;
+    if (!topk_softmax) softmax(probs, E);
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         int best = -1;
@@ -6832,6 +6952,10 @@ static void route(const Config *p, float *probs, int *chosen, float *weights) {
         weights[j] = probs[best];
         sum += weights[j];
     }
+    if (topk_softmax) {
+        softmax(weights, k);
+        return;
+    }
     if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
     for (int j = 0; p->arch->moe_norm && j < k; j++) weights[j] /= sum;
 }
@@ -6839,7 +6963,8 @@ static void route(const Config *p, float *probs, int *chosen, float *weights) {
 /* The mixture of experts of n rows of xb into out (n, dim): each row's
    router picks k experts (route); the rows are then taken expert by
    expert, each expert's matrices read once for all the rows routed to it
-   (as llama.cpp's mul_mat_id), its outputs left in the rows' slots; then
+   (as llama.cpp's mul_mat_id), its biases added where the architecture
+   has them (gpt-oss), its outputs left in the rows' slots; then
    each row sums its k outputs times their weights, best first. A row's
    result does not depend on the rows that share its step. */
 static void moe_ffn(Transformer *t, int l, int n, float *out) {
@@ -6848,6 +6973,7 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
     RunState *s = &t->state;
     const int E = p->n_experts, k = p->n_experts_used, dim = p->dim, F = p->expert_hidden;
     matmul(s->router, s->xb, &w->router[l], n);
+    add_bias(s->router, w->router_bias, l, n, E); /* gpt-oss */
     for (int r = 0; r < n; r++) route(p, s->router + (size_t)r * E, s->chosen + (size_t)r * k, s->route_w + (size_t)r * k);
     for (int e = 0; e < E; e++) {
         int m = 0; /* the slots (row * k + rank) routed to e */
@@ -6859,8 +6985,11 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
         const Matrix *gate_up[2] = {&w->e_gate[at], &w->e_up[at]};
         float *const gate_up_out[2] = {s->eh, s->eh2};
         matmul_shared(gate_up, gate_up_out, 2, s->ex, m);
-        gated_activation(ACT_SILU, s->eh, s->eh2, m, F);
+        add_bias(s->eh, w->e_gate_bias, (int)at, m, F); /* gpt-oss: the expert's biases */
+        add_bias(s->eh2, w->e_up_bias, (int)at, m, F);
+        gated_activation(p->arch->activation, s->eh, s->eh2, m, F);
         matmul(s->ex, s->eh, &w->e_down[at], m);
+        add_bias(s->ex, w->e_down_bias, (int)at, m, dim);
         for (int i = 0; i < m; i++) memcpy(s->slots + (size_t)s->slot_of[i] * dim, s->ex + (size_t)i * dim, (size_t)dim * sizeof(float));
     }
     for (int r = 0; r < n; r++)
@@ -6923,6 +7052,7 @@ static float *forward(Transformer *t, const Batch *b) {
         }
         attention(t, b, l);
         matmul(s->xb2, s->xb, &w->wo[l], n);
+        add_bias(s->xb2, w->bo, l, n, dim); /* gpt-oss */
         if (w->post_att) rmsnorm_rows(s->xb2, w->post_att + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
         add_residual(s->x, s->xb2, n, dim, p->residual_scale);
 
