@@ -9176,8 +9176,21 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
     t->end_of_turn = turn_end_token(t);
     add_end_token(t, t->end_of_turn);
     /* the tokens that end text in llama.cpp's list, where the vocabulary has them */
-    static const char *const ends[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>", "<EOT>"};
+    static const char *const ends[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>", "<|eom_id|>",
+                                       "<end_of_turn>", "<EOT>"};
     for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) add_end_token(t, lookup_special(t, ends[i]));
+    /* Harmony (gpt-oss's o200k_harmony): <|end|> closes a message, the
+       analysis channel's among them, not the reply, which ends at <|return|>
+       or <|call|>; with both in the vocabulary, llama.cpp takes <|end|> off
+       its end tokens, and so does this (but where it is the file's EOS) */
+    const int end = lookup_special(t, "<|end|>");
+    if (end >= 0 && end != t->eos && lookup_special(t, "<|return|>") >= 0 && lookup_special(t, "<|call|>") >= 0) {
+        int kept = 0;
+        for (int i = 0; i < t->n_end; i++)
+            if (t->end[i] != end) t->end[kept++] = t->end[i];
+        t->n_end = kept;
+        if (t->end_of_turn == end) t->end_of_turn = t->eos;
+    }
 }
 
 /* The array `key` of `elem` elements, or NULL when absent. */

