@@ -7109,8 +7109,9 @@ enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
 /* chat template families: [INST] (Llama 2), header tokens (Llama 3),
    <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3), <start_of_turn>
    (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
-   (Granite), [SYSTEM_PROMPT] (Mistral v7) */
-enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7 };
+   (Granite), [SYSTEM_PROMPT] (Mistral v7), <|start|>role<|message|>
+   (Harmony: gpt-oss) */
+enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7, CHAT_HARMONY };
 /* what becomes of a reply's <think> block (Qwen3): printed as it comes, left
    out of what is printed, or not asked for (the template's empty block) */
 enum { REASONING_SHOW, REASONING_HIDE, REASONING_OFF };
@@ -8923,6 +8924,7 @@ static int lookup_special(const Tokenizer *t, const char *text);
 /* The chat template family of a tokenizer.chat_template, by its markers; -1
    when it has none of them. */
 static int chat_family_of(const char *tmpl) {
+    if (strstr(tmpl, "<|channel|>")) return CHAT_HARMONY;
     if (strstr(tmpl, "<|start_header_id|>")) return CHAT_LLAMA3;
     if (strstr(tmpl, "<|im_start|>")) return CHAT_CHATML;
     if (strstr(tmpl, "<|user|>")) return CHAT_PHI3;
@@ -8935,14 +8937,14 @@ static int chat_family_of(const char *tmpl) {
     return -1;
 }
 
-static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7"};
+static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7", "harmony"};
 
 /* The token that closes a turn in the tokenizer's chat template: Llama 3's
    <|eot_id|>, ChatML's <|im_end|>, Phi-3's and Phi-4's <|end|>, Gemma's
    <end_of_turn>, Granite's <|end_of_text|> where the vocabulary has them,
    else the file's end of turn (Mistral's </s>). */
 static int turn_end_token(const Tokenizer *t) {
-    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL};
+    static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL, "<|end|>"};
     const char *name = names[t->chat_template];
     int id = name && t->special ? lookup_special(t, name) : -1;
     return id >= 0 ? id : t->end_of_turn;
@@ -9165,10 +9167,10 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
         family = lookup_special(t, "<|start_header_id|>") >= 0 ? CHAT_LLAMA3 : lookup_special(t, "<|im_start|>") >= 0 ? CHAT_CHATML
                : lookup_special(t, "<|user|>") >= 0 ? CHAT_PHI3 : lookup_special(t, "<start_of_turn>") >= 0 ? CHAT_GEMMA
                : lookup_special(t, "<|start_of_role|>") >= 0 ? CHAT_GRANITE : lookup_special(t, "[SYSTEM_PROMPT]") >= 0 ? CHAT_MISTRAL7
-               : CHAT_LLAMA2;
+               : lookup_special(t, "<|channel|>") >= 0 ? CHAT_HARMONY : CHAT_LLAMA2;
         if (v->chat_template)
             fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML, Phi-3's, Phi-4's, Gemma's, Granite's "
-                            "or Mistral v7's; using %s (--chat-template chooses)\n",
+                            "Mistral v7's or Harmony; using %s (--chat-template chooses)\n",
                     path, chat_family_names[family]);
     }
     t->chat_template = family;
@@ -13104,17 +13106,56 @@ static void render_mistral7(TurnBuilder *b, const char *system_prompt, const cha
     turn_token(b, "[/INST]");
 }
 
+/* Harmony (gpt-oss): each message <|start|>role<|message|>content<|end|>.
+   The first turn opens with the template's system message (the model's
+   identity, knowledge cutoff, today's date, "Reasoning: medium", the valid
+   channels) and the system prompt as the developer's instructions; a turn
+   ends with <|start|>assistant, after which the model names its channel
+   (analysis: its reasoning; final: the answer, ended by <|return|>). */
+static void render_harmony(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first) {
+        char date[32];
+        time_t now = time(NULL);
+        struct tm *tm = localtime(&now);
+        if (!tm || strftime(date, sizeof(date), "%Y-%m-%d", tm) == 0) snprintf(date, sizeof(date), "1970-01-01");
+        turn_token(b, "<|start|>");
+        turn_string(b, "system");
+        turn_token(b, "<|message|>");
+        turn_string(b, "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ");
+        turn_string(b, date);
+        turn_string(b, "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
+        turn_token(b, "<|end|>");
+        if (system_prompt && system_prompt[0] != '\0') {
+            turn_token(b, "<|start|>");
+            turn_string(b, "developer");
+            turn_token(b, "<|message|>");
+            turn_string(b, "# Instructions\n\n");
+            turn_string(b, system_prompt);
+            turn_string(b, "\n\n");
+            turn_token(b, "<|end|>");
+        }
+    }
+    turn_token(b, "<|start|>");
+    turn_string(b, "user");
+    turn_token(b, "<|message|>");
+    turn_string(b, user);
+    turn_token(b, "<|end|>");
+    turn_token(b, "<|start|>");
+    turn_string(b, "assistant");
+}
+
 /* One user turn of the families rendered with a TurnBuilder. */
 static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
                                    int *n_tokens) {
-    /* at most a token per byte of text and template, and the special tokens */
-    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 64) + 32;
+    /* at most a token per byte of text and template (Harmony's system message the longest), and the special tokens */
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + 320) + 32;
     int cap = bound < (size_t)room ? (int)bound : room;
     TurnBuilder b = {tok, xcalloc((size_t)cap + 1, sizeof(int)), 0, cap, 1, {NULL, 0, 0}};
     switch (tok->chat_template) {
     case CHAT_GEMMA: render_gemma(&b, system_prompt, user, first); break;
     case CHAT_PHI4: render_phi4(&b, system_prompt, user, first); break;
     case CHAT_GRANITE: render_granite(&b, system_prompt, user, first); break;
+    case CHAT_HARMONY: render_harmony(&b, system_prompt, user, first); break;
     default: render_mistral7(&b, system_prompt, user, first); break;
     }
     turn_flush(&b);
@@ -13564,7 +13605,7 @@ static const char *usage_text =
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
     "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
     "                     declares 131072: chat and serve size their caches by it)\n"
-    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7\n"
+    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, harmony\n"
     "  --reasoning <show|hide|off>  a Qwen3 reply's <think> block in chat: printed, not printed,\n"
     "                     or not asked for (default show); serve sends it as reasoning_content\n"
     "  -f <format>        output: text or json (default text)\n"
@@ -13793,7 +13834,8 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         o->chat_template = -1;
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
-        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite or mistral7, got '%s'", v);
+        if (o->chat_template < 0)
+            usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7 or harmony, got '%s'", v);
         return 2;
     }
     if (strcmp(flag, "--reasoning") == 0) {
@@ -15183,6 +15225,13 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
             count += nt;
             free(turn);
         } else if (strcmp(roles[i], "assistant") == 0 && i > 0 && strcmp(roles[i - 1], "user") == 0) {
+            /* Harmony: an earlier reply is its final channel's message (its reasoning is not kept) */
+            if (tok->chat_template == CHAT_HARMONY) {
+                if (count + 1 > room) break;
+                out[count++] = template_token(tok, "<|channel|>");
+                if (!append_text_tokens(tok, "final", out, &count, room) || count + 1 > room) break;
+                out[count++] = template_token(tok, "<|message|>");
+            }
             if (!append_text_tokens(tok, contents[i], out, &count, room) || count + 1 > room) break;
             out[count++] = turn_end_token(tok);
         } else {
