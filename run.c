@@ -13186,13 +13186,37 @@ static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, co
    </think>, then the white space before the answer. ThinkSplit tells the
    two apart as the text streams in, holding back what may be the start of
    a marker until the next text decides; the markers and that white space
-   go nowhere. A reply that does not open with <think> is all answer. */
+   go nowhere. A reply that does not open with <think> is all answer.
+   Harmony's (gpt-oss: its special tokens read as their spelling) opens
+   with <|channel|>analysis<|message|>, its reasoning, <|end|>, then
+   <|start|>assistant<|channel|>final<|message|> and the answer (or another
+   analysis message), or with the final channel's header at once. */
 enum { THINK_START, THINK_IN, THINK_AFTER, THINK_ANSWER };
 
 typedef struct {
     int state;
     ByteBuf held; /* text not yet given to the sink */
+    int harmony;  /* the reply opened with a Harmony channel */
 } ThinkSplit;
+
+#define HARMONY_ANALYSIS "<|channel|>analysis<|message|>"
+#define HARMONY_FINAL "<|channel|>final<|message|>"
+#define HARMONY_NEXT "<|start|>assistant"
+
+/* Whether the template's replies reason first in a form ThinkSplit reads. */
+static int reasoning_splits(const Tokenizer *tok) { return chatml_thinks(tok) || tok->chat_template == CHAT_HARMONY; }
+
+/* Which of the markers (n of them) text[0, len) starts with: its index,
+   or -1 when it is the start of one (wait for more), or -2 for none. */
+static int think_marker(const char *text, size_t len, const char *const *markers, int n) {
+    int partial = 0;
+    for (int i = 0; i < n; i++) {
+        size_t m = strlen(markers[i]);
+        if (len >= m && memcmp(text, markers[i], m) == 0) return i;
+        if (len < m && memcmp(text, markers[i], len) == 0) partial = 1;
+    }
+    return partial ? -1 : -2;
+}
 
 /* Receives the reasoning (reasoning 1) or the answer (0), a part at a time. */
 typedef void (*ThinkSink)(void *ctx, int reasoning, const char *text, size_t n);
@@ -13216,19 +13240,36 @@ static void think_feed(ThinkSplit *s, const char *text, size_t n, ThinkSink sink
     for (;;) {
         const char *h = s->held.data;
         size_t len = s->held.n, ws = 0;
-        if (s->state == THINK_START || s->state == THINK_AFTER)
+        if ((s->state == THINK_START || s->state == THINK_AFTER) && !s->harmony)
             while (ws < len && isspace((unsigned char)h[ws])) ws++;
         if (s->state == THINK_START) {
+            static const char *const opening[] = {HARMONY_ANALYSIS, HARMONY_FINAL};
+            const int harmony = think_marker(h, len, opening, 2);
+            if (harmony == -1) return;
+            if (harmony >= 0) { /* Harmony: the analysis channel, or the final one at once */
+                s->harmony = 1;
+                think_drop(s, strlen(opening[harmony]));
+                s->state = harmony == 0 ? THINK_IN : THINK_ANSWER;
+                continue;
+            }
             if (len - ws < 7 && strncmp(h + ws, "<think>", len - ws) == 0) return;
             s->state = strncmp(h + ws, "<think>", 7) == 0 ? THINK_IN : THINK_ANSWER;
             if (s->state == THINK_IN) think_drop(s, ws + 7);
         } else if (s->state == THINK_IN) {
-            const char *end = strstr(h, "</think>");
-            size_t emit = end ? (size_t)(end - h) : len - partial_marker(h, len, "</think>");
+            const char *close = s->harmony ? "<|end|>" : "</think>";
+            const char *end = strstr(h, close);
+            size_t emit = end ? (size_t)(end - h) : len - partial_marker(h, len, close);
             if (emit > 0) sink(ctx, 1, h, emit);
-            think_drop(s, end ? emit + 8 : emit);
+            think_drop(s, end ? emit + strlen(close) : emit);
             if (!end) return;
             s->state = THINK_AFTER;
+        } else if (s->state == THINK_AFTER && s->harmony) {
+            /* the next message's header: the final channel (the answer) or more analysis */
+            static const char *const next[] = {HARMONY_NEXT HARMONY_FINAL, HARMONY_NEXT HARMONY_ANALYSIS};
+            const int which = think_marker(h, len, next, 2);
+            if (which == -1) return;
+            if (which >= 0) think_drop(s, strlen(next[which]));
+            s->state = which == 1 ? THINK_IN : THINK_ANSWER;
         } else if (s->state == THINK_AFTER) {
             think_drop(s, ws);
             if (s->held.n == 0) return;
@@ -13246,7 +13287,7 @@ static void think_feed(ThinkSplit *s, const char *text, size_t n, ThinkSink sink
 static void think_finish(ThinkSplit *s, ThinkSink sink, void *ctx) {
     if (sink && s->held.n > 0 && s->state != THINK_AFTER) sink(ctx, s->state == THINK_IN, s->held.data, s->held.n);
     free(s->held.data);
-    *s = (ThinkSplit){THINK_START, {NULL, 0, 0}};
+    *s = (ThinkSplit){THINK_START, {NULL, 0, 0}, 0};
 }
 
 /* A ThinkSink that prints the answer only (--reasoning hide). */
@@ -13450,8 +13491,11 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         int *feed = xcalloc((size_t)n_feed, sizeof(int));
         conversation_tokens(&conv, 0, feed);
         memcpy(feed + n_kept, turn.tokens, (size_t)turn.n_prompt * sizeof(int));
-        int stream = text_mode && d->beam.beams == 0, hide = text_mode && tok->reasoning == REASONING_HIDE && chatml_thinks(tok);
-        ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+        /* Harmony's reasoning cannot be asked off: --reasoning off hides it */
+        const int hide = text_mode && reasoning_splits(tok) &&
+                         (tok->reasoning == REASONING_HIDE || (tok->reasoning == REASONING_OFF && tok->chat_template == CHAT_HARMONY));
+        int stream = text_mode && d->beam.beams == 0;
+        ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
         r->on_text = stream ? (hide ? stream_answer : stream_text) : NULL;
         r->owner = &split;
@@ -15566,7 +15610,7 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 /* Whether a chat answer's reasoning goes apart from its content: the
    template's replies open with <think> (Qwen3), as llama-server and vLLM
    send them. */
-static int serve_thinks(const Server *srv, const Conn *c) { return c->chat && chatml_thinks(srv->tok); }
+static int serve_thinks(const Server *srv, const Conn *c) { return c->chat && reasoning_splits(srv->tok); }
 
 /* A choice being streamed, for serve_think_sink. */
 typedef struct {
@@ -15742,7 +15786,7 @@ static void answer_choices(Server *srv, Conn *c) {
         if (c->chat) {
             ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
             if (serve_thinks(srv, c)) {
-                ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+                ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
                 think_feed(&split, text, strlen(text), keep_think_sink, parts);
                 think_finish(&split, keep_think_sink, parts);
             } else {

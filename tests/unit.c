@@ -2625,13 +2625,22 @@ static void test_think_split(void) {
         {"<think>unfinished </thi", "unfinished </thi", ""},
         {"<thi", "", "<thi"},
         {"<think></think>", "", ""},
+        /* Harmony (gpt-oss): the analysis channel, then the final one */
+        {"<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi <|end|> there", "Think.", "Hi <|end|> there"},
+        {"<|channel|>final<|message|>Only the answer", "", "Only the answer"},
+        {"<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+         "<|start|>assistant<|channel|>final<|message|>c", "ab", "c"},
+        {"<|channel|>analysis<|message|>cut short <|en", "cut short <|en", ""},
+        {"<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary<|message|>y", "x",
+         "<|start|>assistant<|channel|>commentary<|message|>y"},
+        {"<|chan", "", "<|chan"},
     };
-    begin("ThinkSplit: the reasoning and the answer of a reply, whatever its pieces");
+    begin("ThinkSplit: the reasoning and the answer of a reply (Qwen3's, Harmony's), whatever its pieces");
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
         size_t len = strlen(cases[k].reply);
         for (size_t step = 1; step <= len; step++) {
             ByteBuf parts[2] = {{0}, {0}};
-            ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+            ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
             for (size_t at = 0; at < len; at += step)
                 think_feed(&split, cases[k].reply + at, at + step <= len ? step : len - at, collect_think, parts);
             think_finish(&split, collect_think, parts);
