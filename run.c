@@ -2367,7 +2367,8 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
     char *scaling = gguf_string(g, key);
     if (scaling && strcmp(scaling, "yarn") == 0) {
         snprintf(key, sizeof(key), "%s.rope.scaling.yarn_log_multiplier", arch);
-        if (gguf_float(g, key, 0.0f) != 0.0f) die(EXIT_BAD_FILE, "%s: %s is set: YaRN with a log multiplier is not one this program runs", g->path, key);
+        if (gguf_float(g, key, 0.0f) != 0.0f)
+            die(EXIT_BAD_FILE, "%s: %s is set: YaRN with a log multiplier is not one this program runs", g->path, key);
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
         const float factor = gguf_float(g, key, 1.0f);
         if (factor > 1.0f) p->rope_mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (1.0f + 0.1f * logf(factor));

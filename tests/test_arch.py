@@ -335,6 +335,21 @@ def main():
             if r.returncode != 1 or gone not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
                 raise AssertionError("without %s: exit %d: %s" % (gone, r.returncode, r.stderr.strip()))
 
+    @case("arch_gpt_oss_keys_refused")
+    def _():
+        for key, value, named in (("gpt-oss.expert_count", None, "gpt-oss.expert_count"),
+                                  ("gpt-oss.rope.scaling.yarn_log_multiplier", 0.1, "yarn_log_multiplier")):
+            meta, tensors = arch_models.arch_model("gpt-oss")
+            if value is None:
+                meta.pop(key)
+            else:
+                meta[key] = value
+            path = os.path.join(TMP, "gpt_oss_bad_key.gguf")
+            write_gguf(path, meta, tensors)
+            r = sh([RUN, path, "-n", "4"])
+            if r.returncode != 1 or named not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+                raise AssertionError("%s %s: exit %d: %s" % (key, value, r.returncode, r.stderr.strip()))
+
     @case("arch_gpt_oss_bad_shape_named")
     def _():
         meta, tensors = arch_models.arch_model("gpt-oss")
