@@ -795,7 +795,7 @@ typedef struct {
     int window;          /* the windowed layers' attention reaches the last `window` positions; 0: no windows */
     int window_period;   /* layer l is global when l % window_period == window_period - 1, else windowed */
     float rope_theta_local;   /* RoPE base of the windowed layers */
-    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor); 0 or 1: none */
+    float rope_mscale;        /* RoPE's cosines and sines times this (LongRoPE's attention factor, YaRN's); 0 or 1: none */
     int rope_off;             /* no layer turns RoPE (Granite's rope.scaling.finetuned false) */
     float embed_scale;        /* the token embedding times this (Gemma: sqrt(dim); Granite); 0: none */
     float residual_scale;     /* each block's output times this as it joins the residual (Granite); 0: none */
@@ -813,7 +813,9 @@ typedef struct {
 /* An architecture (GGUF's general.architecture): llama's forward pass and
    which of a few optional steps it adds (section 4 names each where it
    runs). run.c's own checkpoints are `llama`. */
-enum { ACT_SILU, ACT_GELU };
+enum { ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI };
+/* how a router's logits become the chosen experts and their weights (route) */
+enum { GATING_SOFTMAX, GATING_TOPK_SOFTMAX };
 typedef struct Arch {
     const char *name;
     int rope_halves;    /* RoPE pairs (i, i + rope_dims / 2) (llama.cpp's NEOX); 0: adjacent pairs
@@ -821,7 +823,8 @@ typedef struct Arch {
     int qk_norm;        /* q and k RMS-normalised head by head (attn_q_norm, attn_k_norm), before RoPE */
     int post_norms;     /* the attention's and the FFN's outputs RMS-normalised before they join the
                            residual (post_attention_norm, post_ffw_norm) */
-    int activation;     /* the gated FFN's: ACT_SILU (SwiGLU) or ACT_GELU (GELU, tanh form) */
+    int activation;     /* the gated FFN's (the experts' too): ACT_SILU (SwiGLU), ACT_GELU (GELU, tanh form)
+                           or ACT_SWIGLU_OAI (gpt-oss: gate and up clamped, sigmoid(1.702 g), up + 1) */
     int embed_sqrt_dim; /* the embedding times sqrt(dim) */
     int window_period;  /* where the file gives a sliding window, the period of its layers unless the file
                            says (attention.sliding_window_pattern): layer l attends to all its past when
@@ -830,23 +833,45 @@ typedef struct Arch {
     int fused;          /* attn_qkv may hold q, k and v's rows, ffn_up the gate's then the up's */
     int scales;         /* the file's embedding, residual, attention and logit scales (Granite) */
     int moe_norm;       /* with experts (expert_count): the chosen experts' weights renormalised to sum to 1 */
+    int gating;         /* with experts: GATING_SOFTMAX (the softmax over all experts, the k most probable)
+                           or GATING_TOPK_SOFTMAX (the k largest logits, their softmax: gpt-oss) */
+    int sinks;          /* attn_sinks: a learned logit per head that joins each softmax's denominator */
+    int biases;         /* attn_output.bias, the router's (ffn_gate_inp.bias) and the experts' biases
+                           (ffn_{gate,up,down}_exps.bias, a row per expert), all required (gpt-oss) */
+    const char *ffn_norm; /* the FFN's input norm: blk.N.<ffn_norm>.weight */
+    float swa_base;     /* the windowed layers' RoPE base unless the file says (rope.freq_base_swa);
+                           0: the global layers' */
 } Arch;
 
 static const Arch ARCHS[] = {
-    /* name      halves qk_norm post_norms activation sqrt(dim) window no_rope fused scales moe_norm */
-    {"llama",    0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     1},
-    {"qwen2",    1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
-    {"qwen3",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
-    {"gemma3",   1,     1,      1,         ACT_GELU,  1,        6,     0,      0,    0,     0},
-    {"phi3",     1,     0,      0,         ACT_SILU,  0,        0,     0,      1,    0,     0},
-    {"smollm3",  0,     0,      0,         ACT_SILU,  0,        0,     4,      0,    0,     0},
-    {"granite",  0,     0,      0,         ACT_SILU,  0,        0,     0,      0,    1,     0},
-    {"qwen3moe", 1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     1},
-    {"qwen2moe", 1,     0,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
-    {"olmoe",    1,     1,      0,         ACT_SILU,  0,        0,     0,      0,    0,     0},
+    /* name      halves qk_norm post_norms activation      sqrt(dim) window no_rope fused scales moe_norm gating
+                 sinks biases ffn_norm swa_base */
+    {"llama",    0,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     1, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen2",    1,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen3",    1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"gemma3",   1,     1,      1,         ACT_GELU,       1,        6,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 10000.0f},
+    {"phi3",     1,     0,      0,         ACT_SILU,       0,        0,     0,      1,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"smollm3",  0,     0,      0,         ACT_SILU,       0,        0,     4,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"granite",  0,     0,      0,         ACT_SILU,       0,        0,     0,      0,    1,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen3moe", 1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     1, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"qwen2moe", 1,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    {"olmoe",    1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0},
+    /* gpt-oss: the FFN's norm is named post_attention_norm; every second layer windowed (0, 2, ...) */
+    {"gpt-oss",  1,     0,      0,         ACT_SWIGLU_OAI, 0,        2,     0,      0,    0,     0, GATING_TOPK_SOFTMAX,
+                 1,     1,     "post_attention_norm", 0},
 };
 #define N_ARCHS ((int)(sizeof(ARCHS) / sizeof(ARCHS[0])))
-#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe"
+#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe, gpt-oss"
 
 /* Query and key/value widths of a row: heads x head_size. */
 static int q_dim(const Config *p) { return p->n_heads * p->head_size; }
@@ -926,6 +951,8 @@ typedef struct {
     const float *bq; /* GGUF qwen2: (n_layers, dim) biases of q; NULL: none */
     const float *bk; /* (n_layers, kv_dim) biases of k, or NULL */
     const float *bv; /* (n_layers, kv_dim) biases of v, or NULL */
+    const float *bo; /* Arch biases: (n_layers, dim) biases of the attention's output, or NULL */
+    const float *sinks; /* Arch sinks: (n_layers, n_heads) each head's sink logit, or NULL */
     const float *q_norm, *k_norm;     /* Arch qk_norm: (n_layers, head_size); NULL: none */
     const float *post_att, *post_ffn; /* Arch post_norms: (n_layers, dim); NULL: none */
     /* mixture of experts: each layer's router (n_experts, dim), rows 0 in a
@@ -936,6 +963,9 @@ typedef struct {
     Matrix *router;
     Matrix *e_gate, *e_up, *e_down;
     const float *shared_gate; /* (n_layers, dim) or NULL */
+    /* Arch biases: the router's (n_layers, n_experts) and the experts'
+       (n_layers, n_experts, rows): gate and up expert_hidden, down dim; NULL: none */
+    const float *router_bias, *e_gate_bias, *e_up_bias, *e_down_bias;
 } Weights;
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
@@ -2086,16 +2116,18 @@ static float tensor_float(const GGUFTensor *x, size_t i) {
     return x->type == GGML_F32 ? read_f32((const char *)p + 4 * i) : x->type == GGML_F16 ? f16_at(p + 2 * i) : bf16_at(p + 2 * i);
 }
 
-/* Copies the vector tensor `name` (n floats) to out; 0 when it is absent
-   and not required. */
-static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int required) {
-    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)n, 1, required);
+/* Copies the float tensor `name` of `rows` rows of n (a vector: one row)
+   to out; 0 when it is absent and not required. */
+static int gguf_table(const GGUF *g, const char *name, float *out, int n, int rows, int required) {
+    const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)n, (uint64_t)rows, required);
     if (!x) return 0;
     if (!ggml_types[x->type].bits || ggml_types[x->type].unpack)
         die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' is %s; a vector must be F32, F16 or BF16", g->path, name, ggml_types[x->type].name);
-    for (int i = 0; i < n; i++) out[i] = tensor_float(x, (size_t)i);
+    for (size_t i = 0; i < (size_t)n * rows; i++) out[i] = tensor_float(x, i);
     return 1;
 }
+
+static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int required) { return gguf_table(g, name, out, n, 1, required); }
 
 /* Unpacks the blocks of x into values (int8, or 4-bit as section 2 lays
    them out: value 2k in the low nibble of byte k), scales and offsets
@@ -2201,20 +2233,26 @@ static Matrix *gguf_layer_matrices(Transformer *t, const GGUF *g, const char *wh
     return m;
 }
 
-/* The vectors blk.N.<what> of n floats of every layer, (n_layers, n), into
-   memory of the model (fresh pages, zeros: a layer without an optional one
-   adds nothing); NULL when no layer has one and it is optional. */
-static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what, int n, int required) {
+/* The tables blk.N.<what> of `rows` rows of n floats of every layer,
+   (n_layers, rows, n), into memory of the model (fresh pages, zeros: a
+   layer without an optional one adds nothing); NULL when no layer has one
+   and it is optional. */
+static float *gguf_layer_tables(Transformer *t, const GGUF *g, const char *what, int n, int rows, int required) {
     const int L = t->config.n_layers;
     float *v = NULL;
     for (int l = 0; l < L; l++) {
         char name[64];
         snprintf(name, sizeof(name), "blk.%d.%s", l, what);
         if (!required && !gguf_tensor(g, name)) continue;
-        if (!v) v = model_pages(t, (size_t)L * n * sizeof(float));
-        gguf_vector(g, name, v + (size_t)l * n, n, 1);
+        if (!v) v = model_pages(t, (size_t)L * rows * n * sizeof(float));
+        gguf_table(g, name, v + (size_t)l * rows * n, n, rows, 1);
     }
     return v;
+}
+
+/* The vectors blk.N.<what> of n floats of every layer, (n_layers, n). */
+static float *gguf_layer_vectors(Transformer *t, const GGUF *g, const char *what, int n, int required) {
+    return gguf_layer_tables(t, g, what, n, 1, required);
 }
 
 /* The architecture named by the file: its row of ARCHS. Linear-attention and
@@ -2275,7 +2313,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         if (pattern && pattern->type == GGUF_ARRAY)
             die(EXIT_BAD_FILE, "%s: %s is a per-layer array; this program reads it as one period (every n-th layer global)", g->path, key);
         p->window_period = gguf_int(g, key, a->window_period, 1, 65536);
-        p->rope_theta_local = gguf_positive(g, ARCH_KEY("rope.freq_base_swa"), 10000.0f);
+        p->rope_theta_local = gguf_positive(g, ARCH_KEY("rope.freq_base_swa"), a->swa_base > 0.0f ? a->swa_base : p->rope_theta);
     }
     p->rope_mscale = gguf_positive(g, ARCH_KEY("rope.scaling.attn_factor"), 1.0f);
     p->softcap = gguf_positive(g, ARCH_KEY("final_logit_softcapping"), 0.0f);
@@ -2290,7 +2328,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
         if (p->logit_scale == 0.0f) die(EXIT_BAD_FILE, "%s: GGUF metadata '%s' is missing", g->path, key);
         p->rope_off = !gguf_int(g, ARCH_KEY("rope.scaling.finetuned"), 1, 0, 1); /* Granite's switch for RoPE, on by default */
     }
-    p->n_experts = gguf_int(g, ARCH_KEY("expert_count"), 0, 0, 4096);
+    p->n_experts = gguf_int(g, ARCH_KEY("expert_count"), a->biases ? -1 : 0, 0, 4096); /* gpt-oss: experts in every layer */
     if (p->n_experts == 1) p->n_experts = 0; /* one expert is a dense FFN, as llama.cpp takes it */
     if (p->n_experts > 0) {
         p->n_experts_used = gguf_int(g, ARCH_KEY("expert_used_count"), -1, 1, p->n_experts);
@@ -2314,12 +2352,28 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
 #undef ARCH_KEY
 }
 
+/* YaRN's ramp (rope.scaling.type yarn, as ggml's rope computes it): pair i
+   of rope_dims turns at its frequency times (1 - r) / factor + r, r = 1
+   for the pairs of fast rotation (below the dimension at which a pair turns
+   beta_fast = 32 times over the original context), 0 for the slow ones
+   (beyond beta_slow = 1 turn), linear between; the dimensions in float as
+   ggml_rope_yarn_corr_dims has them. */
+static double yarn_ramp(const Config *p, double theta, double factor, int i) {
+    const float n = (float)p->rope_dims, ctx = (float)p->rope_original_context, base = logf((float)theta);
+    const float low = floorf(n * logf(ctx / (32.0f * 2 * (float)M_PI)) / (2 * base));
+    const float high = ceilf(n * logf(ctx / (1.0f * 2 * (float)M_PI)) / (2 * base));
+    const float lo = low > 0.0f ? low : 0.0f, hi = high < n - 1 ? high : n - 1;
+    float y = (i - lo) / (hi - lo > 0.001f ? hi - lo : 0.001f);
+    const float r = 1.0f - (y < 0.0f ? 0.0f : y > 1.0f ? 1.0f : y);
+    return (1.0 - r) / factor + r;
+}
+
 /* RoPE's inverse frequencies (rope_dims / 2) for base theta:
    theta^(-2i / rope_dims), divided by the factors of the tensor `factors`
    (Llama 3.1's rope_freqs, Phi-3's LongRoPE factors) and by a linear
-   scaling factor where the file has them. Computed in double, rounded once
-   to float. `linear`: whether the file's linear scaling applies (not to
-   Gemma 3's windowed layers). */
+   scaling factor, or YaRN's ramp (yarn_ramp), where the file has them.
+   Computed in double, rounded once to float. `linear`: whether the file's
+   scaling applies (not to Gemma 3's windowed layers). */
 static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *arch, double theta, const char *factors_name, int linear) {
     const int half = p->rope_dims / 2;
     float *freq = xcalloc((size_t)half, sizeof(float)), *factors = xcalloc((size_t)half, sizeof(float));
@@ -2328,16 +2382,20 @@ static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *
     snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
     char *scaling = gguf_string(g, key);
     double by = 1.0;
-    if (scaling && strcmp(scaling, "linear") == 0 && linear) {
+    const int yarn = scaling && strcmp(scaling, "yarn") == 0 && linear;
+    if (scaling && (strcmp(scaling, "linear") == 0 || yarn) && linear) {
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
         by = gguf_float(g, key, 1.0f);
+        if (by == 0.0) by = 1.0; /* llama.cpp: 0, no scaling */
         if (!(by > 0.0 && isfinite(by))) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, by);
-    } else if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0)
-        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, longrope, or rope_freqs factors)", g->path, scaling);
+    } else if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0 &&
+               strcmp(scaling, "yarn") != 0)
+        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, yarn, longrope, or rope_freqs factors)", g->path,
+            scaling);
     for (int i = 0; i < half; i++) {
         if (have_factors && !(factors[i] > 0.0f && isfinite(factors[i])))
             die(EXIT_BAD_FILE, "%s: bad GGUF: %s[%d] is %g, must be positive", g->path, factors_name, i, factors[i]);
-        double f = pow(theta, -2.0 * i / (2.0 * half)) / by;
+        double f = yarn ? pow(theta, -2.0 * i / (2.0 * half)) * yarn_ramp(p, theta, by, i) : pow(theta, -2.0 * i / (2.0 * half)) / by;
         freq[i] = (float)(have_factors ? f / factors[i] : f);
     }
     free(scaling);
@@ -2375,7 +2433,22 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
         choose_rope_factors(t);
     } else
         t->rope_freq = gguf_rope_frequencies(g, p, arch, p->rope_theta, "rope_freqs.weight", 1);
-    if (p->window > 0) t->rope_freq_local = gguf_rope_frequencies(g, p, arch, p->rope_theta_local, "", 0);
+    /* the windowed layers: Gemma 3's unscaled, gpt-oss's as the global ones */
+    if (p->window > 0) t->rope_freq_local = gguf_rope_frequencies(g, p, arch, p->rope_theta_local, "", p->arch->swa_base == 0.0f);
+    /* YaRN's attention factor: cosines and sines times 1 + ln(factor) / 10
+       where the factor is above 1 (llama.cpp's yarn_attn_factor, its
+       cancelled mscale and ggml's rope's together) */
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
+    char *scaling = gguf_string(g, key);
+    if (scaling && strcmp(scaling, "yarn") == 0) {
+        snprintf(key, sizeof(key), "%s.rope.scaling.yarn_log_multiplier", arch);
+        if (gguf_float(g, key, 0.0f) != 0.0f)
+            die(EXIT_BAD_FILE, "%s: %s is set: YaRN with a log multiplier is not one this program runs", g->path, key);
+        snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
+        const float factor = gguf_float(g, key, 1.0f);
+        if (factor > 1.0f) p->rope_mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (1.0f + 0.1f * logf(factor));
+    }
+    free(scaling);
 }
 
 /* Layer matrices stored apart (blk.N.<names[i]>.weight) or fused in one
@@ -2446,7 +2519,7 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
         snprintf(name, sizeof(name), "blk.%d.ffn_gate_inp.weight", l);
         const char *ffn[3] = {"ffn_gate", "ffn_up", "ffn_down"};
         int width = p->hidden_dim;
-        if (gguf_tensor(g, name)) {
+        if (gguf_tensor(g, name) || p->arch->biases) { /* gpt-oss: a router in every layer (gguf_matrix names it if missing) */
             w->router[l] = gguf_matrix(t, g, name, E, dim);
             gguf_experts(t, g, l, "ffn_gate_exps", F, dim, w->e_gate + (size_t)l * E);
             gguf_experts(t, g, l, "ffn_up_exps", F, dim, w->e_up + (size_t)l * E);
@@ -2463,6 +2536,12 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
         }
     }
     w->shared_gate = gguf_layer_vectors(t, g, "ffn_gate_inp_shexp.weight", dim, 0);
+    if (p->arch->biases) { /* gpt-oss: the router's and each expert's biases */
+        w->router_bias = gguf_layer_vectors(t, g, "ffn_gate_inp.bias", E, 1);
+        w->e_gate_bias = gguf_layer_tables(t, g, "ffn_gate_exps.bias", F, E, 1);
+        w->e_up_bias = gguf_layer_tables(t, g, "ffn_up_exps.bias", F, E, 1);
+        w->e_down_bias = gguf_layer_tables(t, g, "ffn_down_exps.bias", dim, E, 1);
+    }
 }
 
 /* The norm weights blk.N.<what>.weight of n floats of every layer, when
@@ -2503,7 +2582,9 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
         w->w2 = gguf_layer_matrices(t, g, "ffn_down", dim, hidden);
     }
     w->rms_att = gguf_layer_vectors(t, g, "attn_norm.weight", dim, 1);
-    w->rms_ffn = gguf_layer_vectors(t, g, "ffn_norm.weight", dim, 1);
+    char ffn_norm[48];
+    snprintf(ffn_norm, sizeof(ffn_norm), "%s.weight", a->ffn_norm); /* gpt-oss: post_attention_norm */
+    w->rms_ffn = gguf_layer_vectors(t, g, ffn_norm, dim, 1);
     /* QK-norm head by head, or (OLMoE: its weights as wide as q) over the whole row */
     const GGUFTensor *q_norm = gguf_tensor(g, "blk.0.attn_q_norm.weight");
     p->qk_norm_whole = a->qk_norm && q_norm && q_norm->ne[0] == (uint64_t)qd && qd != p->head_size;
@@ -2517,6 +2598,8 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     w->bq = gguf_layer_vectors(t, g, "attn_q.bias", qd, 0);
     w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
     w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
+    w->bo = gguf_layer_vectors(t, g, "attn_output.bias", dim, a->biases);
+    w->sinks = a->sinks ? gguf_layer_vectors(t, g, "attn_sinks.weight", p->n_heads, 1) : NULL;
     if (gguf_tensor(g, "output.weight")) w->wcls = gguf_matrix(t, g, "output.weight", p->vocab_size, dim);
     else if (w->token_embedding.blocks) w->wcls = gguf_matrix(t, g, "token_embd.weight", p->vocab_size, dim); /* tied: converted */
     else w->wcls = w->token_embedding; /* tied: both read in place */
@@ -5417,12 +5500,16 @@ static void rope(float *q, float *k, int pos, int dim, int kv_dim, Rope r) {
 /* The gated FFN's activation, h = act(h) * g for n rows of `size` values:
    SwiGLU, act(v) = silu(v) = v * sigmoid(v), or (Gemma) GELU in its tanh
    form, gelu(v) = v / 2 * (1 + tanh(u)) = v * sigmoid(2u) with
-   u = sqrt(2 / pi) (v + 0.044715 v^3). Split between threads for a prompt
+   u = sqrt(2 / pi) (v + 0.044715 v^3); or gpt-oss's clamped SwiGLU
+   (ggml's swiglu_oai), h = v sigmoid(1.702 v) (u + 1) with v = min(h, 7)
+   and u = g clamped to [-7, 7]. Split between threads for a prompt
    chunk (an exponential costs about as much as 20 multiply-adds). The plain
    build uses expf, as llama2.c. The vector builds use exp_poly on blocks of
    GATED_BLOCK values, the end of a row padded into a full block, so that
    the compiler vectorises one loop and every value is computed by the same
    instructions: a row's result does not depend on its place in the batch. */
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.0f
 #ifdef SIMD_WIDTH
 #define GATED_BLOCK 16
 /* e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a
@@ -5451,6 +5538,14 @@ static inline float exp_poly(float x) {
 }
 
 KERNEL void gated_block(float *h, const float *g, const int activation) {
+    if (activation == ACT_SWIGLU_OAI) {
+        for (int i = 0; i < GATED_BLOCK; i++) {
+            const float v = h[i] < SWIGLU_OAI_LIMIT ? h[i] : SWIGLU_OAI_LIMIT;
+            const float u = g[i] < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : g[i] > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : g[i];
+            h[i] = v / (1.0f + exp_poly(-SWIGLU_OAI_ALPHA * v)) * (u + 1.0f);
+        }
+        return;
+    }
     for (int i = 0; i < GATED_BLOCK; i++) {
         const float v = h[i], minus = activation == ACT_SILU ? -v : -1.5957691216f * (v + 0.044715f * v * v * v);
         h[i] = v / (1.0f + exp_poly(minus)) * g[i];
@@ -5472,7 +5567,8 @@ static void gated_activation(int activation, float *h, const float *g, int n, in
             hb = hp, gb = gp;
         }
         if (activation == ACT_SILU) gated_block(hb, gb, ACT_SILU);
-        else gated_block(hb, gb, ACT_GELU);
+        else if (activation == ACT_GELU) gated_block(hb, gb, ACT_GELU);
+        else gated_block(hb, gb, ACT_SWIGLU_OAI);
         if (count < GATED_BLOCK) memcpy(h + at, hp, (size_t)count * sizeof(float));
     }
 }
@@ -5480,10 +5576,16 @@ static void gated_activation(int activation, float *h, const float *g, int n, in
 static void gated_activation(int activation, float *h, const float *g, int n, int size) {
     PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
     for (size_t i = 0; i < (size_t)n * size; i++) {
-        float val = h[i];
+        float val = h[i], up = g[i];
+        if (activation == ACT_SWIGLU_OAI) {
+            val = val < SWIGLU_OAI_LIMIT ? val : SWIGLU_OAI_LIMIT;
+            up = up < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : up > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : up;
+            h[i] = val / (1.0f + expf(-SWIGLU_OAI_ALPHA * val)) * (up + 1.0f);
+            continue;
+        }
         if (activation == ACT_SILU) val *= (1.0f / (1.0f + expf(-val)));
         else val /= 1.0f + expf(-1.5957691216f * (val + 0.044715f * val * val * val));
-        val *= g[i];
+        val *= up;
         h[i] = val;
     }
 }
@@ -5563,7 +5665,7 @@ static size_t kv_padded_blocks(int n_blocks) { return ((size_t)n_blocks + KV_RUN
 static size_t kv_array_bytes(const KVCache *c) { return kv_padded_blocks(c->n_blocks) * c->n_layers * KV_BLOCK * c->row_bytes; }
 
 /* Whether layer l attends to a sliding window of positions (Gemma 3's
-   local layers; Config window_period). */
+   local layers, gpt-oss's even ones; Config window_period). */
 static int layer_windowed(const Config *p, int l) {
     return p->window > 0 && l % p->window_period != p->window_period - 1;
 }
@@ -6372,12 +6474,12 @@ static inline vfloat vf_exp(vfloat x) {
     return vf_mul(e, vf_pow2(n));
 }
 
-static void attention_softmax(float *x, int size) {
+static void attention_softmax(float *x, int size, float sink) {
     const int whole = size / SIMD_WIDTH * SIMD_WIDTH, n = whole < size ? whole + SIMD_WIDTH : whole;
     for (int i = size; i < n; i++) x[i] = -INFINITY;
     vfloat m = vf_load(x);
     for (int i = SIMD_WIDTH; i < n; i += SIMD_WIDTH) m = vf_max(m, vf_load(x + i));
-    float lanes[SIMD_WIDTH], max_val = -INFINITY;
+    float lanes[SIMD_WIDTH], max_val = sink;
     vf_store(lanes, m);
     for (int k = 0; k < SIMD_WIDTH; k++)
         if (lanes[k] > max_val) max_val = lanes[k];
@@ -6389,11 +6491,25 @@ static void attention_softmax(float *x, int size) {
             for (int k = size; k < n; k++) x[k] = 0.0f;
         sum = vf_add(sum, vf_load(x + i));
     }
-    const vfloat inverse = vf_set(1.0f / vf_sum(sum));
+    const vfloat inverse = vf_set(1.0f / (vf_sum(sum) + (sink > -INFINITY ? expf(sink - max_val) : 0.0f)));
     for (int i = 0; i < n; i += SIMD_WIDTH) vf_store(x + i, vf_mul(vf_load(x + i), inverse));
 }
 #else
-static void attention_softmax(float *x, int size) { softmax(x, size); }
+static void attention_softmax(float *x, int size, float sink) {
+    if (sink == -INFINITY) {
+        softmax(x, size);
+        return;
+    }
+    float max_val = sink, sum = 0.0f;
+    for (int i = 0; i < size; i++)
+        if (x[i] > max_val) max_val = x[i];
+    for (int i = 0; i < size; i++) {
+        x[i] = expf(x[i] - max_val);
+        sum += x[i];
+    }
+    sum += expf(sink - max_val);
+    for (int i = 0; i < size; i++) x[i] /= sum;
+}
 #endif
 
 /* The kernels of a block of keys. Each score and each output value is
@@ -6677,12 +6793,15 @@ static int attention_origin(const Config *p, const Batch *b, int l, const int *f
     return origin / ATTENTION_KEYS * ATTENTION_KEYS;
 }
 
-/* The softmax of a row of scores (positions from 0) at pos over the
-   positions it attends to in layer l, those before them (from `origin`)
-   given weight 0. */
-static void window_softmax(const Config *p, int l, float *scores, int origin, int pos) {
+/* The softmax of a row of scores (positions from 0) of head h at pos over
+   the positions it attends to in layer l, those before them (from
+   `origin`) given weight 0; the head's sink logit (Arch sinks), where the
+   model has one, joins the denominator only: the weights sum to less than 1. */
+static void window_softmax(const Transformer *t, int l, int h, float *scores, int origin, int pos) {
+    const Config *p = &t->config;
     const int start = attention_start(p, l, pos);
-    attention_softmax(scores + start, pos + 1 - start);
+    const float *sinks = t->weights.sinks;
+    attention_softmax(scores + start, pos + 1 - start, sinks ? sinks[(size_t)l * p->n_heads + h] : -INFINITY);
     for (int k = origin; k < start; k++) scores[k] = 0.0f;
 }
 
@@ -6740,7 +6859,7 @@ static void attention_scores(Transformer *t, const Batch *b, int layer, const in
         }
     }
     for (int i = 0; i < n; i++)
-        for (int h = g0; h < g1; h++) window_softmax(p, layer, a->scores + ((size_t)i * w + h - g0) * a->stride, origin, b->pos[r0 + i]);
+        for (int h = g0; h < g1; h++) window_softmax(t, layer, h, a->scores + ((size_t)i * w + h - g0) * a->stride, origin, b->pos[r0 + i]);
 }
 
 /* xb of the rows of the tiles first[0..m-1] (a group), heads g0..g1-1 =
@@ -6888,7 +7007,7 @@ static void attention_lone_row(Transformer *t, const Batch *b, int layer) {
         attention_row_scores(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores + t0, shared.stride);
     }
     PARALLEL_FOR_IF(1)
-    for (int h = 0; h < p->n_heads; h++) window_softmax(p, layer, shared.scores + (size_t)h * shared.stride, origin, last);
+    for (int h = 0; h < p->n_heads; h++) window_softmax(t, layer, h, shared.scores + (size_t)h * shared.stride, origin, last);
     PARALLEL_FOR_IF(1)
     for (int chunk = first_chunk; chunk < n_chunks; chunk++) {
         float *sum = s->chunks + (size_t)chunk * qd;
@@ -6949,7 +7068,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     }
 }
 
-/* x (n, size) += layer l's bias (row l of biases, (n_layers, size)) in
+/* x (n, size) += layer l's bias (row l of biases, (n_layers, size); an expert's: row l * n_experts + e) in
    every row; NULL biases add nothing. */
 static void add_bias(float *x, const float *biases, int l, int n, int size) {
     for (int r = 0; biases && r < n; r++)
@@ -7040,11 +7159,13 @@ static void add_shared_expert(Transformer *t, int l, int n, const float *y) {
    llama.cpp's sort takes them up to 16 experts; beyond, its order at exact
    ties is its sort's), their probabilities as weights, renormalised to sum
    1 where the architecture does so (Arch moe_norm; the sum held above
-   2^-14 as llama.cpp holds it). These architectures' expert_weights_scale
-   is not read, as llama.cpp reads it not. */
+   2^-14 as llama.cpp holds it); or (Arch gating GATING_TOPK_SOFTMAX,
+   gpt-oss) the k largest logits, weighted by their softmax among
+   themselves. These architectures' expert_weights_scale is not read, as
+   llama.cpp reads it not. */
 static void route(const Config *p, float *probs, int *chosen, float *weights) {
-    const int E = p->n_experts, k = p->n_experts_used;
-    softmax(probs, E);
+    const int E = p->n_experts, k = p->n_experts_used, topk_softmax = p->arch->gating == GATING_TOPK_SOFTMAX;
+    if (!topk_softmax) softmax(probs, E);
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         int best = -1;
@@ -7057,6 +7178,10 @@ static void route(const Config *p, float *probs, int *chosen, float *weights) {
         weights[j] = probs[best];
         sum += weights[j];
     }
+    if (topk_softmax) {
+        softmax(weights, k);
+        return;
+    }
     if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
     for (int j = 0; p->arch->moe_norm && j < k; j++) weights[j] /= sum;
 }
@@ -7064,7 +7189,8 @@ static void route(const Config *p, float *probs, int *chosen, float *weights) {
 /* The mixture of experts of n rows of xb into out (n, dim): each row's
    router picks k experts (route); the rows are then taken expert by
    expert, each expert's matrices read once for all the rows routed to it
-   (as llama.cpp's mul_mat_id), its outputs left in the rows' slots; then
+   (as llama.cpp's mul_mat_id), its biases added where the architecture
+   has them (gpt-oss), its outputs left in the rows' slots; then
    each row sums its k outputs times their weights, best first. A row's
    result does not depend on the rows that share its step. */
 static void moe_ffn(Transformer *t, int l, int n, float *out) {
@@ -7073,6 +7199,7 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
     RunState *s = &t->state;
     const int E = p->n_experts, k = p->n_experts_used, dim = p->dim, F = p->expert_hidden;
     matmul(s->router, s->xb, &w->router[l], n);
+    add_bias(s->router, w->router_bias, l, n, E); /* gpt-oss */
     for (int r = 0; r < n; r++) route(p, s->router + (size_t)r * E, s->chosen + (size_t)r * k, s->route_w + (size_t)r * k);
     for (int e = 0; e < E; e++) {
         int m = 0; /* the slots (row * k + rank) routed to e */
@@ -7084,8 +7211,11 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
         const Matrix *gate_up[2] = {&w->e_gate[at], &w->e_up[at]};
         float *const gate_up_out[2] = {s->eh, s->eh2};
         matmul_shared(gate_up, gate_up_out, 2, s->ex, m);
-        gated_activation(ACT_SILU, s->eh, s->eh2, m, F);
+        add_bias(s->eh, w->e_gate_bias, (int)at, m, F); /* gpt-oss: the expert's biases */
+        add_bias(s->eh2, w->e_up_bias, (int)at, m, F);
+        gated_activation(p->arch->activation, s->eh, s->eh2, m, F);
         matmul(s->ex, s->eh, &w->e_down[at], m);
+        add_bias(s->ex, w->e_down_bias, (int)at, m, dim);
         for (int i = 0; i < m; i++) memcpy(s->slots + (size_t)s->slot_of[i] * dim, s->ex + (size_t)i * dim, (size_t)dim * sizeof(float));
     }
     for (int r = 0; r < n; r++)
@@ -7148,6 +7278,7 @@ static float *forward(Transformer *t, const Batch *b) {
         }
         attention(t, b, l);
         matmul(s->xb2, s->xb, &w->wo[l], n);
+        add_bias(s->xb2, w->bo, l, n, dim); /* gpt-oss */
         if (w->post_att) rmsnorm_rows(s->xb2, w->post_att + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
         add_residual(s->x, s->xb2, n, dim, p->residual_scale);
 
@@ -7204,8 +7335,10 @@ enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
 /* chat template families: [INST] (Llama 2), header tokens (Llama 3),
    <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3), <start_of_turn>
    (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
-   (Granite), [SYSTEM_PROMPT] (Mistral v7) */
-enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7, CHAT_SMOLLM3 };
+   (Granite), [SYSTEM_PROMPT] (Mistral v7), <|start|>role<|message|>
+   (Harmony: gpt-oss) */
+enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7, CHAT_SMOLLM3,
+       CHAT_HARMONY };
 /* what becomes of a reply's <think> block (Qwen3): printed as it comes, left
    out of what is printed, or not asked for (the template's empty block) */
 enum { REASONING_SHOW, REASONING_HIDE, REASONING_OFF };
@@ -9018,6 +9151,7 @@ static int lookup_special(const Tokenizer *t, const char *text);
 /* The chat template family of a tokenizer.chat_template, by its markers; -1
    when it has none of them. */
 static int chat_family_of(const char *tmpl) {
+    if (strstr(tmpl, "<|channel|>")) return CHAT_HARMONY;
     if (strstr(tmpl, "<|start_header_id|>")) return CHAT_LLAMA3;
     if (strstr(tmpl, "<|im_start|>") && strstr(tmpl, "Reasoning Mode")) return CHAT_SMOLLM3; /* ChatML with its own system header */
     if (strstr(tmpl, "<|im_start|>")) return CHAT_CHATML;
@@ -9031,7 +9165,8 @@ static int chat_family_of(const char *tmpl) {
     return -1;
 }
 
-static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7", "smollm3"};
+static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7", "smollm3",
+                                                   "harmony"};
 
 /* The token that closes a turn in the tokenizer's chat template: Llama 3's
    <|eot_id|>, ChatML's <|im_end|>, Phi-3's and Phi-4's <|end|>, Gemma's
@@ -9039,7 +9174,7 @@ static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "p
    else the file's end of turn (Mistral's </s>). */
 static int turn_end_token(const Tokenizer *t) {
     static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL,
-                                        "<|im_end|>"};
+                                        "<|im_end|>", "<|end|>"};
     const char *name = names[t->chat_template];
     int id = name && t->special ? lookup_special(t, name) : -1;
     return id >= 0 ? id : t->end_of_turn;
@@ -9262,10 +9397,10 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
         family = lookup_special(t, "<|start_header_id|>") >= 0 ? CHAT_LLAMA3 : lookup_special(t, "<|im_start|>") >= 0 ? CHAT_CHATML
                : lookup_special(t, "<|user|>") >= 0 ? CHAT_PHI3 : lookup_special(t, "<start_of_turn>") >= 0 ? CHAT_GEMMA
                : lookup_special(t, "<|start_of_role|>") >= 0 ? CHAT_GRANITE : lookup_special(t, "[SYSTEM_PROMPT]") >= 0 ? CHAT_MISTRAL7
-               : CHAT_LLAMA2;
+               : lookup_special(t, "<|channel|>") >= 0 ? CHAT_HARMONY : CHAT_LLAMA2;
         if (v->chat_template)
             fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML, Phi-3's, Phi-4's, Gemma's, Granite's "
-                            "or Mistral v7's; using %s (--chat-template chooses)\n",
+                            "Mistral v7's or Harmony; using %s (--chat-template chooses)\n",
                     path, chat_family_names[family]);
     }
     t->chat_template = family;
@@ -9273,8 +9408,21 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
     t->end_of_turn = turn_end_token(t);
     add_end_token(t, t->end_of_turn);
     /* the tokens that end text in llama.cpp's list, where the vocabulary has them */
-    static const char *const ends[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>", "<EOT>"};
+    static const char *const ends[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>", "<|eom_id|>",
+                                       "<end_of_turn>", "<EOT>"};
     for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) add_end_token(t, lookup_special(t, ends[i]));
+    /* Harmony (gpt-oss's o200k_harmony): <|end|> closes a message, the
+       analysis channel's among them, not the reply, which ends at <|return|>
+       or <|call|>; with both in the vocabulary, llama.cpp takes <|end|> off
+       its end tokens, and so does this (but where it is the file's EOS) */
+    const int end = lookup_special(t, "<|end|>");
+    if (end >= 0 && end != t->eos && lookup_special(t, "<|return|>") >= 0 && lookup_special(t, "<|call|>") >= 0) {
+        int kept = 0;
+        for (int i = 0; i < t->n_end; i++)
+            if (t->end[i] != end) t->end[kept++] = t->end[i];
+        t->n_end = kept;
+        if (t->end_of_turn == end) t->end_of_turn = t->eos;
+    }
 }
 
 /* The array `key` of `elem` elements, or NULL when absent. */
@@ -13597,12 +13745,50 @@ static void render_smollm3(TurnBuilder *b, const char *system_prompt, const char
     if (!think) turn_string(b, "<think>\n\n</think>\n");
 }
 
+/* Harmony (gpt-oss): each message <|start|>role<|message|>content<|end|>.
+   The first turn opens with the template's system message (the model's
+   identity, knowledge cutoff, today's date, "Reasoning: medium", the valid
+   channels) and the system prompt as the developer's instructions; a turn
+   ends with <|start|>assistant, after which the model names its channel
+   (analysis: its reasoning; final: the answer, ended by <|return|>). */
+static void render_harmony(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first) {
+        char date[32];
+        time_t now = time(NULL);
+        struct tm *tm = localtime(&now);
+        if (!tm || strftime(date, sizeof(date), "%Y-%m-%d", tm) == 0) snprintf(date, sizeof(date), "1970-01-01");
+        turn_token(b, "<|start|>");
+        turn_string(b, "system");
+        turn_token(b, "<|message|>");
+        turn_string(b, "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ");
+        turn_string(b, date);
+        turn_string(b, "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
+        turn_token(b, "<|end|>");
+        if (system_prompt && system_prompt[0] != '\0') {
+            turn_token(b, "<|start|>");
+            turn_string(b, "developer");
+            turn_token(b, "<|message|>");
+            turn_string(b, "# Instructions\n\n");
+            turn_string(b, system_prompt);
+            turn_string(b, "\n\n");
+            turn_token(b, "<|end|>");
+        }
+    }
+    turn_token(b, "<|start|>");
+    turn_string(b, "user");
+    turn_token(b, "<|message|>");
+    turn_string(b, user);
+    turn_token(b, "<|end|>");
+    turn_token(b, "<|start|>");
+    turn_string(b, "assistant");
+}
+
 /* One user turn of the families rendered with a TurnBuilder. */
 static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
                                    int *n_tokens) {
     /* at most a token per byte of text and template (a default system
-       message at most Mistral's), and the special tokens */
-    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + sizeof(MISTRAL7_SYSTEM_HEAD) + sizeof(MISTRAL7_SYSTEM_TAIL) + sizeof(SMOLLM3_THINKING) + 64) + 32;
+       message at most Mistral's or Harmony's), and the special tokens */
+    size_t bound = encode_capacity(tok, strlen(user) + (system_prompt ? strlen(system_prompt) : 0) + sizeof(MISTRAL7_SYSTEM_HEAD) + sizeof(MISTRAL7_SYSTEM_TAIL) + sizeof(SMOLLM3_THINKING) + 320) + 32;
     int cap = bound < (size_t)room ? (int)bound : room;
     TurnBuilder b = {tok, xcalloc((size_t)cap + 1, sizeof(int)), 0, cap, 1, {NULL, 0, 0}};
     switch (tok->chat_template) {
@@ -13610,6 +13796,7 @@ static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prom
     case CHAT_PHI4: render_phi4(&b, system_prompt, user, first); break;
     case CHAT_GRANITE: render_granite(&b, system_prompt, user, first); break;
     case CHAT_SMOLLM3: render_smollm3(&b, system_prompt, user, first); break;
+    case CHAT_HARMONY: render_harmony(&b, system_prompt, user, first); break;
     default: render_mistral7(&b, system_prompt, user, first); break;
     }
     turn_flush(&b);
@@ -13640,13 +13827,37 @@ static int *chat_turn_tokens(const Tokenizer *tok, const char *system_prompt, co
    </think>, then the white space before the answer. ThinkSplit tells the
    two apart as the text streams in, holding back what may be the start of
    a marker until the next text decides; the markers and that white space
-   go nowhere. A reply that does not open with <think> is all answer. */
+   go nowhere. A reply that does not open with <think> is all answer.
+   Harmony's (gpt-oss: its special tokens read as their spelling) opens
+   with <|channel|>analysis<|message|>, its reasoning, <|end|>, then
+   <|start|>assistant<|channel|>final<|message|> and the answer (or another
+   analysis message), or with the final channel's header at once. */
 enum { THINK_START, THINK_IN, THINK_AFTER, THINK_ANSWER };
 
 typedef struct {
     int state;
     ByteBuf held; /* text not yet given to the sink */
+    int harmony;  /* the reply opened with a Harmony channel */
 } ThinkSplit;
+
+#define HARMONY_ANALYSIS "<|channel|>analysis<|message|>"
+#define HARMONY_FINAL "<|channel|>final<|message|>"
+#define HARMONY_NEXT "<|start|>assistant"
+
+/* Whether the template's replies reason first in a form ThinkSplit reads. */
+static int reasoning_splits(const Tokenizer *tok) { return chatml_thinks(tok) || tok->chat_template == CHAT_HARMONY; }
+
+/* Which of the markers (n of them) text[0, len) starts with: its index,
+   or -1 when it is the start of one (wait for more), or -2 for none. */
+static int think_marker(const char *text, size_t len, const char *const *markers, int n) {
+    int partial = 0;
+    for (int i = 0; i < n; i++) {
+        size_t m = strlen(markers[i]);
+        if (len >= m && memcmp(text, markers[i], m) == 0) return i;
+        if (len < m && memcmp(text, markers[i], len) == 0) partial = 1;
+    }
+    return partial ? -1 : -2;
+}
 
 /* Receives the reasoning (reasoning 1) or the answer (0), a part at a time. */
 typedef void (*ThinkSink)(void *ctx, int reasoning, const char *text, size_t n);
@@ -13670,19 +13881,36 @@ static void think_feed(ThinkSplit *s, const char *text, size_t n, ThinkSink sink
     for (;;) {
         const char *h = s->held.data;
         size_t len = s->held.n, ws = 0;
-        if (s->state == THINK_START || s->state == THINK_AFTER)
+        if ((s->state == THINK_START || s->state == THINK_AFTER) && !s->harmony)
             while (ws < len && isspace((unsigned char)h[ws])) ws++;
         if (s->state == THINK_START) {
+            static const char *const opening[] = {HARMONY_ANALYSIS, HARMONY_FINAL};
+            const int harmony = think_marker(h, len, opening, 2);
+            if (harmony == -1) return;
+            if (harmony >= 0) { /* Harmony: the analysis channel, or the final one at once */
+                s->harmony = 1;
+                think_drop(s, strlen(opening[harmony]));
+                s->state = harmony == 0 ? THINK_IN : THINK_ANSWER;
+                continue;
+            }
             if (len - ws < 7 && strncmp(h + ws, "<think>", len - ws) == 0) return;
             s->state = strncmp(h + ws, "<think>", 7) == 0 ? THINK_IN : THINK_ANSWER;
             if (s->state == THINK_IN) think_drop(s, ws + 7);
         } else if (s->state == THINK_IN) {
-            const char *end = strstr(h, "</think>");
-            size_t emit = end ? (size_t)(end - h) : len - partial_marker(h, len, "</think>");
+            const char *close = s->harmony ? "<|end|>" : "</think>";
+            const char *end = strstr(h, close);
+            size_t emit = end ? (size_t)(end - h) : len - partial_marker(h, len, close);
             if (emit > 0) sink(ctx, 1, h, emit);
-            think_drop(s, end ? emit + 8 : emit);
+            think_drop(s, end ? emit + strlen(close) : emit);
             if (!end) return;
             s->state = THINK_AFTER;
+        } else if (s->state == THINK_AFTER && s->harmony) {
+            /* the next message's header: the final channel (the answer) or more analysis */
+            static const char *const next[] = {HARMONY_NEXT HARMONY_FINAL, HARMONY_NEXT HARMONY_ANALYSIS};
+            const int which = think_marker(h, len, next, 2);
+            if (which == -1) return;
+            if (which >= 0) think_drop(s, strlen(next[which]));
+            s->state = which == 1 ? THINK_IN : THINK_ANSWER;
         } else if (s->state == THINK_AFTER) {
             think_drop(s, ws);
             if (s->held.n == 0) return;
@@ -13700,7 +13928,7 @@ static void think_feed(ThinkSplit *s, const char *text, size_t n, ThinkSink sink
 static void think_finish(ThinkSplit *s, ThinkSink sink, void *ctx) {
     if (sink && s->held.n > 0 && s->state != THINK_AFTER) sink(ctx, s->state == THINK_IN, s->held.data, s->held.n);
     free(s->held.data);
-    *s = (ThinkSplit){THINK_START, {NULL, 0, 0}};
+    *s = (ThinkSplit){THINK_START, {NULL, 0, 0}, 0};
 }
 
 /* A ThinkSink that prints the answer only (--reasoning hide). */
@@ -13906,8 +14134,11 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         int *feed = xcalloc((size_t)n_feed, sizeof(int));
         conversation_tokens(&conv, 0, feed);
         memcpy(feed + n_kept, turn.tokens, (size_t)turn.n_prompt * sizeof(int));
-        int stream = text_mode && d->beam.beams == 0, hide = text_mode && tok->reasoning == REASONING_HIDE && chatml_thinks(tok);
-        ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+        /* Harmony's reasoning cannot be asked off: --reasoning off hides it */
+        const int hide = text_mode && reasoning_splits(tok) &&
+                         (tok->reasoning == REASONING_HIDE || (tok->reasoning == REASONING_OFF && tok->chat_template == CHAT_HARMONY));
+        int stream = text_mode && d->beam.beams == 0;
+        ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
         r->on_text = stream ? (hide ? stream_answer : stream_text) : NULL;
         r->owner = &split;
@@ -14062,7 +14293,7 @@ static const char *usage_text =
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
     "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
     "                     declares 131072: chat and serve size their caches by it)\n"
-    "  --chat-template <name>    llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, smollm3\n"
+    "  --chat-template <name>  llama2 llama3 chatml phi3 phi4 gemma granite mistral7 smollm3 harmony\n"
     "  --reasoning <show|hide|off>  a Qwen3 reply's <think> block in chat: printed, not printed,\n"
     "                     or not asked for (default show); serve sends it as reasoning_content\n"
     "  -f <format>        output: text or json (default text)\n"
@@ -14291,7 +14522,9 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         o->chat_template = -1;
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
-        if (o->chat_template < 0) usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7 or smollm3, got '%s'", v);
+        if (o->chat_template < 0)
+            usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, smollm3 or harmony, "
+                        "got '%s'", v);
         return 2;
     }
     if (strcmp(flag, "--reasoning") == 0) {
@@ -15720,6 +15953,13 @@ static int *chat_messages_tokens(const Tokenizer *tok, char **roles, char **cont
             count += nt;
             free(turn);
         } else if (strcmp(roles[i], "assistant") == 0 && i > 0 && strcmp(roles[i - 1], "user") == 0) {
+            /* Harmony: an earlier reply is its final channel's message (its reasoning is not kept) */
+            if (tok->chat_template == CHAT_HARMONY) {
+                if (count + 1 > room) break;
+                out[count++] = template_token(tok, "<|channel|>");
+                if (!append_text_tokens(tok, "final", out, &count, room) || count + 1 > room) break;
+                out[count++] = template_token(tok, "<|message|>");
+            }
             if (!append_text_tokens(tok, contents[i], out, &count, room) || count + 1 > room) break;
             out[count++] = turn_end_token(tok);
         } else {
@@ -16069,7 +16309,7 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 /* Whether a chat answer's reasoning goes apart from its content: the
    template's replies open with <think> (Qwen3), as llama-server and vLLM
    send them. */
-static int serve_thinks(const Server *srv, const Conn *c) { return c->chat && chatml_thinks(srv->tok); }
+static int serve_thinks(const Server *srv, const Conn *c) { return c->chat && reasoning_splits(srv->tok); }
 
 /* A choice being streamed, for serve_think_sink. */
 typedef struct {
@@ -16245,7 +16485,7 @@ static void answer_choices(Server *srv, Conn *c) {
         if (c->chat) {
             ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
             if (serve_thinks(srv, c)) {
-                ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+                ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
                 think_feed(&split, text, strlen(text), keep_think_sink, parts);
                 think_finish(&split, keep_think_sink, parts);
             } else {

@@ -1,7 +1,7 @@
 """Random GGUF models of the architectures beyond llama/qwen2 (qwen3, gemma3,
 phi3, smollm3, granite, llama whose heads are not embedding/head_count
-wide, and the mixtures of experts qwen3moe, qwen2moe, olmoe and mixtral,
-the last written as llama with experts), for checking run.c against
+wide, and the mixtures of experts qwen3moe, qwen2moe, olmoe, mixtral,
+the last written as llama with experts, and gpt-oss), for checking run.c against
 llama.cpp itself (tests/llamacpp.py).
 Standard library and numpy only; builds on tests/gguf_ref.py (its writer,
 random_tensor and spm_vocab).
@@ -98,6 +98,31 @@ ggml/src/ggml-cpu/ops.cpp; read, not copied):
   llama    with expert_count: NORM RoPE, experts feed_forward_length wide
   (Mixtral) (ffn_gate_exps optional in llama.cpp, not written here),
            output optional.
+  gpt-oss  (src/models/openai-moe.cpp, llama.cpp's LLM_ARCH_OPENAI_MOE)
+           NEOX RoPE; q/k/v biases optional, attn_output.bias required;
+           no QK-norm; kq scale 1/sqrt(rope.dimension_count); attn_sinks
+           [n_head] (soft_max_ext's sinks: exp(sink) joins each row's
+           denominator); attention.sliding_window required, layer il
+           windowed iff il % P < P - 1, P =
+           attention.sliding_window_pattern (default 2: layers 0, 2, ...),
+           the windowed layers' base rope.freq_base_swa (default
+           rope.freq_base) and the same scaling; the FFN's input norm is
+           post_attention_norm (no ffn_norm); experts in every layer,
+           expert_feed_forward_length wide, with biases
+           ffn_{gate,up}_exps.bias [n_ff_exp, n_expert] and
+           ffn_down_exps.bias [n_embd, n_expert], router bias
+           ffn_gate_inp.bias [n_expert]; gating SOFTMAX_WEIGHT: the top k
+           of the biased logits, weights their softmax among the k; the
+           expert: swiglu_oai(gate, up) = x sigmoid(1.702 x) (y + 1) with
+           x = min(gate, 7), y = clamp(up, -7, 7), then down + its bias;
+           output required. YaRN (rope.scaling.type yarn, any arch):
+           ext_factor 1, beta_fast 32, beta_slow 1 (hparams defaults),
+           n_ctx_orig = rope.scaling.original_context_length; theta =
+           theta_extrap * ((1 - r) / factor + r) with ggml's ramp r over
+           ggml_rope_yarn_corr_dims; cos and sin times yarn_attn_factor *
+           (1 + 0.1 ln factor), where llama_context sets yarn_attn_factor
+           = get_mscale(factor) / (1 + 0.1 ln factor) (so 1 + 0.1 ln
+           factor in all, for factor > 1).
 """
 import os
 import sys
@@ -107,9 +132,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_ref import random_tensor, spm_vocab, write_gguf  # noqa: E402
 
-ARCHS = ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama", "qwen3moe", "qwen2moe", "olmoe", "mixtral")
+ARCHS = ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama", "qwen3moe", "qwen2moe", "olmoe", "mixtral", "gpt-oss")
 # mixtures of experts (mixtral is written as general.architecture llama)
-MOE = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
+MOE = ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "gpt-oss")
 
 # neutralise names per arch (what each turns off is in _neutralise)
 FEATURES = {
@@ -123,6 +148,9 @@ FEATURES = {
     "qwen2moe": ("qkv_bias", "routing", "experts_used", "shared_expert", "shared_gate"),
     "olmoe": ("qk_norm", "routing", "experts_used"),
     "mixtral": ("routing", "experts_used"),
+    # the clamped SwiGLU and the gating order are not in the file: the
+    # reference's variants check them (GPT_OSS_VARIANTS)
+    "gpt-oss": ("routing", "experts_used", "sinks", "biases", "window", "yarn"),
 }
 
 # per arch: shapes (dim, heads, kv heads, head_dim, ffn, layers) and keys
@@ -155,6 +183,13 @@ DEFAULTS = {
                   n_expert=8, n_used=3, router_gain=4.0, expert_weights_scale=None),
     "mixtral": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=None, ffn=48, n_layers=2, theta=1e6, eps=1e-5,
                     n_expert=6, n_used=2, router_gain=4.0, expert_weights_scale=None),
+    # 4 layers, 0 and 2 windowed (window 4); YaRN factor 4 over an original
+    # context of 64 (dims 5.. of 16 pairs interpolated); sinks ~U(sink_lo,
+    # sink_hi); experts' gate and up of gain expert_gain (so that some of
+    # their values pass the clamp at 7)
+    "gpt-oss": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128, n_layers=4, theta=1e4, eps=1e-5,
+                    n_expert=8, n_used=2, expert_ffn=32, router_gain=4.0, expert_weights_scale=None,
+                    window=4, yarn_factor=4.0, orig_ctx=64, sink_lo=-1.0, sink_hi=3.0, expert_gain=6.0),
 }
 
 NORM_RANGE = (0.6, 1.6)      # RMSNorm weights (of the residual stream)
@@ -227,6 +262,14 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
             meta[k("expert_shared_feed_forward_length")] = int(p["shared_ffn"])
         if p["expert_weights_scale"] is not None:
             meta[k("expert_weights_scale")] = float(p["expert_weights_scale"])
+    if arch == "gpt-oss":
+        meta[k("expert_feed_forward_length")] = int(p["expert_ffn"])
+        if p["window"]:
+            meta[k("attention.sliding_window")] = int(p["window"])
+        if p["yarn_factor"]:
+            meta[k("rope.scaling.type")] = "yarn"
+            meta[k("rope.scaling.factor")] = float(p["yarn_factor"])
+            meta[k("rope.scaling.original_context_length")] = int(p["orig_ctx"])
     if vocab_meta:  # False: no tokenizer keys (a vocabulary of any size, for the fuzzer's small seeds)
         meta.update(spm_vocab(vocab))
 
@@ -287,7 +330,7 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
             mat(b + "attn_q.weight", nh * hd, dim, QK_GAIN)
             mat(b + "attn_k.weight", nkv * hd, dim, QK_GAIN)
             mat(b + "attn_v.weight", nkv * hd, dim)
-        if arch == "qwen2moe":
+        if arch in ("qwen2moe", "gpt-oss"):
             for n, rows in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
                 tensors.append((b + n + ".bias", "F32", [rows], rng.normal(0, BIAS_STD, rows).astype("<f4").tobytes()))
         if arch in ("qwen3", "gemma3", "qwen3moe"):
@@ -297,10 +340,27 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
             vec(b + "attn_q_norm.weight", nh * hd, *QK_NORM_RANGE)
             vec(b + "attn_k_norm.weight", nkv * hd, *QK_NORM_RANGE)
         mat(b + "attn_output.weight", dim, nh * hd, block_gain)
-        if arch == "gemma3":
+        if arch == "gpt-oss":
+            tensors.append((b + "attn_output.bias", "F32", [dim], rng.normal(0, BIAS_STD, dim).astype("<f4").tobytes()))
+            vec(b + "attn_sinks.weight", nh, p["sink_lo"], p["sink_hi"])
+        if arch in ("gemma3", "gpt-oss"):  # gpt-oss: the FFN's input norm
             vec(b + "post_attention_norm.weight", dim, *NORM_RANGE)
-        vec(b + "ffn_norm.weight", dim, *NORM_RANGE)
-        if arch in MOE:
+        if arch != "gpt-oss":
+            vec(b + "ffn_norm.weight", dim, *NORM_RANGE)
+        if arch == "gpt-oss":
+            # the router and its bias (std router_gain / 2); experts' gate
+            # and up of expert_gain, each with a bias row per expert
+            E, F = p["n_expert"], p["expert_ffn"]
+            r = rng.normal(0, p["router_gain"] / np.sqrt(dim), E * dim).astype("<f4")
+            tensors.append((b + "ffn_gate_inp.weight", "F32", [dim, E], r.tobytes()))
+            tensors.append((b + "ffn_gate_inp.bias", "F32", [E], rng.normal(0, p["router_gain"] / 2, E).astype("<f4").tobytes()))
+            experts(b + "ffn_gate_exps.weight", F, dim, p["expert_gain"])
+            tensors.append((b + "ffn_gate_exps.bias", "F32", [F, E], rng.normal(0, 1.0, E * F).astype("<f4").tobytes()))
+            experts(b + "ffn_up_exps.weight", F, dim, p["expert_gain"])
+            tensors.append((b + "ffn_up_exps.bias", "F32", [F, E], rng.normal(0, 1.0, E * F).astype("<f4").tobytes()))
+            experts(b + "ffn_down_exps.weight", dim, F, EXPERT_GAIN / 8)
+            tensors.append((b + "ffn_down_exps.bias", "F32", [dim, E], rng.normal(0, 0.5, E * dim).astype("<f4").tobytes()))
+        elif arch in MOE:
             # the router: float32 as in real files (llama.cpp's quantiser
             # leaves ffn_gate_inp alone), logits of std router_gain
             E, F = p["n_expert"], p.get("expert_ffn") or ffn
@@ -420,6 +480,13 @@ def _neutralise(arch, feature, meta, tensors, p, hd, seed):
     elif feature == "shared_gate":    # its gate's logit negated (zero would be NaN in llama.cpp: silu(0)/0)
         tensors = replace(lambda n: n.endswith("ffn_gate_inp_shexp.weight"),
                           lambda n, ne: (-np.frombuffer(dict((a, r) for a, _, _, r in tensors)[n], "<f4")).tobytes())
+    elif feature == "sinks":      # every sink logit -30: exp(-30) adds nothing to a denominator
+        tensors = replace(lambda n: n.endswith("attn_sinks.weight"), lambda n, ne: np.full(ne[0], -30.0, "<f4").tobytes())
+    elif feature == "biases":     # gpt-oss's biases all zero: q/k/v/o, the router's, the experts'
+        tensors = replace(lambda n: n.endswith(".bias"), lambda n, ne: bytes(4 * int(np.prod(ne))))
+    elif feature == "yarn":       # no RoPE scaling: YaRN's ramp and attention factor gone
+        for key in ("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length"):
+            meta.pop(k(key), None)
     elif feature == "qkv_bias":
         tensors = replace(lambda n: n.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias")),
                           lambda n, ne: bytes(4 * ne[0]))
@@ -445,7 +512,12 @@ def test_tokens(n=20, vocab=300, seed=0):
 # Written from the facts in the module docstring, to check them against
 # llama.cpp (see __main__): not part of run.c and independent of it.
 
-ROPE_NEOX = ("qwen3", "gemma3", "phi3", "qwen2", "qwen3moe", "qwen2moe", "olmoe")
+ROPE_NEOX = ("qwen3", "gemma3", "phi3", "qwen2", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
+# the reference's variants of gpt-oss's two steps that no file key names,
+# for controls: "swiglu" (plain SwiGLU, no clamp, no +1, alpha 1),
+# "no_clamp" (the OAI form with the limit at infinity), "softmax_topk" (the
+# softmax over all experts, then the k most probable, not renormalised)
+GPT_OSS_VARIANTS = ("swiglu", "no_clamp", "softmax_topk")
 # the chosen experts' weights renormalised to sum 1 (build_moe_ffn's norm_w)
 MOE_NORM = ("qwen3moe", "llama")
 
@@ -465,7 +537,8 @@ def _hp(meta):
                 swa_base=g("rope.freq_base_swa", 10000.0), softcap=g("final_logit_softcapping", 0.0),
                 embedding_scale=g("embedding_scale", 0.0), residual_scale=g("residual_scale", 0.0),
                 attention_scale=g("attention.scale", 0.0), logit_scale=g("logit_scale", 1.0),
-                n_expert=g("expert_count", 0), n_used=g("expert_used_count", 0))
+                n_expert=g("expert_count", 0), n_used=g("expert_used_count", 0),
+                rope_type=g("rope.scaling.type", "linear"), rope_factor=g("rope.scaling.factor", 0.0) or 1.0)
 
 
 def _gelu_tanh(x, fp16=True):
@@ -504,7 +577,31 @@ def _rot(x, pos, n_rot, base, neox, factors=None, scale=1.0, mscale=1.0):
     return out
 
 
-def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None):
+def _yarn(hp, base):
+    """(per-pair angle multipliers, cos/sin factor) of YaRN as ggml's rope
+    computes them: the ramp between the dims of beta_fast 32 and
+    beta_slow 1 turns over the original context (ggml_rope_yarn_corr_dims,
+    in float32), attention factor 1 + 0.1 ln(factor) for factor > 1."""
+    n, f = hp["n_rot"], hp["rope_factor"]
+    f32 = np.float32
+
+    def corr(beta):
+        return f32(n) * np.log(f32(hp["orig_ctx"]) / (f32(beta) * f32(2) * f32(np.pi))) / (f32(2) * np.log(f32(base)))
+    lo, hi = max(0.0, float(np.floor(corr(32)))), min(n - 1.0, float(np.ceil(corr(1))))
+    i = np.arange(n // 2)
+    r = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
+    return (1 - r) / f + r, (1 + 0.1 * np.log(f)) if f > 1 else 1.0
+
+
+def _swiglu_oai(g, u, variant=None):
+    if variant == "swiglu":
+        return g / (1 + np.exp(-g)) * u
+    if variant != "no_clamp":
+        g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    return g / (1 + np.exp(-1.702 * g)) * (u + 1)
+
+
+def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None, variant=None):
     """The mixture of experts of rows h (T, dim), as build_moe_ffn computes
     it for these archs: softmax of the router logits over all experts, the
     n_used most probable, weights = their probabilities (renormalised to
@@ -517,7 +614,8 @@ def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None):
     logits between the last expert chosen and the first not."""
     E, k = hp["n_expert"], hp["n_used"]
     norm = hp["arch"] in MOE_NORM if norm is None else norm
-    logits = h @ w[b + "ffn_gate_inp.weight"].T
+    oai = hp["arch"] == "gpt-oss"
+    logits = h @ w[b + "ffn_gate_inp.weight"].T + w.get(b + "ffn_gate_inp.bias", 0.0)
     pr = np.exp(logits - logits.max(axis=1, keepdims=True))
     pr /= pr.sum(axis=1, keepdims=True)
     if tie == "low":
@@ -535,6 +633,10 @@ def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None):
         stats["margin"] = min(stats.get("margin", np.inf), m)
         stats.setdefault("chosen", []).append(chosen)
     wts = np.take_along_axis(pr, chosen, axis=1)
+    if oai and variant != "softmax_topk":   # gpt-oss: the softmax of the k chosen logits
+        lg = np.take_along_axis(logits, chosen, axis=1)
+        wts = np.exp(lg - lg.max(axis=1, keepdims=True))
+        wts /= wts.sum(axis=1, keepdims=True)
     if norm:
         wts = wts / np.maximum(wts.sum(axis=1, keepdims=True), 6.103515625e-5)
     G, U, D = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"], w[b + "ffn_down_exps.weight"]
@@ -542,6 +644,14 @@ def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None):
     for t in range(h.shape[0]):
         for j, e in enumerate(chosen[t]):
             g = G[e] @ h[t]
+            if oai:
+                g = g + w[b + "ffn_gate_exps.bias"][e]
+                u = U[e] @ h[t] + w[b + "ffn_up_exps.bias"][e]
+                if stats is not None:
+                    stats["clamped"] = stats.get("clamped", 0) + int((g > 7).sum() + (np.abs(u) > 7).sum())
+                    stats["values"] = stats.get("values", 0) + 2 * g.size
+                out[t] += wts[t, j] * (D[e] @ _swiglu_oai(g, u, variant) + w[b + "ffn_down_exps.bias"][e])
+                continue
             out[t] += wts[t, j] * (D[e] @ (g / (1 + np.exp(-g)) * (U[e] @ h[t])))
     if b + "ffn_gate_inp_shexp.weight" in w:
         z = h @ w[b + "ffn_gate_inp_shexp.weight"]
@@ -551,14 +661,15 @@ def _moe_ffn(h, w, b, hp, tie="low", norm=None, stats=None):
     return out
 
 
-def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True, tie="low", moe_norm=None, stats=None):
+def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True, tie="low", moe_norm=None, stats=None, variant=None):
     """float64 logits (len(tokens), vocab) of an arch_models file (any
     architecture here, and llama/qwen2) for tokens at positions 0..n-1.
     n_ctx: the context size the engine runs with (phi3 picks its long rope
     factors iff n_ctx > rope.scaling.original_context_length; pass
     llama.cpp's padded value, a multiple of 256). gelu_fp16: gemma3's GELU
     as llama.cpp's CPU kernel rounds it (False: exact). tie, moe_norm,
-    stats: for mixtures of experts, see _moe_ffn."""
+    stats: for mixtures of experts, see _moe_ffn. variant: one of
+    GPT_OSS_VARIANTS (gpt-oss only), a wrong rule for a control."""
     from gguf_ref import read_gguf
     g = read_gguf(path)
     hp = _hp(g.metadata)
@@ -604,28 +715,38 @@ def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True, tie="low", moe_nor
             q = _rms(q, w[b + "attn_q_norm.weight"], hp["eps"])
             k = _rms(k, w[b + "attn_k_norm.weight"], hp["eps"])
         swa = arch == "gemma3" and hp["window"] > 0 and il % hp["swa_period"] < hp["swa_period"] - 1
+        if arch == "gpt-oss":   # every second layer windowed, from layer 0 (pattern 2)
+            period = meta_get(g, arch, "attention.sliding_window_pattern", 2)
+            swa = hp["window"] > 0 and il % period < period - 1
         if arch == "gemma3":
             base, scale = (hp["swa_base"], 1.0) if swa else (hp["theta"], 1.0 / hp["rope_scale"])
         else:
             base, scale = hp["theta"], 1.0
         if not (arch == "smollm3" and (il + 1) % 4 == 0):
             mscale = hp["attn_factor"] if arch == "phi3" else 1.0
-            q = _rot(q, pos, nr, base, neox, factors, scale, mscale)
-            k = _rot(k, pos, nr, base, neox, factors, scale, mscale)
+            rf = factors
+            if hp["rope_type"] == "yarn":
+                ramp, ym = _yarn(hp, base)
+                rf, mscale = (1 / ramp if factors is None else factors / ramp), mscale * ym
+            q = _rot(q, pos, nr, base, neox, rf, scale, mscale)
+            k = _rot(k, pos, nr, base, neox, rf, scale, mscale)
         rep = nh // nkv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         s = np.einsum("thd,shd->hts", q, k) * kq
         allowed = causal & (dist < hp["window"]) if swa else causal
         s = np.where(allowed[None], s, -np.inf)
-        s = np.exp(s - s.max(axis=-1, keepdims=True))
-        s /= s.sum(axis=-1, keepdims=True)
+        sink = w[b + "attn_sinks.weight"][:, None, None] if b + "attn_sinks.weight" in w else -np.inf
+        m = np.maximum(s.max(axis=-1, keepdims=True), sink)
+        s = np.exp(s - m)
+        s /= s.sum(axis=-1, keepdims=True) + np.exp(sink - m)   # a sink: the denominator only
         o = np.einsum("hts,shd->thd", s, v).reshape(T, nh * hdv) @ w[b + "attn_output.weight"].T
+        o = o + w.get(b + "attn_output.bias", 0.0)
         if arch == "gemma3":
             o = _rms(o, w[b + "post_attention_norm.weight"], hp["eps"])
         x = x + o * rs
-        h = _rms(x, w[b + "ffn_norm.weight"], hp["eps"])
+        h = _rms(x, w[b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")], hp["eps"])
         if b + "ffn_gate_inp.weight" in w:
-            x = x + _moe_ffn(h, w, b, hp, tie, moe_norm, stats)
+            x = x + _moe_ffn(h, w, b, hp, tie, moe_norm, stats, variant)
             continue
         if b + "ffn_gate.weight" in w:
             gate, up = h @ w[b + "ffn_gate.weight"].T, h @ w[b + "ffn_up.weight"].T
@@ -643,6 +764,10 @@ def reference_logits(path, tokens, n_ctx=256, gelu_fp16=True, tie="low", moe_nor
     if arch == "gemma3" and hp["softcap"]:
         logits = hp["softcap"] * np.tanh(logits / hp["softcap"])
     return logits
+
+
+def meta_get(g, arch, key, default):
+    return g.metadata.get(arch + "." + key, default)
 
 
 def log_softmax(logits):
@@ -702,7 +827,21 @@ def selfcheck(archs=ARCHS, n=20, tmp=None):
                 print("  %s -%s: argmax changed at %d/%d, max |d logprob| %.2f" % (arch, f, flips, n, d))
                 assert flips > 0 or d > 1.0, "neutralising %s changes nothing" % f
             case("arch_models %s neutralise %s" % (arch, f), check_feature)
-        if arch in MOE:
+        if arch == "gpt-oss":
+            def check_variants(base=base):
+                if "base" not in got:
+                    raise Skip("base model failed")
+                o, lp = got["base"]
+                ok = np.isfinite(lp) & (lp > -30)
+                st = {}
+                reference_logits(base, toks, stats=st)
+                print("  gpt-oss: %d of %d expert gate/up values past the clamp" % (st["clamped"], st["values"]))
+                for v in GPT_OSS_VARIANTS:
+                    err = np.abs(log_softmax(reference_logits(base, toks, variant=v)) - lp)[ok].max()
+                    print("  gpt-oss with %s: %.2f from llama.cpp" % (v, err))
+                    assert err > 0.1
+            case("arch_models gpt-oss clamped SwiGLU and gating", check_variants)
+        elif arch in MOE:
             def check_moe(arch=arch, base=base):
                 if "base" not in got:
                     raise Skip("base model failed")

