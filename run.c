@@ -808,6 +808,19 @@ typedef struct {
     int expert_hidden;        /* an expert's FFN inner width */
     int shared_hidden;        /* a shared expert's (expert_shared_feed_forward_length; default hidden_dim) */
     int qk_norm_whole;        /* QK-norm over the whole q and k rows (OLMoE), not head by head */
+    int gating;               /* how a router's logits choose experts: GATING_* (the Arch's, or the file's) */
+    int moe_norm;             /* the chosen experts' weights renormalised to sum 1 (the Arch's, or the file's) */
+    float expert_scale;       /* the chosen experts' weights times this (DeepSeek's expert_weights_scale); 0: none */
+    /* multi-head latent attention (Arch mla, section 4's MLA step): the
+       attention runs as one key head of head_size = mla_rank + rope_dims
+       values (the latent c and the RoPE key, one cache row a position),
+       each query head's nope part absorbed into the latent's width */
+    int mla_rank;             /* the latent's width (attention.kv_lora_rank); 0: no MLA */
+    int mla_nope;             /* a query head's part without RoPE (key_length_mla - rope_dims) */
+    int mla_value;            /* a head's output width (value_length_mla) */
+    int q_rank;               /* attention.q_lora_rank: q = attn_q_b @ norm(attn_q_a @ x); 0: q = attn_q @ x */
+    int mla_split;            /* the newer files (key_length_mla): attn_k_b and attn_v_b; else attn_kv_b */
+    int leading_dense;        /* DeepSeek: its first leading_dense_block_count layers' FFNs are dense */
 } Config;
 
 /* An architecture (GGUF's general.architecture): llama's forward pass and
@@ -815,7 +828,7 @@ typedef struct {
    runs). run.c's own checkpoints are `llama`. */
 enum { ACT_SILU, ACT_GELU, ACT_SWIGLU_OAI };
 /* how a router's logits become the chosen experts and their weights (route) */
-enum { GATING_SOFTMAX, GATING_TOPK_SOFTMAX };
+enum { GATING_SOFTMAX, GATING_TOPK_SOFTMAX, GATING_SIGMOID };
 typedef struct Arch {
     const char *name;
     int rope_halves;    /* RoPE pairs (i, i + rope_dims / 2) (llama.cpp's NEOX); 0: adjacent pairs
@@ -841,37 +854,42 @@ typedef struct Arch {
     const char *ffn_norm; /* the FFN's input norm: blk.N.<ffn_norm>.weight */
     float swa_base;     /* the windowed layers' RoPE base unless the file says (rope.freq_base_swa);
                            0: the global layers' */
+    int mla;            /* multi-head latent attention (DeepSeek-V2: Config mla_rank); the file says how
+                           experts are gated, weighted and scaled, and how wide its shared experts are */
 } Arch;
 
 static const Arch ARCHS[] = {
     /* name      halves qk_norm post_norms activation      sqrt(dim) window no_rope fused scales moe_norm gating
-                 sinks biases ffn_norm swa_base */
+                 sinks biases ffn_norm swa_base mla */
     {"llama",    0,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     1, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"qwen2",    1,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"qwen3",    1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"gemma3",   1,     1,      1,         ACT_GELU,       1,        6,     0,      0,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 10000.0f},
+                 0,     0,     "ffn_norm", 10000.0f, 0},
     {"phi3",     1,     0,      0,         ACT_SILU,       0,        0,     0,      1,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"smollm3",  0,     0,      0,         ACT_SILU,       0,        0,     4,      0,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"granite",  0,     0,      0,         ACT_SILU,       0,        0,     0,      0,    1,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"qwen3moe", 1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     1, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"qwen2moe", 1,     0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     {"olmoe",    1,     1,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
-                 0,     0,     "ffn_norm", 0},
+                 0,     0,     "ffn_norm", 0,        0},
     /* gpt-oss: the FFN's norm is named post_attention_norm; every second layer windowed (0, 2, ...) */
     {"gpt-oss",  1,     0,      0,         ACT_SWIGLU_OAI, 0,        2,     0,      0,    0,     0, GATING_TOPK_SOFTMAX,
-                 1,     1,     "post_attention_norm", 0},
+                 1,     1,     "post_attention_norm", 0, 0},
+    /* DeepSeek-V2: latent attention, adjacent RoPE pairs on the 64-wide part */
+    {"deepseek2", 0,    0,      0,         ACT_SILU,       0,        0,     0,      0,    0,     0, GATING_SOFTMAX,
+                 0,     0,     "ffn_norm", 0,        1},
 };
 #define N_ARCHS ((int)(sizeof(ARCHS) / sizeof(ARCHS[0])))
-#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe, gpt-oss"
+#define ARCH_NAMES "llama, qwen2, qwen3, gemma3, phi3, smollm3, granite, qwen3moe, qwen2moe, olmoe, gpt-oss, deepseek2"
 
 /* Query and key/value widths of a row: heads x head_size. */
 static int q_dim(const Config *p) { return p->n_heads * p->head_size; }
@@ -966,6 +984,16 @@ typedef struct {
     /* Arch biases: the router's (n_layers, n_experts) and the experts'
        (n_layers, n_experts, rows): gate and up expert_hidden, down dim; NULL: none */
     const float *router_bias, *e_gate_bias, *e_up_bias, *e_down_bias;
+    const float *select_bias; /* (n_layers, n_experts) DeepSeek-V3's blk.N.exp_probs_b.bias: added to the
+                                 probabilities to choose experts, not to weigh them; NULL: none */
+    /* multi-head latent attention (Config mla_rank): q from wq, or from
+       wq_b @ rmsnorm(wq_a @ x) (q_a_norm); the latent c and the RoPE key
+       from wkv_a (mla_rank + rope_dims, dim), c normalised by kv_a_norm;
+       per layer and head (n_layers * n_heads) wk_b (mla_rank, mla_nope),
+       which takes a head's nope query into the latent's space, and wv_b
+       (mla_value, mla_rank), which takes its sum of latents to its output */
+    Matrix *wq_a, *wq_b, *wkv_a, *wk_b, *wv_b;
+    const float *q_a_norm, *kv_a_norm; /* (n_layers, q_rank), (n_layers, mla_rank) */
 } Weights;
 
 /* The key/value cache is a pool of blocks of KV_BLOCK positions; a sequence
@@ -988,8 +1016,9 @@ typedef struct KVCache {
     int n_blocks, n_layers, kv_dim; /* n_layers: the layers whose rows it holds */
     int type;            /* KV_F32, KV_F16 or KV_Q8_0 */
     size_t row_bytes;    /* one position's key (or value) of one layer */
+    int values_in_keys;  /* MLA: a position's value is its key row (the latent c within it); no value rows */
     unsigned char *key;    /* (n_blocks / KV_RUN rounded up, n_layers, KV_RUN, KV_BLOCK) rows of row_bytes */
-    unsigned char *value;  /* (n_blocks / KV_RUN rounded up, n_layers, KV_RUN, KV_BLOCK) rows of row_bytes */
+    unsigned char *value;  /* as key; NULL where values_in_keys */
     int held, peak_held;   /* blocks held by some table now, and at most */
     int *ref;      /* (n_blocks) block tables holding the block */
     /* free blocks (ref 0) in two lists, oldest first, linked through
@@ -1045,6 +1074,11 @@ typedef struct {
     float *ex;      /* (max_rows, dim) an expert's rows gathered */
     float *eh, *eh2; /* (max_rows, expert_hidden) its gate and up */
     float *slots;   /* (max_rows, n_experts_used, dim) each row's experts' outputs, best first */
+    /* MLA (mla_project, mla_output); NULL without */
+    float *mla_q;   /* (max_rows, n_heads x the wider of mla_nope + rope_dims and mla_value) the queries before
+                       absorption; then the heads' outputs */
+    float *mla_in;  /* (max_rows, the widest of mla_rank, q_rank, mla_nope) a head's rows gathered */
+    float *mla_out; /* (max_rows, as mla_in and mla_rank + rope_dims) a projection's rows */
     KVCache cache;
 } RunState;
 
@@ -2274,6 +2308,53 @@ static float gguf_positive(const GGUF *g, const char *key, float absent) {
     return v;
 }
 
+/* Multi-head latent attention's widths (DeepSeek-V2, Config mla_rank). The
+   attention runs as one key head of the latent and the RoPE key
+   (kv_lora_rank + rope.dimension_count wide), which every query head reads.
+   A head's query is mla_nope values without RoPE and rope_dims with, its
+   output mla_value wide: key_length_mla and value_length_mla where the file
+   has them (the newer files, whose key_length and value_length are the
+   latent's), else key_length and value_length (default dim / n_heads). */
+static void gguf_mla_config(Config *p, const GGUF *g, const char *arch, int heads) {
+    char key[128];
+#define ARCH_KEY(name) (snprintf(key, sizeof(key), "%s.%s", arch, name), key)
+    p->mla_rank = gguf_int(g, ARCH_KEY("attention.kv_lora_rank"), -1, 1, 65536);
+    p->q_rank = gguf_int(g, ARCH_KEY("attention.q_lora_rank"), 0, 0, 65536);
+    p->rope_dims = gguf_int(g, ARCH_KEY("rope.dimension_count"), -1, 2, 65536);
+    const int newer = p->mla_split = gguf_value(g, ARCH_KEY("attention.key_length_mla")) != NULL;
+    const int k = gguf_int(g, ARCH_KEY(newer ? "attention.key_length_mla" : "attention.key_length"), heads > 0 ? heads : -1, 1, 65536);
+    if (k <= p->rope_dims) die(EXIT_BAD_FILE, "%s: %s is %d, not more than rope.dimension_count %d", g->path, key, k, p->rope_dims);
+    p->mla_nope = k - p->rope_dims;
+    p->mla_value = gguf_int(g, ARCH_KEY(newer ? "attention.value_length_mla" : "attention.value_length"), heads > 0 ? heads : -1, 1, 65536);
+    p->head_size = p->mla_rank + p->rope_dims;
+    p->n_kv_heads = 1;
+    /* llama.cpp's kq_scale: 1 / sqrt(the query head's width), times YaRN's mscale squared (gguf_rope) */
+    p->att_multiplier = 1.0f / sqrtf((float)k);
+#undef ARCH_KEY
+}
+
+/* How DeepSeek's routers weigh their experts, as its file says:
+   expert_gating_func 1 (or none) the softmax, 2 the sigmoid of each logit
+   (with exp_probs_b.bias added to choose, not to weigh); the chosen
+   weights renormalised where expert_weights_norm, times
+   expert_weights_scale; its expert_shared_count shared experts one FFN of
+   that many experts' width. */
+static void gguf_deepseek_experts(Config *p, const GGUF *g, const char *arch) {
+    char key[128];
+#define ARCH_KEY(name) (snprintf(key, sizeof(key), "%s.%s", arch, name), key)
+    const int gating = gguf_int(g, ARCH_KEY("expert_gating_func"), 0, 0, INT_MAX);
+    if (gating > 2) die(EXIT_BAD_FILE, "%s: %s is %d; this program runs 1 (softmax) and 2 (sigmoid)", g->path, key, gating);
+    p->gating = gating == 2 ? GATING_SIGMOID : GATING_SOFTMAX;
+    p->moe_norm = gguf_int(g, ARCH_KEY("expert_weights_norm"), 0, 0, 1);
+    p->expert_scale = gguf_float(g, ARCH_KEY("expert_weights_scale"), 0.0f);
+    if (!isfinite(p->expert_scale)) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, p->expert_scale);
+    const int shared = gguf_int(g, ARCH_KEY("expert_shared_count"), -1, 1, 4096);
+    if ((long long)shared * p->expert_hidden > INT_MAX) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %d, too many", g->path, key, shared);
+    p->shared_hidden = shared * p->expert_hidden;
+    p->leading_dense = gguf_int(g, ARCH_KEY("leading_dense_block_count"), 0, 0, p->n_layers);
+#undef ARCH_KEY
+}
+
 /* The hyperparameters of a file of architecture `arch` (its row: p->arch):
    widths, heads, RoPE, the sliding window and the scales the row reads. */
 static void gguf_config(Config *p, const GGUF *g, const char *arch) {
@@ -2296,12 +2377,16 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
     p->vocab_size = (int)embedding->ne[1];
     /* a head's width: key_length where the file sets it (Qwen3, Gemma 3, Mistral Nemo), which values share */
     const int heads = p->dim % p->n_heads == 0 ? p->dim / p->n_heads : 0;
-    p->head_size = gguf_int(g, ARCH_KEY("attention.key_length"), heads > 0 ? heads : -1, 2, 65536);
-    const int value_length = gguf_int(g, ARCH_KEY("attention.value_length"), p->head_size, 1, 65536);
-    if (value_length != p->head_size)
-        die(EXIT_BAD_FILE, "%s: %s is %d, not the key length %d (this program runs heads whose keys and values are alike)", g->path, key,
-            value_length, p->head_size);
-    p->rope_dims = gguf_int(g, ARCH_KEY("rope.dimension_count"), p->head_size, 2, p->head_size);
+    if (a->mla) {
+        gguf_mla_config(p, g, arch, heads);
+    } else {
+        p->head_size = gguf_int(g, ARCH_KEY("attention.key_length"), heads > 0 ? heads : -1, 2, 65536);
+        const int value_length = gguf_int(g, ARCH_KEY("attention.value_length"), p->head_size, 1, 65536);
+        if (value_length != p->head_size)
+            die(EXIT_BAD_FILE, "%s: %s is %d, not the key length %d (this program runs heads whose keys and values are alike)", g->path,
+                key, value_length, p->head_size);
+        p->rope_dims = gguf_int(g, ARCH_KEY("rope.dimension_count"), p->head_size, 2, p->head_size);
+    }
     validate_config(p, g->path);
     if (!(p->norm_eps >= 0.0f && p->norm_eps < 1.0f))
         die(EXIT_BAD_FILE, "%s: bad GGUF: rms epsilon %g is not in [0, 1)", g->path, p->norm_eps);
@@ -2345,6 +2430,9 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
                 p->n_experts);
         p->shared_hidden = gguf_int(g, ARCH_KEY("expert_shared_feed_forward_length"), p->hidden_dim, 1, INT_MAX);
     }
+    p->gating = a->gating;
+    p->moe_norm = a->moe_norm;
+    if (a->mla && p->n_experts > 0) gguf_deepseek_experts(p, g, arch);
     const GGUFValue *tokens = gguf_value(g, "tokenizer.ggml.tokens");
     if (tokens && (tokens->type != GGUF_ARRAY || tokens->count != (uint64_t)p->vocab_size))
         die(EXIT_BAD_FILE, "%s: the vocabulary has %llu tokens, the token embedding %d", g->path,
@@ -2437,18 +2525,30 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
     if (p->window > 0) t->rope_freq_local = gguf_rope_frequencies(g, p, arch, p->rope_theta_local, "", p->arch->swa_base == 0.0f);
     /* YaRN's attention factor: cosines and sines times 1 + ln(factor) / 10
        where the factor is above 1 (llama.cpp's yarn_attn_factor, its
-       cancelled mscale and ggml's rope's together) */
+       cancelled mscale and ggml's rope's together); but for DeepSeek's
+       files with a yarn_log_multiplier L, which llama.cpp reads only
+       there, the cosines and sines are left as they are and the attention
+       scores are multiplied by mscale^2 instead, mscale = 1 + L ln(factor)
+       (the converter wrote L as 0.1 x mscale_all_dim) */
     snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
     char *scaling = gguf_string(g, key);
+    float log_mul = 0.0f, factor = 1.0f;
     if (scaling && strcmp(scaling, "yarn") == 0) {
         snprintf(key, sizeof(key), "%s.rope.scaling.yarn_log_multiplier", arch);
-        if (gguf_float(g, key, 0.0f) != 0.0f)
-            die(EXIT_BAD_FILE, "%s: %s is set: YaRN with a log multiplier is not one this program runs", g->path, key);
+        log_mul = gguf_float(g, key, 0.0f);
+        if (log_mul != 0.0f && !p->arch->mla)
+            die(EXIT_BAD_FILE, "%s: %s is set: YaRN with a log multiplier is not one this program runs but for deepseek2", g->path, key);
+        if (!isfinite(log_mul)) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, log_mul);
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
-        const float factor = gguf_float(g, key, 1.0f);
-        if (factor > 1.0f) p->rope_mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (1.0f + 0.1f * logf(factor));
+        factor = gguf_float(g, key, 1.0f);
+        if (factor > 1.0f && log_mul == 0.0f) p->rope_mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (1.0f + 0.1f * logf(factor));
     }
     free(scaling);
+    /* MLA: the scores times the square of RoPE's factor and of YaRN's mscale (llama.cpp's kq_scale) */
+    if (p->arch->mla) {
+        const float mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (factor > 1.0f ? 1.0f + log_mul * logf(factor) : 1.0f);
+        p->att_multiplier *= mscale * mscale;
+    }
 }
 
 /* Layer matrices stored apart (blk.N.<names[i]>.weight) or fused in one
@@ -2478,24 +2578,89 @@ static void gguf_layer_parts(Transformer *t, const GGUF *g, const char *fused, c
     }
 }
 
-/* The n_experts matrices of (rows, cols) that the 3-D tensor
-   blk.<l>.<what>.weight holds, one after the other, into out[0..n-1]. */
-static void gguf_experts(Transformer *t, const GGUF *g, int l, const char *what, int rows, int cols, Matrix *out) {
-    const int n = t->config.n_experts;
+/* The n matrices of (rows, cols) that the 3-D tensor blk.<l>.<what>.weight
+   holds, one after the other (n experts, or n heads: `of` says which),
+   into out[0..n-1]. */
+static void gguf_stacked(Transformer *t, const GGUF *g, int l, const char *what, int rows, int cols, int n, const char *of, Matrix *out) {
     char name[64];
     snprintf(name, sizeof(name), "blk.%d.%s.weight", l, what);
     const GGUFTensor *x = gguf_tensor(g, name);
     if (!x) die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' is missing", g->path, name);
     if (x->ne[0] != (uint64_t)cols || x->ne[1] != (uint64_t)rows || x->ne[2] != (uint64_t)n || x->ne[3] != 1)
-        die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' has shape [%llu, %llu, %llu, %llu], the metadata make it [%d, %d, %d] (%d experts)", g->path,
+        die(EXIT_BAD_FILE, "%s: GGUF tensor '%s' has shape [%llu, %llu, %llu, %llu], the metadata make it [%d, %d, %d] (%d %s)", g->path,
             name, (unsigned long long)x->ne[0], (unsigned long long)x->ne[1], (unsigned long long)x->ne[2], (unsigned long long)x->ne[3],
-            cols, rows, n, n);
+            cols, rows, n, n, of);
     GGUFTensor all = *x;
     all.ne[1] = (uint64_t)rows * n;
     all.ne[2] = 1;
     for (int e = 0; e < n; e++) {
         GGUFTensor part = tensor_rows(&all, (uint64_t)e * rows, (uint64_t)rows);
         out[e] = gguf_matrix_of(t, g, &part, name, rows, cols);
+    }
+}
+
+static void gguf_experts(Transformer *t, const GGUF *g, int l, const char *what, int rows, int cols, Matrix *out) {
+    gguf_stacked(t, g, l, what, rows, cols, t->config.n_experts, "experts", out);
+}
+
+static void matrix_row(float *out, const Matrix *W, int row); /* section 3 */
+
+/* The transpose of m, in float32 (model pages). */
+static Matrix transposed(Transformer *t, const Matrix *m) {
+    float *w = model_pages(t, (size_t)m->rows * m->cols * sizeof(float)), *row = xcalloc((size_t)m->cols, sizeof(float));
+    for (int i = 0; i < m->rows; i++) {
+        matrix_row(row, m, i);
+        for (int j = 0; j < m->cols; j++) w[(size_t)j * m->rows + i] = row[j];
+    }
+    free(row);
+    return (Matrix){.w = w, .rows = m->cols, .cols = m->rows};
+}
+
+/* Multi-head latent attention's tensors (Config mla_rank): attn_q, or
+   attn_q_a, attn_q_a_norm and attn_q_b (q_rank); attn_kv_a_mqa and
+   attn_kv_a_norm; attn_output; and each head's wk_b and wv_b: the newer
+   files' attn_k_b [mla_nope, mla_rank, heads] and attn_v_b [mla_rank,
+   mla_value, heads] as they are, or the older files' attn_kv_b [mla_rank,
+   heads x (mla_nope + mla_value)] split at load, a head's rows of k
+   (mla_nope, mla_rank) transposed into float32 (wk_b multiplies the query,
+   not the latent), its rows of v as they are. */
+static void gguf_mla_layers(Transformer *t, const GGUF *g) {
+    const Config *p = &t->config;
+    Weights *w = &t->weights;
+    const int L = p->n_layers, H = p->n_heads, dim = p->dim, R = p->mla_rank, nope = p->mla_nope, rope = p->rope_dims;
+    const int q_width = H * (nope + rope);
+    w->wq = xcalloc((size_t)L, sizeof(Matrix)); /* rows 0 where q comes from q_a and q_b */
+    w->wk = xcalloc((size_t)L, sizeof(Matrix)); /* none: rows 0 */
+    w->wv = xcalloc((size_t)L, sizeof(Matrix));
+    if (p->q_rank > 0) {
+        w->wq_a = gguf_layer_matrices(t, g, "attn_q_a", p->q_rank, dim);
+        w->wq_b = gguf_layer_matrices(t, g, "attn_q_b", q_width, p->q_rank);
+        w->q_a_norm = gguf_layer_vectors(t, g, "attn_q_a_norm.weight", p->q_rank, 1);
+    } else {
+        free(w->wq);
+        w->wq = gguf_layer_matrices(t, g, "attn_q", q_width, dim);
+    }
+    w->wkv_a = gguf_layer_matrices(t, g, "attn_kv_a_mqa", R + rope, dim);
+    w->kv_a_norm = gguf_layer_vectors(t, g, "attn_kv_a_norm.weight", R, 1);
+    w->wo = gguf_layer_matrices(t, g, "attn_output", dim, H * p->mla_value);
+    w->wk_b = xcalloc((size_t)L * H, sizeof(Matrix));
+    w->wv_b = xcalloc((size_t)L * H, sizeof(Matrix));
+    for (int l = 0; l < L; l++) {
+        char name[64];
+        snprintf(name, sizeof(name), "blk.%d.attn_kv_b.weight", l);
+        if (p->mla_split) {
+            gguf_stacked(t, g, l, "attn_k_b", R, nope, H, "heads", w->wk_b + (size_t)l * H);
+            gguf_stacked(t, g, l, "attn_v_b", p->mla_value, R, H, "heads", w->wv_b + (size_t)l * H);
+            continue;
+        }
+        const int per = nope + p->mla_value;
+        const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)R, (uint64_t)H * per, 1);
+        for (int h = 0; h < H; h++) {
+            GGUFTensor k = tensor_rows(x, (uint64_t)h * per, (uint64_t)nope), v = tensor_rows(x, (uint64_t)h * per + nope, (uint64_t)p->mla_value);
+            const Matrix k_rows = gguf_matrix_of(t, g, &k, name, nope, R);
+            w->wk_b[(size_t)l * H + h] = transposed(t, &k_rows);
+            w->wv_b[(size_t)l * H + h] = gguf_matrix_of(t, g, &v, name, p->mla_value, R);
+        }
     }
 }
 
@@ -2519,13 +2684,14 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
         snprintf(name, sizeof(name), "blk.%d.ffn_gate_inp.weight", l);
         const char *ffn[3] = {"ffn_gate", "ffn_up", "ffn_down"};
         int width = p->hidden_dim;
-        if (gguf_tensor(g, name) || p->arch->biases) { /* gpt-oss: a router in every layer (gguf_matrix names it if missing) */
+        /* gpt-oss: a router in every layer, DeepSeek's past its leading dense ones (gguf_matrix names it if missing) */
+        if (p->arch->mla ? l >= p->leading_dense : gguf_tensor(g, name) || p->arch->biases) {
             w->router[l] = gguf_matrix(t, g, name, E, dim);
             gguf_experts(t, g, l, "ffn_gate_exps", F, dim, w->e_gate + (size_t)l * E);
             gguf_experts(t, g, l, "ffn_up_exps", F, dim, w->e_up + (size_t)l * E);
             gguf_experts(t, g, l, "ffn_down_exps", dim, F, w->e_down + (size_t)l * E);
             snprintf(name, sizeof(name), "blk.%d.ffn_gate_shexp.weight", l);
-            if (!gguf_tensor(g, name)) continue;
+            if (!gguf_tensor(g, name) && !p->arch->mla) continue; /* DeepSeek's are required */
             ffn[0] = "ffn_gate_shexp", ffn[1] = "ffn_up_shexp", ffn[2] = "ffn_down_shexp";
             width = p->shared_hidden;
         }
@@ -2536,6 +2702,7 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
         }
     }
     w->shared_gate = gguf_layer_vectors(t, g, "ffn_gate_inp_shexp.weight", dim, 0);
+    if (p->arch->mla) w->select_bias = gguf_layer_vectors(t, g, "exp_probs_b.bias", E, 0); /* DeepSeek-V3's */
     if (p->arch->biases) { /* gpt-oss: the router's and each expert's biases */
         w->router_bias = gguf_layer_vectors(t, g, "ffn_gate_inp.bias", E, 1);
         w->e_gate_bias = gguf_layer_tables(t, g, "ffn_gate_exps.bias", F, E, 1);
@@ -2571,9 +2738,13 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     const char *qkv_names[] = {"attn_q", "attn_k", "attn_v"}, *up_names[] = {"ffn_gate", "ffn_up"};
     const int qkv_rows[] = {qd, kv_dim, kv_dim}, up_rows[] = {hidden, hidden};
     Matrix *qkv[3], *up[2];
-    gguf_layer_parts(t, g, a->fused ? "attn_qkv" : NULL, qkv_names, qkv_rows, 3, dim, qkv);
-    w->wq = qkv[0], w->wk = qkv[1], w->wv = qkv[2];
-    w->wo = gguf_layer_matrices(t, g, "attn_output", dim, qd);
+    if (p->mla_rank > 0) {
+        gguf_mla_layers(t, g);
+    } else {
+        gguf_layer_parts(t, g, a->fused ? "attn_qkv" : NULL, qkv_names, qkv_rows, 3, dim, qkv);
+        w->wq = qkv[0], w->wk = qkv[1], w->wv = qkv[2];
+        w->wo = gguf_layer_matrices(t, g, "attn_output", dim, qd);
+    }
     if (p->n_experts > 0)
         gguf_moe_layers(t, g);
     else {
@@ -2595,9 +2766,11 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
     float *final = model_pages(t, (size_t)dim * sizeof(float));
     gguf_vector(g, "output_norm.weight", final, dim, 1);
     w->rms_final = final;
-    w->bq = gguf_layer_vectors(t, g, "attn_q.bias", qd, 0);
-    w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
-    w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
+    if (!a->mla) {
+        w->bq = gguf_layer_vectors(t, g, "attn_q.bias", qd, 0);
+        w->bk = gguf_layer_vectors(t, g, "attn_k.bias", kv_dim, 0);
+        w->bv = gguf_layer_vectors(t, g, "attn_v.bias", kv_dim, 0);
+    }
     w->bo = gguf_layer_vectors(t, g, "attn_output.bias", dim, a->biases);
     w->sinks = a->sinks ? gguf_layer_vectors(t, g, "attn_sinks.weight", p->n_heads, 1) : NULL;
     if (gguf_tensor(g, "output.weight")) w->wcls = gguf_matrix(t, g, "output.weight", p->vocab_size, dim);
@@ -2646,6 +2819,7 @@ static void free_transformer(Transformer *t) {
     free(w->wq); free(w->wk); free(w->wv); free(w->wo);
     free(w->w1); free(w->w2); free(w->w3);
     free(w->router); free(w->e_gate); free(w->e_up); free(w->e_down);
+    free(w->wq_a); free(w->wq_b); free(w->wkv_a); free(w->wk_b); free(w->wv_b);
     for (int i = 0; i < t->n_owned; i++) free_pages(t->owned[i].p, t->owned[i].bytes);
     free(t->owned);
     if (t->gguf) free_gguf(t->gguf);
@@ -5335,7 +5509,8 @@ static void matrix_release_stored(const Matrix *W) {
 static Matrix **matmul_matrices(Transformer *t, int *n) {
     Weights *w = &t->weights;
     const int L = t->config.n_layers, E = t->config.n_experts;
-    Matrix **all = xcalloc(1 + (size_t)L * (8 + 3 * (size_t)E), sizeof(Matrix *));
+    const int H = t->config.mla_rank > 0 ? t->config.n_heads : 0;
+    Matrix **all = xcalloc(1 + (size_t)L * (11 + 3 * (size_t)E + 2 * (size_t)H), sizeof(Matrix *));
     *n = 0;
     all[(*n)++] = &w->wcls;
     for (int l = 0; w->wq && l < L; l++) {
@@ -5346,6 +5521,13 @@ static Matrix **matmul_matrices(Transformer *t, int *n) {
             all[(*n)++] = &w->e_gate[(size_t)l * E + e];
             all[(*n)++] = &w->e_up[(size_t)l * E + e];
             all[(*n)++] = &w->e_down[(size_t)l * E + e];
+        }
+        Matrix *mla[] = {w->wq_a ? &w->wq_a[l] : NULL, w->wq_b ? &w->wq_b[l] : NULL, w->wkv_a ? &w->wkv_a[l] : NULL};
+        for (int m = 0; m < 3; m++)
+            if (mla[m]) all[(*n)++] = mla[m];
+        for (int h = 0; h < H; h++) {
+            all[(*n)++] = &w->wk_b[(size_t)l * H + h];
+            all[(*n)++] = &w->wv_b[(size_t)l * H + h];
         }
     }
     return all;
@@ -5670,8 +5852,12 @@ static int layer_windowed(const Config *p, int l) {
     return p->window > 0 && l % p->window_period != p->window_period - 1;
 }
 
+/* Rows a position stores a layer: a key and a value, or (MLA) one row that
+   is both (the latent c and the RoPE key: the values are the latent). */
+static int kv_rows_of(const Config *p) { return p->mla_rank > 0 ? 1 : 2; }
+
 /* Bytes of one block's keys and values, all its layers. */
-static double kv_block_bytes(const KVCache *c) { return 2.0 * c->row_bytes * c->n_layers * KV_BLOCK; }
+static double kv_block_bytes(const KVCache *c) { return (c->values_in_keys ? 1.0 : 2.0) * c->row_bytes * c->n_layers * KV_BLOCK; }
 
 /* A pool of n_blocks blocks of `type`, all free, for n_layers layers. */
 static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks, int type) {
@@ -5679,7 +5865,7 @@ static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks
     if (type == KV_Q8_0 && kv_dim % KV_GROUP != 0)
         die(EXIT_USAGE, "--kv-type q8_0 needs a key/value dimension that is a multiple of %d; this model's is %d", KV_GROUP, kv_dim);
     size_t row_bytes = kv_row_bytes(type, kv_dim);
-    double bytes = 2.0 * row_bytes * n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
+    double bytes = (double)kv_rows_of(p) * row_bytes * n_layers * (double)kv_padded_blocks(n_blocks) * KV_BLOCK;
     if (bytes > (double)(SIZE_MAX / 4))
         die(EXIT_BAD_FILE, "the key/value cache would need %.3g bytes, too large for this machine", bytes);
     memset(c, 0, sizeof(*c));
@@ -5688,10 +5874,11 @@ static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks
     c->kv_dim = kv_dim;
     c->type = type;
     c->row_bytes = row_bytes;
+    c->values_in_keys = kv_rows_of(p) == 1;
     const char *what = "the key/value cache; --ctx-size, --kv-mb or --kv-type make it smaller";
     if (n_layers > 0) { /* a model whose every layer is windowed has none outside the window pool */
         c->key = alloc_pages(kv_array_bytes(c), what, 1);
-        c->value = alloc_pages(kv_array_bytes(c), what, 1);
+        if (!c->values_in_keys) c->value = alloc_pages(kv_array_bytes(c), what, 1);
     }
     c->ref = xcalloc((size_t)n_blocks, sizeof(int));
     c->prev = xcalloc((size_t)n_blocks, sizeof(int));
@@ -6096,14 +6283,14 @@ static void kv_encode(const KVCache *c, unsigned char *row, const float *x, int 
    (kv_dim floats each) of position pos of layer `layer`, in the cache's type. */
 static void kv_store(KVCache *c, int layer, const BlockTable *t, int pos, const float *k, const float *v) {
     kv_encode(c, kv_row(c, layer, t, pos, 0), k, c->kv_dim);
-    kv_encode(c, kv_row(c, layer, t, pos, 1), v, c->kv_dim);
+    if (!c->values_in_keys) kv_encode(c, kv_row(c, layer, t, pos, 1), v, c->kv_dim);
 }
 
 /* The one function that finds a cache row to read: the key (values = 0) or
-   the value (values = 1) of position pos of layer `layer`, as stored; kv_dot
-   and kv_axpy read its values. */
+   the value (values = 1) of position pos of layer `layer`, as stored (MLA:
+   the key row both); kv_dot and kv_axpy read its values. */
 static const unsigned char *kv_load(const KVCache *c, int layer, const BlockTable *t, int pos, int values) {
-    return kv_row(c, layer, t, pos, values);
+    return kv_row(c, layer, t, pos, values && !c->values_in_keys);
 }
 
 /* Bytes of values from..from+n-1 of a row (the int8 part for q8_0), for
@@ -6194,7 +6381,7 @@ static void kv_copy_rows(KVCache *c, int from, int to, int n) {
     for (int l = 0; l < c->n_layers; l++) {
         size_t src = kv_block_offset(c, l, from), dst = kv_block_offset(c, l, to);
         memcpy(c->key + dst, c->key + src, bytes);
-        memcpy(c->value + dst, c->value + src, bytes);
+        if (!c->values_in_keys) memcpy(c->value + dst, c->value + src, bytes);
     }
 }
 
@@ -6349,6 +6536,14 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
         s->eh2 = xcalloc(rows * p->expert_hidden, sizeof(float));
         s->slots = xcalloc(rows * k * p->dim, sizeof(float));
     }
+    if (p->mla_rank > 0) {
+        const int per_head = p->mla_nope + p->rope_dims > p->mla_value ? p->mla_nope + p->rope_dims : p->mla_value;
+        int in = p->mla_rank > p->q_rank ? p->mla_rank : p->q_rank;
+        if (p->mla_nope > in) in = p->mla_nope;
+        s->mla_q = xcalloc(rows * p->n_heads * per_head, sizeof(float));
+        s->mla_in = xcalloc(rows * in, sizeof(float));
+        s->mla_out = xcalloc(rows * (in > p->mla_rank + p->rope_dims ? in : p->mla_rank + p->rope_dims), sizeof(float));
+    }
     kv_init(&s->cache, p, n_blocks, window_blocks, kv_type);
 }
 
@@ -6356,6 +6551,7 @@ static void free_run_state(RunState *s) {
     free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
     free(s->q); free(s->q_turned); free(s->k); free(s->v); free(s->att); free(s->chunks); free(s->tiles); free(s->groups); free(s->logits);
     free(s->router); free(s->chosen); free(s->route_w); free(s->slot_of); free(s->ex); free(s->eh); free(s->eh2); free(s->slots);
+    free(s->mla_q); free(s->mla_in); free(s->mla_out);
     kv_free(&s->cache);
     memset(s, 0, sizeof(*s));
 }
@@ -7124,6 +7320,64 @@ static void add_residual(float *x, const float *y, int n, int dim, float scale) 
         for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += y[i];
 }
 
+/* ---- Multi-head latent attention (DeepSeek-V2) -------------------------------
+   The keys and values of every head are one latent vector c of a position
+   (mla_rank wide) taken up by each head's matrices: k_nope_h = Wk_h c,
+   v_h = Wv_h c. The up-projections are absorbed instead, as llama.cpp
+   computes it: head h's query becomes [q_pe_h, wk_b_h q_nope_h], which
+   against the cached row [k_pe, c] gives q_pe_h . k_pe + q_nope_h . Wk_h c;
+   its output is wv_b_h (sum_t p_t c_t). So the attention of section 4 runs
+   unchanged as one key head (n_kv_heads 1) of head_size = rope_dims +
+   mla_rank values, the RoPE part first so that rope() turns it; the cache
+   holds that one row a position and layer, and reads the values from it
+   (KVCache values_in_keys): the sums of its RoPE part are left unread. */
+
+/* q (n, n_heads x head_size) and k (n, head_size) of n rows of xb in layer l. */
+static void mla_project(Transformer *t, int l, int n) {
+    const Config *p = &t->config;
+    const Weights *w = &t->weights;
+    RunState *s = &t->state;
+    const int H = p->n_heads, R = p->mla_rank, rope = p->rope_dims, nope = p->mla_nope, hs = p->head_size, per = nope + rope;
+    if (p->q_rank > 0) { /* q = wq_b @ rmsnorm(wq_a @ x) */
+        matmul(s->mla_out, s->xb, &w->wq_a[l], n);
+        rmsnorm_rows(s->mla_out, w->q_a_norm + (size_t)l * p->q_rank, n, p->q_rank, p->norm_eps);
+        matmul(s->mla_q, s->mla_out, &w->wq_b[l], n);
+    } else
+        matmul(s->mla_q, s->xb, &w->wq[l], n);
+    matmul(s->mla_out, s->xb, &w->wkv_a[l], n); /* [c, k_pe] */
+    for (int r = 0; r < n; r++) {
+        const float *ckr = s->mla_out + (size_t)r * (R + rope);
+        float *k = s->k + (size_t)r * hs;
+        memcpy(k, ckr + R, (size_t)rope * sizeof(float));
+        rmsnorm(k + rope, ckr, w->kv_a_norm + (size_t)l * R, R, p->norm_eps);
+    }
+    for (int h = 0; h < H; h++) {
+        for (int r = 0; r < n; r++) memcpy(s->mla_in + (size_t)r * nope, s->mla_q + ((size_t)r * H + h) * per, (size_t)nope * sizeof(float));
+        matmul(s->mla_out, s->mla_in, &w->wk_b[(size_t)l * H + h], n);
+        for (int r = 0; r < n; r++) {
+            float *q = s->q + ((size_t)r * H + h) * hs;
+            memcpy(q, s->mla_q + ((size_t)r * H + h) * per + nope, (size_t)rope * sizeof(float));
+            memcpy(q + rope, s->mla_out + (size_t)r * R, (size_t)R * sizeof(float));
+        }
+    }
+}
+
+/* The heads' outputs (n, n_heads x mla_value) from the attention's sums
+   of latents in xb (n, n_heads x head_size; each head's after its RoPE
+   part): wv_b_h of head h's. Returns them (in mla_q). */
+static const float *mla_output(Transformer *t, int l, int n) {
+    const Config *p = &t->config;
+    RunState *s = &t->state;
+    const int H = p->n_heads, R = p->mla_rank, V = p->mla_value, hs = p->head_size;
+    for (int h = 0; h < H; h++) {
+        for (int r = 0; r < n; r++)
+            memcpy(s->mla_in + (size_t)r * R, s->xb + ((size_t)r * H + h) * hs + p->rope_dims, (size_t)R * sizeof(float));
+        matmul(s->mla_out, s->mla_in, &t->weights.wv_b[(size_t)l * H + h], n);
+        for (int r = 0; r < n; r++) memcpy(s->mla_q + ((size_t)r * H + h) * V, s->mla_out + (size_t)r * V, (size_t)V * sizeof(float));
+    }
+    return s->mla_q;
+}
+
 /* The dense FFN of n rows of xb: out = w2 @ (act(w1 @ xb) * (w3 @ xb)), act
    SiLU (v * sigmoid(v)) or GELU, its width w1's rows. */
 static void dense_ffn(Transformer *t, const Matrix *w1, const Matrix *w3, const Matrix *w2, int n, float *out) {
@@ -7155,35 +7409,42 @@ static void add_shared_expert(Transformer *t, int l, int n, const float *y) {
 
 /* The k experts of a row and their weights from its router logits
    (n_experts, turned into probabilities in place): the softmax over all
-   experts, the k most probable (at a tie, the lower index first, as
-   llama.cpp's sort takes them up to 16 experts; beyond, its order at exact
-   ties is its sort's), their probabilities as weights, renormalised to sum
-   1 where the architecture does so (Arch moe_norm; the sum held above
-   2^-14 as llama.cpp holds it); or (Arch gating GATING_TOPK_SOFTMAX,
-   gpt-oss) the k largest logits, weighted by their softmax among
-   themselves. These architectures' expert_weights_scale is not read, as
-   llama.cpp reads it not. */
-static void route(const Config *p, float *probs, int *chosen, float *weights) {
-    const int E = p->n_experts, k = p->n_experts_used, topk_softmax = p->arch->gating == GATING_TOPK_SOFTMAX;
-    if (!topk_softmax) softmax(probs, E);
+   experts (or, GATING_SIGMOID, each logit's sigmoid), the k most probable
+   (at a tie, the lower index first, as llama.cpp's sort takes them up to
+   16 experts; beyond, its order at exact ties is its sort's), chosen by
+   their probabilities plus select_bias where the model has one (DeepSeek-V3's
+   exp_probs_b.bias, NULL: none), their probabilities as weights,
+   renormalised to sum 1 where the model does so (Config moe_norm; the sum
+   held above 2^-14 as llama.cpp holds it), then times expert_scale where
+   set; or (GATING_TOPK_SOFTMAX, gpt-oss) the k largest logits, weighted by
+   their softmax among themselves. Only DeepSeek's loader reads
+   expert_weights_scale, as only llama.cpp's does. */
+static void route(const Config *p, const float *select_bias, float *probs, int *chosen, float *weights) {
+    const int E = p->n_experts, k = p->n_experts_used;
+    if (p->gating == GATING_SOFTMAX) softmax(probs, E);
+    if (p->gating == GATING_SIGMOID)
+        for (int e = 0; e < E; e++) probs[e] = 1.0f / (1.0f + expf(-probs[e]));
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         int best = -1;
+        float best_score = 0.0f;
         for (int e = 0; e < E; e++) {
             int taken = 0;
             for (int i = 0; i < j; i++) taken |= chosen[i] == e;
-            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+            const float score = probs[e] + (select_bias ? select_bias[e] : 0.0f);
+            if (!taken && (best < 0 || score > best_score)) best = e, best_score = score;
         }
         chosen[j] = best;
         weights[j] = probs[best];
         sum += weights[j];
     }
-    if (topk_softmax) {
+    if (p->gating == GATING_TOPK_SOFTMAX) {
         softmax(weights, k);
         return;
     }
     if (sum < 6.103515625e-5f) sum = 6.103515625e-5f;
-    for (int j = 0; p->arch->moe_norm && j < k; j++) weights[j] /= sum;
+    for (int j = 0; p->moe_norm && j < k; j++) weights[j] /= sum;
+    for (int j = 0; p->expert_scale != 0.0f && j < k; j++) weights[j] *= p->expert_scale;
 }
 
 /* The mixture of experts of n rows of xb into out (n, dim): each row's
@@ -7200,7 +7461,8 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
     const int E = p->n_experts, k = p->n_experts_used, dim = p->dim, F = p->expert_hidden;
     matmul(s->router, s->xb, &w->router[l], n);
     add_bias(s->router, w->router_bias, l, n, E); /* gpt-oss */
-    for (int r = 0; r < n; r++) route(p, s->router + (size_t)r * E, s->chosen + (size_t)r * k, s->route_w + (size_t)r * k);
+    const float *select_bias = w->select_bias ? w->select_bias + (size_t)l * E : NULL;
+    for (int r = 0; r < n; r++) route(p, select_bias, s->router + (size_t)r * E, s->chosen + (size_t)r * k, s->route_w + (size_t)r * k);
     for (int e = 0; e < E; e++) {
         int m = 0; /* the slots (row * k + rank) routed to e */
         for (int slot = 0; slot < n * k; slot++)
@@ -7256,9 +7518,13 @@ static float *forward(Transformer *t, const Batch *b) {
         /* attention block: x += wo @ attention(rope(wq @ xb), rope(wk @ xb), wv @ xb) */
         for (int r = 0; r < n; r++)
             rmsnorm(s->xb + (size_t)r * dim, s->x + (size_t)r * dim, w->rms_att + (size_t)l * dim, dim, p->norm_eps);
-        const Matrix *qkv[3] = {&w->wq[l], &w->wk[l], &w->wv[l]};
-        float *const qkv_out[3] = {s->q, s->k, s->v};
-        matmul_shared(qkv, qkv_out, 3, s->xb, n);
+        if (p->mla_rank > 0) { /* latent attention: one key head, the latent and the RoPE key */
+            mla_project(t, l, n);
+        } else {
+            const Matrix *qkv[3] = {&w->wq[l], &w->wk[l], &w->wv[l]};
+            float *const qkv_out[3] = {s->q, s->k, s->v};
+            matmul_shared(qkv, qkv_out, 3, s->xb, n);
+        }
         add_bias(s->q, w->bq, l, n, qd); /* GGUF qwen2 */
         add_bias(s->k, w->bk, l, n, kv_dim);
         add_bias(s->v, w->bv, l, n, kv_dim);
@@ -7277,7 +7543,7 @@ static float *forward(Transformer *t, const Batch *b) {
             kv_store(&s->cache, l, b->table[r], b->pos[r], k, v);
         }
         attention(t, b, l);
-        matmul(s->xb2, s->xb, &w->wo[l], n);
+        matmul(s->xb2, p->mla_rank > 0 ? mla_output(t, l, n) : s->xb, &w->wo[l], n); /* MLA: the heads' outputs from their latents */
         add_bias(s->xb2, w->bo, l, n, dim); /* gpt-oss */
         if (w->post_att) rmsnorm_rows(s->xb2, w->post_att + (size_t)l * dim, n, dim, p->norm_eps); /* post-norm */
         add_residual(s->x, s->xb2, n, dim, p->residual_scale);
@@ -7336,9 +7602,9 @@ enum { TOKEN_BOS = 1, TOKEN_EOS = 2, BYTE_TOKEN_OFFSET = 3 };
    <|im_start|> (ChatML: Qwen, SmolLM), <|user|> (Phi-3), <start_of_turn>
    (Gemma), <|role|> without newlines (Phi-4-mini), <|start_of_role|>
    (Granite), [SYSTEM_PROMPT] (Mistral v7), <|start|>role<|message|>
-   (Harmony: gpt-oss) */
+   (Harmony: gpt-oss), User: ... Assistant: (DeepSeek-V2) */
 enum { CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, CHAT_PHI3, CHAT_GEMMA, CHAT_PHI4, CHAT_GRANITE, CHAT_MISTRAL7, CHAT_SMOLLM3,
-       CHAT_HARMONY };
+       CHAT_HARMONY, CHAT_DEEPSEEK2 };
 /* what becomes of a reply's <think> block (Qwen3): printed as it comes, left
    out of what is printed, or not asked for (the template's empty block) */
 enum { REASONING_SHOW, REASONING_HIDE, REASONING_OFF };
@@ -9162,11 +9428,13 @@ static int chat_family_of(const char *tmpl) {
     if (strstr(tmpl, "<|start_of_role|>")) return CHAT_GRANITE;
     /* Phi-4-mini's '<|' + message['role'] + '|>' + message['content'] + '<|end|>' */
     if (strstr(tmpl, "<|assistant|>") && strstr(tmpl, "<|end|>")) return CHAT_PHI4;
+    /* DeepSeek-V2's User: / Assistant: lines, as llama.cpp recognises them */
+    if (strstr(tmpl, "'Assistant: ' + message['content'] + eos_token")) return CHAT_DEEPSEEK2;
     return -1;
 }
 
 static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "phi3", "gemma", "phi4", "granite", "mistral7", "smollm3",
-                                                   "harmony"};
+                                                   "harmony", "deepseek2"};
 
 /* The token that closes a turn in the tokenizer's chat template: Llama 3's
    <|eot_id|>, ChatML's <|im_end|>, Phi-3's and Phi-4's <|end|>, Gemma's
@@ -9174,7 +9442,7 @@ static const char *const chat_family_names[] = {"llama2", "llama3", "chatml", "p
    else the file's end of turn (Mistral's </s>). */
 static int turn_end_token(const Tokenizer *t) {
     static const char *const names[] = {NULL, "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end|>", "<|end_of_text|>", NULL,
-                                        "<|im_end|>", "<|end|>"};
+                                        "<|im_end|>", "<|end|>", NULL};
     const char *name = names[t->chat_template];
     int id = name && t->special ? lookup_special(t, name) : -1;
     return id >= 0 ? id : t->end_of_turn;
@@ -9399,8 +9667,8 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
                : lookup_special(t, "<|start_of_role|>") >= 0 ? CHAT_GRANITE : lookup_special(t, "[SYSTEM_PROMPT]") >= 0 ? CHAT_MISTRAL7
                : lookup_special(t, "<|channel|>") >= 0 ? CHAT_HARMONY : CHAT_LLAMA2;
         if (v->chat_template)
-            fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML, Phi-3's, Phi-4's, Gemma's, Granite's "
-                            "Mistral v7's or Harmony; using %s (--chat-template chooses)\n",
+            fprintf(stderr, "run: note: %s: the chat template is none of Llama 2's, Llama 3's, ChatML, Phi-3's, Phi-4's, Gemma's, Granite's, "
+                            "Mistral v7's, SmolLM3's, Harmony or DeepSeek-V2's; using %s (--chat-template chooses)\n",
                     path, chat_family_names[family]);
     }
     t->chat_template = family;
@@ -13145,7 +13413,7 @@ static CacheShape cache_shape(const Transformer *t, int kv_type, const Speculato
     const Config *p = &t->config;
     int windowed = 0;
     for (int l = 0; l < p->n_layers; l++) windowed += layer_windowed(p, l);
-    double row = 2.0 * kv_row_bytes(kv_type, kv_dim_of(p)) * KV_BLOCK;
+    double row = kv_rows_of(p) * kv_row_bytes(kv_type, kv_dim_of(p)) * KV_BLOCK;
     CacheShape shape = {row * (p->n_layers - windowed), row * windowed, 0};
     if (windowed > 0) {
         /* a sequence feeds up to a prompt chunk or its drafts a step, and
@@ -13783,6 +14051,20 @@ static void render_harmony(TurnBuilder *b, const char *system_prompt, const char
     turn_string(b, "assistant");
 }
 
+/* DeepSeek-V2: BOS where the vocabulary adds one, the system prompt and a
+   blank line (first turn), "User: message", a blank line, "Assistant:"; the
+   reply ends with EOS, after which the next turn's "User: " follows. */
+static void render_deepseek2(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
+    if (first && b->tok->add_bos) turn_id(b, b->tok->bos);
+    if (first && system_prompt && system_prompt[0] != '\0') {
+        turn_string(b, system_prompt);
+        turn_string(b, "\n\n");
+    }
+    turn_string(b, "User: ");
+    turn_string(b, user);
+    turn_string(b, "\n\nAssistant:");
+}
+
 /* One user turn of the families rendered with a TurnBuilder. */
 static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prompt, const char *user, int first, int room,
                                    int *n_tokens) {
@@ -13797,6 +14079,7 @@ static int *render_chat_turn_built(const Tokenizer *tok, const char *system_prom
     case CHAT_GRANITE: render_granite(&b, system_prompt, user, first); break;
     case CHAT_SMOLLM3: render_smollm3(&b, system_prompt, user, first); break;
     case CHAT_HARMONY: render_harmony(&b, system_prompt, user, first); break;
+    case CHAT_DEEPSEEK2: render_deepseek2(&b, system_prompt, user, first); break;
     default: render_mistral7(&b, system_prompt, user, first); break;
     }
     turn_flush(&b);
@@ -14293,7 +14576,7 @@ static const char *usage_text =
     "  --max-new-tokens <int>    new tokens at most, per reply in chat (default: no limit)\n"
     "  --ctx-size <int>   context positions at most; 0 is the model's (default 0; a Llama 3 GGUF\n"
     "                     declares 131072: chat and serve size their caches by it)\n"
-    "  --chat-template <name>  llama2 llama3 chatml phi3 phi4 gemma granite mistral7 smollm3 harmony\n"
+    "  --chat-template <name>    llama2, llama3, chatml, gemma, harmony... (all: docs/options.md)\n"
     "  --reasoning <show|hide|off>  a Qwen3 reply's <think> block in chat: printed, not printed,\n"
     "                     or not asked for (default show); serve sends it as reasoning_content\n"
     "  -f <format>        output: text or json (default text)\n"
@@ -14523,8 +14806,8 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
         for (int f = 0; f < (int)(sizeof(chat_family_names) / sizeof(chat_family_names[0])); f++)
             if (strcmp(v, chat_family_names[f]) == 0) o->chat_template = f;
         if (o->chat_template < 0)
-            usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, smollm3 or harmony, "
-                        "got '%s'", v);
+            usage_error("--chat-template must be llama2, llama3, chatml, phi3, phi4, gemma, granite, mistral7, smollm3, harmony or "
+                        "deepseek2, got '%s'", v);
         return 2;
     }
     if (strcmp(flag, "--reasoning") == 0) {

@@ -1,7 +1,7 @@
 """Random GGUF models of the architectures beyond llama/qwen2 (qwen3, gemma3,
 phi3, smollm3, granite, llama whose heads are not embedding/head_count
 wide, and the mixtures of experts qwen3moe, qwen2moe, olmoe, mixtral,
-the last written as llama with experts, and gpt-oss), for checking run.c against
+the last written as llama with experts, gpt-oss and deepseek2), for checking run.c against
 llama.cpp itself (tests/llamacpp.py).
 Standard library and numpy only; builds on tests/gguf_ref.py (its writer,
 random_tensor and spm_vocab).
@@ -123,6 +123,33 @@ ggml/src/ggml-cpu/ops.cpp; read, not copied):
            (1 + 0.1 ln factor), where llama_context sets yarn_attn_factor
            = get_mscale(factor) / (1 + 0.1 ln factor) (so 1 + 0.1 ln
            factor in all, for factor > 1).
+  deepseek2 (src/models/deepseek2.cpp; no float64 reference here)
+           NORM RoPE (adjacent pairs) on rope.dimension_count values;
+           attention.q_lora_rank required (but for 26 or 27 layers): 0 ->
+           attn_q [n_embd, heads x (nope + rope)], else attn_q_a,
+           attn_q_a_norm, attn_q_b; a head's query [q_nope, q_pe];
+           attn_kv_a_mqa [n_embd, kv_lora_rank + rope] gives [c, k_pe], c
+           RMS-normalised by attn_kv_a_norm; newer files (is_mla:
+           key_length_mla and value_length_mla set, key_length = R + rope,
+           value_length = R, head_count_kv 1) hold attn_k_b [nope, R, heads]
+           and attn_v_b [R, v, heads] and run the absorbed form; older ones
+           attn_kv_b [R, heads x (nope + v)] (per head k rows then v rows)
+           and run it decompressed: the same function. kq_scale = mscale^2
+           / sqrt(nope + rope), mscale = attn_factor (1 + L ln factor)
+           with L = rope.scaling.yarn_log_multiplier (llama.cpp divides the
+           file's value by 0.1 and multiplies by 0.1 again), and with L set
+           the RoPE's cos and sin are times attn_factor only
+           (llama_context sets yarn_attn_factor = 1 / (1 + 0.1 ln factor)
+           for deepseek2, which ggml's rope cancels); with L = 0 they are
+           times 1 + 0.1 ln factor, and kq_scale takes that squared. Layers
+           below leading_dense_block_count: dense ffn_gate/up/down; the
+           others: router ffn_gate_inp, expert_gating_func 1 softmax / 2
+           sigmoid, exp_probs_b.bias [n_expert] (optional) added to the
+           probabilities for the top-k only, weights the unbiased
+           probabilities, renormalised iff expert_weights_norm (the sum
+           clamped >= 2^-14), times expert_weights_scale (when not 0 or
+           1); plus ffn_{gate,up,down}_shexp, expert_feed_forward_length x
+           expert_shared_count wide, unweighted; output optional.
 """
 import os
 import sys
@@ -134,7 +161,7 @@ from gguf_ref import random_tensor, spm_vocab, write_gguf  # noqa: E402
 
 ARCHS = ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama", "qwen3moe", "qwen2moe", "olmoe", "mixtral", "gpt-oss")
 # mixtures of experts (mixtral is written as general.architecture llama)
-MOE = ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "gpt-oss")
+MOE = ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "gpt-oss", "deepseek2")
 
 # neutralise names per arch (what each turns off is in _neutralise)
 FEATURES = {
@@ -151,6 +178,9 @@ FEATURES = {
     # the clamped SwiGLU and the gating order are not in the file: the
     # reference's variants check them (GPT_OSS_VARIANTS)
     "gpt-oss": ("routing", "experts_used", "sinks", "biases", "window", "yarn"),
+    # deepseek2 (no float64 reference here: llama.cpp is its oracle)
+    "deepseek2": ("routing", "experts_used", "shared_expert", "yarn", "yarn_log_mul", "weights_norm", "weights_scale",
+                  "probs_b", "kv_a_norm"),
 }
 
 # per arch: shapes (dim, heads, kv heads, head_dim, ffn, layers) and keys
@@ -190,6 +220,17 @@ DEFAULTS = {
     "gpt-oss": dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128, n_layers=4, theta=1e4, eps=1e-5,
                     n_expert=8, n_used=2, expert_ffn=32, router_gain=4.0, expert_weights_scale=None,
                     window=4, yarn_factor=4.0, orig_ctx=64, sink_lo=-1.0, sink_hi=3.0, expert_gain=6.0),
+    # DeepSeek-V2's latent attention: a latent of kv_rank 64 and a RoPE key
+    # of n_rot 32 (a cached row of 96), heads' queries nope 32 + 32, outputs
+    # v_head 32; q straight (q_rank 0) or through a rank of q_rank; the
+    # older files' attn_kv_b or the newer attn_k_b / attn_v_b (generation
+    # "kv_b" / "k_b", the same draws); layer 0 dense, then experts with
+    # n_shared shared ones; gating 1 softmax, 2 sigmoid (with
+    # exp_probs_b.bias); YaRN factor 4 over 64 with yarn_log_mul
+    "deepseek2": dict(dim=64, n_heads=4, n_kv_heads=4, head_dim=None, ffn=96, n_layers=3, theta=1e4, eps=1e-6,
+                      n_expert=8, n_used=3, expert_ffn=32, router_gain=4.0, expert_weights_scale=2.5,
+                      n_rot=32, kv_rank=64, nope=32, v_head=32, q_rank=0, generation="kv_b", leading=1, n_shared=2,
+                      weights_norm=True, gating=1, yarn_factor=4.0, orig_ctx=64, yarn_log_mul=0.0707),
 }
 
 NORM_RANGE = (0.6, 1.6)      # RMSNorm weights (of the residual stream)
@@ -251,6 +292,25 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
     if p["head_dim"]:
         meta[k("attention.key_length")] = hd
         meta[k("attention.value_length")] = hd
+    if arch == "deepseek2":
+        R, nope, rope, V, newer = p["kv_rank"], p["nope"], p["n_rot"], p["v_head"], p["generation"] == "k_b"
+        meta[k("attention.head_count_kv")] = 1 if newer else nh
+        meta[k("attention.kv_lora_rank")] = R
+        meta[k("attention.q_lora_rank")] = p["q_rank"]   # llama.cpp wants it but for 26 or 27 layers
+        meta[k("attention.key_length")] = R + rope if newer else nope + rope
+        meta[k("attention.value_length")] = R if newer else V
+        if newer:
+            meta[k("attention.key_length_mla")] = nope + rope
+            meta[k("attention.value_length_mla")] = V
+        meta[k("leading_dense_block_count")] = p["leading"]
+        meta[k("expert_shared_count")] = p["n_shared"]
+        meta[k("expert_weights_norm")] = bool(p["weights_norm"])
+        meta[k("expert_gating_func")] = p["gating"]
+        if p["yarn_factor"]:
+            meta[k("rope.scaling.type")] = "yarn"
+            meta[k("rope.scaling.factor")] = float(p["yarn_factor"])
+            meta[k("rope.scaling.original_context_length")] = int(p["orig_ctx"])
+            meta[k("rope.scaling.yarn_log_multiplier")] = float(p["yarn_log_mul"])
     n_rot = p.get("n_rot") or hd
     meta[k("rope.dimension_count")] = n_rot
     if arch in MOE:
@@ -318,6 +378,9 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
     for il in range(nl):
         b = "blk.%d." % il
         vec(b + "attn_norm.weight", dim, *NORM_RANGE)
+        if arch == "deepseek2":
+            _deepseek2_layer(il, b, p, mat, vec, experts, tensors, rng, types.get("attn_kv_b.weight", wtype))
+            continue
         if arch == "phi3":
             # fused: q rows, then k, then v (all gain QK_GAIN for q/k, 1 for v)
             q = random_tensor("F32", nh * hd * dim, rng, QK_GAIN / np.sqrt(dim))
@@ -413,6 +476,47 @@ def arch_model(arch, neutralise=None, wtype="F32", vocab=300, seed=0, tied=False
     return meta, tensors
 
 
+def _deepseek2_layer(il, b, p, mat, vec, experts, tensors, rng, kv_b_type):
+    """Layer il of a deepseek2 model (arch_model's helpers)."""
+    dim, H, ffn = p["dim"], p["n_heads"], p["ffn"]
+    R, nope, rope, V, Q = p["kv_rank"], p["nope"], p["n_rot"], p["v_head"], p["q_rank"]
+    if Q:
+        mat(b + "attn_q_a.weight", Q, dim)
+        vec(b + "attn_q_a_norm.weight", Q, *NORM_RANGE)
+        mat(b + "attn_q_b.weight", H * (nope + rope), Q, QK_GAIN)
+    else:
+        mat(b + "attn_q.weight", H * (nope + rope), dim, QK_GAIN)
+    mat(b + "attn_kv_a_mqa.weight", R + rope, dim, QK_GAIN)   # rows: the latent c, then the RoPE key
+    vec(b + "attn_kv_a_norm.weight", R, *QK_NORM_RANGE)
+    # each head's k_nope = Wk c and v = Wv c, written as the file's generation has them
+    wk = rng.normal(0, QK_GAIN / np.sqrt(R), (H, nope, R)).astype(np.float32)
+    wv = rng.normal(0, 1.0 / np.sqrt(R), (H, V, R)).astype(np.float32)
+    if p["generation"] == "kv_b":   # [R, H x (nope + V)]: a head's k rows, then its v rows
+        kvb = np.concatenate([wk, wv], axis=1)
+        tensors.append((b + "attn_kv_b.weight", kv_b_type, [R, H * (nope + V)], _cast(kvb.ravel(), kv_b_type, rng)))
+    else:                           # attn_k_b [nope, R, H] (Wk transposed), attn_v_b [R, V, H]
+        tensors.append((b + "attn_k_b.weight", kv_b_type, [nope, R, H], _cast(wk.transpose(0, 2, 1).ravel(), kv_b_type, rng)))
+        tensors.append((b + "attn_v_b.weight", kv_b_type, [R, V, H], _cast(wv.ravel(), kv_b_type, rng)))
+    mat(b + "attn_output.weight", dim, H * V)
+    vec(b + "ffn_norm.weight", dim, *NORM_RANGE)
+    if il < p["leading"]:
+        mat(b + "ffn_gate.weight", ffn, dim, 1.5)
+        mat(b + "ffn_up.weight", ffn, dim, 1.5)
+        mat(b + "ffn_down.weight", dim, ffn)
+        return
+    E, F, S = p["n_expert"], p["expert_ffn"], p["expert_ffn"] * p["n_shared"]
+    r = rng.normal(0, p["router_gain"] / np.sqrt(dim), E * dim).astype("<f4")
+    tensors.append((b + "ffn_gate_inp.weight", "F32", [dim, E], r.tobytes()))
+    if p["gating"] == 2:   # the sigmoid's selection bias: about the spread of the probabilities
+        tensors.append((b + "exp_probs_b.bias", "F32", [E], rng.uniform(-0.4, 0.4, E).astype("<f4").tobytes()))
+    experts(b + "ffn_gate_exps.weight", F, dim, EXPERT_GAIN)
+    experts(b + "ffn_up_exps.weight", F, dim, EXPERT_GAIN)
+    experts(b + "ffn_down_exps.weight", dim, F, EXPERT_GAIN)
+    mat(b + "ffn_gate_shexp.weight", S, dim, 1.5)
+    mat(b + "ffn_up_shexp.weight", S, dim, 1.5)
+    mat(b + "ffn_down_shexp.weight", dim, S)
+
+
 def _cast(x, t, rng):
     """float32 values x as raw bytes of type t (float types only: fused
     tensors of quantised types are drawn directly)."""
@@ -485,8 +589,19 @@ def _neutralise(arch, feature, meta, tensors, p, hd, seed):
     elif feature == "biases":     # gpt-oss's biases all zero: q/k/v/o, the router's, the experts'
         tensors = replace(lambda n: n.endswith(".bias"), lambda n, ne: bytes(4 * int(np.prod(ne))))
     elif feature == "yarn":       # no RoPE scaling: YaRN's ramp and attention factor gone
-        for key in ("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length"):
+        for key in ("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+                    "rope.scaling.yarn_log_multiplier"):
             meta.pop(k(key), None)
+    elif feature == "yarn_log_mul":   # deepseek2: YaRN without its log multiplier (mscale 1)
+        meta.pop(k("rope.scaling.yarn_log_multiplier"))
+    elif feature == "weights_norm":   # the chosen experts' weights renormalised, or not
+        meta[k("expert_weights_norm")] = not meta[k("expert_weights_norm")]
+    elif feature == "weights_scale":
+        meta[k("expert_weights_scale")] = 1.0
+    elif feature == "probs_b":        # the sigmoid's selection bias zero
+        tensors = replace(lambda n: n.endswith("exp_probs_b.bias"), lambda n, ne: bytes(4 * ne[0]))
+    elif feature == "kv_a_norm":      # the latent's norm weights all ones
+        tensors = replace(lambda n: n.endswith("attn_kv_a_norm.weight"), lambda n, ne: _ones(ne[0]))
     elif feature == "qkv_bias":
         tensors = replace(lambda n: n.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias")),
                           lambda n, ne: bytes(4 * ne[0]))

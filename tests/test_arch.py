@@ -2,7 +2,7 @@
 """The architectures beyond llama (run.c section 1's table: qwen3, gemma3,
 phi3, smollm3, granite, llama whose heads are not dim / n_heads wide, and
 the mixtures of experts qwen3moe, qwen2moe, olmoe, Mixtral, llama with
-experts, and gpt-oss)
+experts, gpt-oss, and deepseek2)
 against today's llama.cpp itself, through npm's node-llama-cpp@3.21.1
 (tests/llamacpp.py: its prebuilt libllama, teacher-forced).
 
@@ -16,8 +16,13 @@ Qwen2-MoE's gated shared expert and q/k/v biases, OLMoE's whole-row q/k
 norms; an all-zero router, where every expert ties and llama.cpp takes
 the lowest indices; an expert_weights_scale that these archs' loaders
 ignore; gpt-oss's biases everywhere, attention sinks, a window on every
-other layer, YaRN, top-k-then-softmax routing and the clamped SwiGLU),
-in float32, and quantised by llama.cpp's own quantiser
+other layer, YaRN, top-k-then-softmax routing and the clamped SwiGLU;
+DeepSeek-V2's latent attention from both GGUF generations (attn_kv_b, and
+attn_k_b / attn_v_b: one model in both gives the same tokens), q straight
+or through a low rank, YaRN with its log multiplier, a leading dense
+layer, softmax or sigmoid routing with exp_probs_b, renormalised or not and
+scaled, shared experts, and a cache of one latent row a position whose
+bytes the stats line shows), in float32, and quantised by llama.cpp's own quantiser
 (llama_model_quantize: Q8_0 and Q4_K_M; IQ4_NL on qwen3 and, with IQ4_XS,
 on a llama of rows of 256, IQ4_XS's super-block; MXFP4_MOE, the experts
 in MXFP4 and the rest in Q8_0, on qwen3moe and mixtral).
@@ -62,7 +67,9 @@ feature neutralised (arch_models.FEATURES: QK-norm weights 1, post-norms
 1, no window, one RoPE base, no linear scaling, RoPE on every layer, short
 LongRoPE factors, no scales, router rows permuted, one expert fewer a row,
 no shared expert, its gate negated, no q/k/v biases, sinks at -30, no
-gpt-oss biases, no YaRN...), which llama.cpp must tell apart: run.c's
+gpt-oss biases, no YaRN, deepseek2's YaRN without its log multiplier, its
+weights' renormalisation flipped, scale 1, selection bias 0, latent norm
+1...), which llama.cpp must tell apart: run.c's
 tokens, checked against the neutralised file's llama.cpp, must fail the
 float32 check above. So the check is known to bite on every feature.
 gpt-oss's two steps that no file key can turn off (the clamped SwiGLU, the
@@ -131,10 +138,22 @@ FILES = {
     "gpt_oss": ("gpt-oss", {}),
     # the same without YaRN's scaling and with another draw of the weights
     "gpt_oss_plain_rope": ("gpt-oss", dict(yarn_factor=None, seed=7)),
+    # deepseek2: latent attention from an older file's attn_kv_b, q from
+    # attn_q, layer 0 dense, softmax routing renormalised and scaled 2.5,
+    # two shared experts, YaRN with its log multiplier
+    "deepseek2": ("deepseek2", {}),
+    # the same draws in a newer file (attn_k_b, attn_v_b, key_length_mla)
+    "deepseek2_k_b": ("deepseek2", dict(generation="k_b")),
+    # newer, q through a rank of 48, sigmoid routing with exp_probs_b
+    "deepseek2_mla": ("deepseek2", dict(generation="k_b", q_rank=48, gating=2, seed=8)),
+    # no YaRN, weights neither renormalised nor scaled
+    "deepseek2_plain": ("deepseek2", dict(generation="k_b", yarn_factor=None, weights_norm=False, expert_weights_scale=None,
+                                          seed=9)),
 }
 # files whose controls would repeat another file's, or cannot apply (a
 # tie file's router has no rows to permute)
-NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",), "llama_256": None, "gpt_oss_plain_rope": ("yarn",)}
+NO_CONTROLS = {"qwen3moe_weights_scale": None, "qwen3moe_tie": ("routing",), "llama_256": None, "gpt_oss_plain_rope": ("yarn",),
+               "deepseek2": ("probs_b",), "deepseek2_k_b": None, "deepseek2_plain": None}
 
 
 # metadata beyond arch_models' of some files: Granite's switch that turns
@@ -337,6 +356,63 @@ def main():
             if d < 0.1:
                 raise AssertionError("run.c cannot be told from the reference with %s (%.4f)" % (variant, d))
 
+    # the two GGUF generations of one deepseek2 model give run.c the same tokens
+    @case("arch_deepseek2_generations_agree")
+    def _():
+        if "deepseek2" not in runs or "deepseek2_k_b" not in runs:
+            raise Skip("the float32 cases did not run")
+        if runs["deepseek2"][1] != runs["deepseek2_k_b"][1]:
+            raise AssertionError("attn_kv_b: %s, attn_k_b/attn_v_b: %s" % (runs["deepseek2"][1][:12], runs["deepseek2_k_b"][1][:12]))
+
+    # the cache holds one row a position and layer: the latent and the RoPE
+    # key, kv_lora_rank + rope.dimension_count values (96 here), in each type
+    @case("arch_deepseek2_cache_bytes")
+    def _():
+        p = dict(arch_models.DEFAULTS["deepseek2"])
+        row = p["kv_rank"] + p["n_rot"]
+        for kv_type, size in (("f32", 4 * row), ("f16", 2 * row), ("q8_0", row + row // 32 * 4)):
+            for path in (write("deepseek2"), write("deepseek2_mla")):
+                r = sh([RUN, path, "-t", "0", "-n", "200", "-i", PROMPT, "--kv-type", kv_type, "-f", "json"])
+                stats = [ln for ln in r.stderr.splitlines() if ln.startswith("stats:")]
+                if r.returncode != 0 or not stats:
+                    raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()[-300:]))
+                out = json.loads(r.stdout.strip().splitlines()[0])
+                prompt = len(json.loads(sh([RUN, path, "-m", "tokenize", "-f", "json", "-i", PROMPT]).stdout)["tokens"])
+                positions = prompt + len(out["tokens"])
+                blocks = (positions + 15) // 16
+                mb = float(stats[0].split(" MB peak")[0].rsplit(" ", 1)[1])
+                want = blocks * 16 * size * p["n_layers"] / 1e6
+                print("    (%s: %.2f MB for %d positions: %.0f bytes a position, %d x %d layers)"
+                      % (kv_type, mb, positions, mb * 1e6 / (blocks * 16), size, p["n_layers"]))
+                if mb > want + 0.005 + 1e-9:
+                    raise AssertionError("%s: %.2f MB peak, more than %.4f (%d bytes a position a layer)" % (kv_type, mb, want, size))
+
+    @case("arch_deepseek2_missing_tensor_named")
+    def _():
+        for name, gone in (("deepseek2", "blk.1.attn_kv_a_norm.weight"), ("deepseek2", "blk.2.attn_kv_b.weight"),
+                           ("deepseek2", "blk.0.ffn_gate.weight"), ("deepseek2", "blk.1.ffn_gate_shexp.weight"),
+                           ("deepseek2_mla", "blk.2.attn_k_b.weight"), ("deepseek2_mla", "blk.1.attn_q_a_norm.weight"),
+                           ("deepseek2_mla", "blk.0.attn_kv_a_mqa.weight"), ("deepseek2_mla", "blk.2.ffn_gate_inp.weight")):
+            arch, kw = FILES[name]
+            meta, tensors = arch_models.arch_model(arch, **kw)
+            path = os.path.join(TMP, "deepseek2_without.gguf")
+            write_gguf(path, meta, [x for x in tensors if x[0] != gone])
+            r = sh([RUN, path, "-n", "4"])
+            if r.returncode != 1 or gone not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+                raise AssertionError("without %s: exit %d: %s" % (gone, r.returncode, r.stderr.strip()))
+
+    @case("arch_deepseek2_bad_shape_named")
+    def _():
+        arch, kw = FILES["deepseek2_mla"]
+        meta, tensors = arch_models.arch_model(arch, **kw)
+        bad = "blk.1.attn_v_b.weight"
+        tensors = [(n, t, [64, 32, 2] if n == bad else ne, b[:64 * 32 * 2 * 4] if n == bad else b) for n, t, ne, b in tensors]
+        path = os.path.join(TMP, "deepseek2_bad_shape.gguf")
+        write_gguf(path, meta, tensors)
+        r = sh([RUN, path, "-n", "4"])
+        if r.returncode != 1 or bad not in r.stderr or "[64, 32, 2" not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+            raise AssertionError("exit %d: %s" % (r.returncode, r.stderr.strip()))
+
     @case("arch_gpt_oss_missing_tensor_named")
     def _():
         for gone in ("blk.1.attn_sinks.weight", "blk.2.ffn_up_exps.bias", "blk.0.ffn_gate_inp.bias", "blk.3.attn_output.bias",
@@ -376,7 +452,8 @@ def main():
 
     # quantised by llama.cpp's own quantiser
     quantised = [(name, ftype) for name in ("qwen3", "gemma3", "phi3", "smollm3", "granite", "llama_key_length", "qwen3moe", "qwen2moe",
-                                            "olmoe", "mixtral", "gpt_oss") for ftype in ("Q8_0", "Q4_K_M")]
+                                            "olmoe", "mixtral", "gpt_oss", "deepseek2",
+                                            "deepseek2_mla") for ftype in ("Q8_0", "Q4_K_M")]
     quantised += [("qwen3", "IQ4_NL"), ("llama_256", "IQ4_NL"), ("llama_256", "IQ4_XS"), ("qwen3moe", "MXFP4_MOE"), ("mixtral", "MXFP4_MOE")]
     for name, ftype in quantised:
         @case("arch_%s_%s" % (name, ftype.lower()))
@@ -390,7 +467,7 @@ def main():
     # mixtures of experts (rows of several sequences routed in one step): a
     # prompt past the window, in one batch of rows (prefill), by --batch
     # and by the server's engine, give the same tokens as generate
-    for name in ("gemma3", "qwen2moe", "mixtral", "gpt_oss"):
+    for name in ("gemma3", "qwen2moe", "mixtral", "gpt_oss", "deepseek2_mla"):
         @case("arch_%s_batch_same_tokens" % name)
         def _(name=name):
             path = write(name)

