@@ -35,7 +35,9 @@
      8. drivers: generate, tokenize, chat; perplexity of a text
      9. the command line
     10. batch requests: JSON Lines in, JSON lines out
-    11. serving: an HTTP server with the OpenAI API (-m serve)
+    11. serving: an HTTP server with the OpenAI API (-m serve);
+        11.1 tool calls (tools rendered in the prompt, calls constrained
+        by 6.1 to their functions' parameters)
     12. main
 
    BUILD OPTIONS
@@ -11992,6 +11994,8 @@ typedef struct {
     int rolling;          /* --keep given: past the context, drop old positions (see kv_slot) */
     int keep;             /* --keep: the leading positions never dropped */
     const JsonSchema *schema; /* the answer is one JSON value valid under it (6.1); NULL: any text */
+    const char *constrain_after; /* the schema holds only after the reply writes this text (a tool call's
+                                    marker, 11.1), from the next byte on; NULL: from the start */
 } Decoding;
 
 /* The new tokens a continuation may have: `room` (what the positions
@@ -12128,6 +12132,7 @@ struct Request {
     char *id;               /* --batch: the request's "id" as JSON text */
     const char *error;      /* set when the request cannot run */
     JsonSchema *own_schema; /* d.schema when the request owns it (--batch, the server) */
+    int marker_seen;        /* bytes of d.constrain_after the reply's text ends with, so far */
     /* called with the text of each sampled token once it is safe to print
        (see StopMatcher), for streamed output; may be NULL */
     void (*on_text)(Request *r, const char *text, size_t n);
@@ -12399,6 +12404,27 @@ static void finish_interrupted(Engine *e, Request *r) {
     request_finish(e, r);
 }
 
+/* Reads a reply's next text for d.constrain_after: once the reply has
+   written the marker, the schema's constraint starts, with the bytes of the
+   text after the marker read. Returns 0 when those bytes already break it. */
+static int constrain_from_marker(Engine *e, Request *r, const char *text) {
+    const char *marker = r->d.constrain_after;
+    for (const char *p = text; *p && !r->json; p++) {
+        if (*p != marker[r->marker_seen]) r->marker_seen = 0; /* (the marker's first byte comes nowhere else in it) */
+        if (*p == marker[r->marker_seen] && marker[++r->marker_seen] == '\0')
+            r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
+        if (!r->json) continue;
+        for (p++; *p; p++) {
+            JsonState next;
+            json_feed(r->json->schema, &r->json->state, (unsigned char)*p, &next);
+            if (next.n == 0) return 0;
+            r->json->state = next;
+        }
+        break;
+    }
+    return 1;
+}
+
 /* The second half: takes the chosen token (see sample_step). */
 static void take_token(Engine *e, Request *r, int next) {
     Hypothesis *h = &r->hyps[0];
@@ -12414,11 +12440,15 @@ static void take_token(Engine *e, Request *r, int next) {
             const char *safe = stop_feed(&r->stops, piece, &n_safe);
             if (r->on_text) r->on_text(r, safe, n_safe);
         }
-        if (r->stops.matched) {
+        int before_marker = !r->json && r->d.constrain_after && piece_is_printable(e->tok, piece);
+        if (before_marker && !constrain_from_marker(e, r, piece)) {
+            h->stop = "constraint";
+            ended = 1;
+        } else if (r->stops.matched) {
             h->stop = "string";
             h->stop_string = r->stops.matched;
             ended = 1;
-        } else if (r->json && json_take(r->json, e->trie, next)) {
+        } else if (r->json && !before_marker && json_take(r->json, e->trie, next)) {
             h->stop = "json";
             ended = 1;
         } else if (h->n_tokens == r->max_new) {
@@ -12745,7 +12775,7 @@ static void speculate(Engine *e) {
         Sequence *s = &r->seqs[0];
         r->n_draft = -1;
         if (!sp || r->d.beam.beams > 0 || s->n_tokens - s->n_cached != 1) continue;
-        if (r->json) { /* drafts are not checked against the schema: this request goes a token at a time */
+        if (r->json || r->d.constrain_after) { /* drafts are not checked against the schema: this request goes a token at a time */
             static int noted;
             if (!noted) fprintf(stderr, "run: note: speculative decoding is off for answers under a JSON schema\n");
             noted = 1;
@@ -12971,10 +13001,8 @@ static int engine_start(Engine *e, Request *r) {
     sequence_take_blocks(e, s, matched, n_matched);
     free(matched);
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
-    if (r->d.schema) {
-        if (!e->trie) e->trie = token_trie_new(e->tok);
-        r->json = json_match_new(r->d.schema, e->trie, t->config.vocab_size);
-    }
+    if (r->d.schema && !e->trie) e->trie = token_trie_new(e->tok);
+    if (r->d.schema && !r->d.constrain_after) r->json = json_match_new(r->d.schema, e->trie, t->config.vocab_size);
     r->stops = stop_matcher(&r->d.controls);
     if (r->d.beam.beams == 0 && (r->d.format == FORMAT_JSON || r->lp)) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
     if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
@@ -15357,7 +15385,7 @@ static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
        end token whatever -e says */
     EarlyStopping early = o->beams == 1 ? STOP_EARLY : o->early_stopping;
     return (Decoding){o->temperature, o->topp, o->seed ? o->seed : clock_seed, {o->beams, o->length_penalty, early},
-                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0, o->schema};
+                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0, o->schema, NULL};
 }
 
 /* The positions a run may use: -n (0 or above the context: the context), as
@@ -15932,6 +15960,63 @@ typedef struct {
     int *ids, n_ids;
 } PromptItem;
 
+/* ---- 11.1 Tool calls ----------------------------------------------------------
+   A chat request may give "tools" (functions, each a name, a description and
+   a JSON schema of its "parameters") and "tool_choice": "auto" (the default
+   with tools), "none", "required", or {"type": "function", "function":
+   {"name"}}; with "parallel_tool_calls" (default true) one reply may make
+   several calls.
+   The format is Hermes's, as the templates of Qwen2.5, Qwen3 and SmolLM3
+   render it: the tools in the system message, each as the template's
+   `tojson` writes it, a call as <tool_call>\n{"name": ..., "arguments":
+   ...}\n</tool_call> in the assistant's message, the results as
+   <tool_response> blocks in a user message. The messages are rewritten
+   into such a plain conversation (tool_messages), which the family's
+   renderer renders as any other: ChatML gets it exactly as Qwen's Jinja
+   does; every other family (llama2.c's models, Llama 3, Gemma, ...) gets
+   the same text in its own turns, the generic fallback for templates that
+   have no tool format of theirs here.
+   A call always parses and matches its function's parameters: the reply is
+   constrained (6.1) by the schema of the calls, {"name": const, "arguments":
+   parameters} for each function allowed (one of them, anyOf), or with
+   parallel calls also a list of them. With "required" or a named function
+   the prompt ends with the marker <tool_call>\n and the whole reply is the
+   call; with "auto" the reply is free text until the model writes the
+   marker itself, and the constraint holds from there (Decoding's
+   constrain_after). A reply that ends with its calls whole answers with
+   them as message.tool_calls, its text before the marker as the content,
+   and finish_reason "tool_calls". */
+
+#define TOOL_MARKER "<tool_call>\n"
+#define SERVE_MAX_TOOLS 64 /* tools of one request, at most */
+#define SERVE_MAX_CALLS 4  /* calls of one reply, at most (parallel_tool_calls) */
+
+enum { TOOLS_AUTO, TOOLS_NONE, TOOLS_REQUIRED, TOOLS_NAMED };
+
+typedef struct {
+    char *name;
+    char *json;       /* the tool as the templates' `tojson` writes it */
+    char *parameters; /* its "parameters" as given; NULL: none (any object) */
+} Tool;
+
+typedef struct {
+    Tool tools[SERVE_MAX_TOOLS]; /* (n) */
+    int n;
+    int choice;   /* TOOLS_* */
+    char *named;  /* TOOLS_NAMED: the function's name */
+    int parallel; /* parallel_tool_calls */
+} ToolSet;
+
+/* One call of a reply. */
+typedef struct {
+    char *name, *arguments; /* arguments: the JSON text the reply wrote */
+} ToolCall;
+
+static void free_tools(ToolSet *ts) {
+    for (int i = 0; i < ts->n; i++) { free(ts->tools[i].name); free(ts->tools[i].json); free(ts->tools[i].parameters); }
+    free(ts->named);
+}
+
 /* A completion's fields as read from its JSON body: the options (the
    command line's, with the fields applied, as a --batch line), the prompt or
    the messages, and whether to stream. Owns every string. */
@@ -15947,7 +16032,11 @@ typedef struct {
     PromptItem prompts[SERVE_MAX_N]; /* (n_prompts) completions' "prompt" as a list of prompts; 0: one, in line */
     int n_prompts;
     char **roles, **contents; /* (n_messages) chat */
+    char **calls;            /* (n_messages) an assistant message's tool calls, rendered (11.1); NULL: none */
+    char **call_ids;         /* (n_messages) a tool message's tool_call_id; NULL: none */
     int n_messages, messages_given;
+    ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
+    ToolCall call;           /* the call of a message's tool_calls being read */
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
 } ServeFields;
@@ -15958,9 +16047,18 @@ static void free_serve_fields(ServeFields *f) {
     for (int i = 0; i < f->n_prompts; i++) { free(f->prompts[i].text); free(f->prompts[i].ids); }
     free_schema(f->line.schema);
     for (int k = 0; k < f->line.o.controls.n_stops; k++) free(f->line.stops[k]);
-    for (int i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); }
+    for (int i = 0; i < f->n_messages; i++) {
+        free(f->roles[i]);
+        free(f->contents[i]);
+        if (f->calls) { free(f->calls[i]); free(f->call_ids[i]); }
+    }
     free(f->roles);
     free(f->contents);
+    free(f->calls);
+    free(f->call_ids);
+    free_tools(&f->tools);
+    free(f->call.name);
+    free(f->call.arguments);
     free(f->name);
     free(f->text);
     free(f->member);
@@ -16017,16 +16115,299 @@ static void json_object(JsonCursor *j, ServeFields *f, void (*field)(JsonCursor 
     j->p++;
 }
 
-/* One field of a message: "role" and "content" (strings); others ignored. */
+/* -- 11.1's fields: "tools", "tool_choice", and the messages' calls -- */
+
+static const char *tojson_string(ByteBuf *b, const char *p, const char *end);
+
+/* Appends the JSON text [p, end) (valid: json_skip has read it) as the
+   templates' `tojson` writes it (@huggingface/jinja's, JavaScript's
+   JSON.stringify with ", " and ": " between items): no other white space,
+   strings escaped only where JSON needs it; numbers as spelled. */
+static void buf_tojson(ByteBuf *b, const char *p, const char *end) {
+    while (p < end) {
+        char ch = *p++;
+        if (ch == '"') p = tojson_string(b, p, end);
+        else if (ch == ',' || ch == ':') buf_str(b, ch == ',' ? ", " : ": ");
+        else if (!isspace((unsigned char)ch)) buf_add(b, &ch, 1);
+    }
+}
+
+/* A string's rest from p (after its opening quote), as buf_tojson writes
+   it; returns the position after its closing quote. */
+static const char *tojson_string(ByteBuf *b, const char *p, const char *end) {
+    buf_str(b, "\"");
+    while (p < end && *p != '"') {
+        if (*p != '\\' || (p[1] != 'u' && p[1] != '/')) { /* a character, or an escape JSON.stringify writes too */
+            int n = *p == '\\' ? 2 : 1;
+            buf_add(b, p, (size_t)n);
+            p += n;
+            continue;
+        }
+        if (p[1] == '/') { buf_str(b, "/"); p += 2; continue; }
+        long cp = json_hex4(p + 2, end);
+        p += 6;
+        if (cp >= 0xD800 && cp < 0xDC00 && end - p >= 6 && p[0] == '\\' && p[1] == 'u') {
+            long low = json_hex4(p + 2, end);
+            if (low >= 0xDC00 && low < 0xE000) { cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00); p += 6; }
+        }
+        const char *named = cp == '"' ? "\\\"" : cp == '\\' ? "\\\\" : cp == '\b' ? "\\b" : cp == '\f' ? "\\f" : cp == '\n' ? "\\n"
+                          : cp == '\r' ? "\\r" : cp == '\t' ? "\\t" : NULL;
+        char utf8[4];
+        if (named) buf_str(b, named);
+        else if (cp < 0x20 || (cp >= 0xD800 && cp < 0xE000)) buf_printf(b, "\\u%04lx", cp);
+        else buf_add(b, utf8, (size_t)encode_utf8((int)cp, utf8));
+    }
+    buf_str(b, "\"");
+    return p + 1;
+}
+
+/* The JSON value at the cursor, as given (read past). */
+static char *json_raw_value(JsonCursor *j) {
+    const char *start = j->p;
+    json_skip(j, 0);
+    char *text = xcalloc((size_t)(j->p - start) + 1, 1);
+    memcpy(text, start, (size_t)(j->p - start));
+    return text;
+}
+
+/* A tool's "function": its "name" and "parameters" (an object). */
+static void tool_function_field(JsonCursor *j, ServeFields *f, char *name) {
+    Tool *t = &f->tools.tools[f->tools.n - 1];
+    int is_name = strcmp(name, "name") == 0, is_parameters = strcmp(name, "parameters") == 0;
+    free(name);
+    if (is_name) {
+        if (json_value(j, "name", &f->text) != JSON_STRING || f->text[0] == '\0')
+            json_fail(j, "field 'tools[%d].function.name': must be a string, not empty", f->tools.n - 1);
+        free(t->name);
+        t->name = f->text;
+        f->text = NULL;
+    } else if (is_parameters) {
+        if (j->p >= j->end || *j->p != '{') json_fail(j, "field 'tools[%d].function.parameters': must be an object (a JSON schema)", f->tools.n - 1);
+        free(t->parameters);
+        t->parameters = json_raw_value(j);
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+/* A tool: {"type": "function", "function": {...}}. */
+static void tool_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_function = strcmp(name, "function") == 0, is_type = strcmp(name, "type") == 0;
+    free(name);
+    if (is_function) {
+        json_object(j, f, tool_function_field);
+    } else if (is_type) {
+        if (json_value(j, "type", &f->text) != JSON_STRING || strcmp(f->text, "function") != 0)
+            json_fail(j, "field 'tools[%d].type': must be \"function\"", f->tools.n - 1);
+        free(f->text);
+        f->text = NULL;
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+/* "tools": a list of functions, each with a name unlike the others'. */
+static void parse_tools(JsonCursor *j, ServeFields *f) {
+    ToolSet *ts = &f->tools;
+    if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'tools': must be a list of tools");
+    j->p++;
+    json_space(j);
+    for (int first = 1; json_next_item(j, ']', &first, "field 'tools': expected ',' or ']'");) {
+        if (ts->n == SERVE_MAX_TOOLS) json_fail(j, "field 'tools': %d tools at most", SERVE_MAX_TOOLS);
+        Tool *t = &ts->tools[ts->n++];
+        const char *start = j->p;
+        json_object(j, f, tool_field);
+        if (!t->name) json_fail(j, "field 'tools[%d].function.name': missing (every tool needs a name)", ts->n - 1);
+        for (int k = 0; k < ts->n - 1; k++)
+            if (strcmp(ts->tools[k].name, t->name) == 0) json_fail(j, "field 'tools[%d].function.name': '%s' is given twice", ts->n - 1, t->name);
+        ByteBuf b = {0};
+        buf_tojson(&b, start, j->p);
+        t->json = b.data;
+        json_space(j);
+    }
+    j->p++;
+}
+
+/* tool_choice's {"type": "function", "function": {"name": ...}}. */
+static void choice_function_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_name = strcmp(name, "name") == 0;
+    free(name);
+    if (!is_name) { json_skip(j, 1); return; }
+    if (json_value(j, "name", &f->text) != JSON_STRING) json_fail(j, "field 'tool_choice': the function's name must be a string");
+    free(f->tools.named);
+    f->tools.named = f->text;
+    f->text = NULL;
+}
+
+static void choice_field_of_tool(JsonCursor *j, ServeFields *f, char *name) {
+    int is_function = strcmp(name, "function") == 0;
+    free(name);
+    if (is_function) json_object(j, f, choice_function_field);
+    else json_skip(j, 1);
+}
+
+/* "tool_choice": "auto", "none", "required" or a function by name. */
+static void parse_tool_choice(JsonCursor *j, ServeFields *f) {
+    static const char *const choices[] = {"auto", "none", "required"};
+    if (j->p < j->end && *j->p == '{') {
+        json_object(j, f, choice_field_of_tool);
+        if (!f->tools.named) json_fail(j, "field 'tool_choice': an object needs 'function': {'name': ...}");
+        f->tools.choice = TOOLS_NAMED;
+        return;
+    }
+    if (json_value(j, "tool_choice", &f->text) == JSON_STRING)
+        for (int k = 0; k < 3; k++)
+            if (strcmp(f->text, choices[k]) == 0) { f->tools.choice = k; return; }
+    json_fail(j, "field 'tool_choice': must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+}
+
+/* A call of an assistant message's "tool_calls": its function's "name" and
+   "arguments" (a JSON text in a string, as OpenAI sends it, or a value). */
+static void call_function_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_name = strcmp(name, "name") == 0, is_arguments = strcmp(name, "arguments") == 0;
+    free(name);
+    if (is_name) {
+        if (json_value(j, "name", &f->text) != JSON_STRING) json_fail(j, "field 'messages[%d].tool_calls': a function's name must be a string", f->n_messages - 1);
+        free(f->call.name);
+        f->call.name = f->text;
+        f->text = NULL;
+    } else if (is_arguments) {
+        free(f->call.arguments);
+        if (j->p < j->end && *j->p == '"') {
+            json_value(j, "arguments", &f->call.arguments);
+        } else {
+            ByteBuf b = {0};
+            const char *start = j->p;
+            json_skip(j, 0);
+            buf_tojson(&b, start, j->p);
+            f->call.arguments = b.data;
+        }
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+static void call_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_function = strcmp(name, "function") == 0;
+    free(name);
+    if (is_function) json_object(j, f, call_function_field);
+    else json_skip(j, 1);
+}
+
+/* A message's "tool_calls", rendered as the template renders them: one
+   <tool_call> block each, a newline between two. */
+static void parse_message_calls(JsonCursor *j, ServeFields *f) {
+    int i = f->n_messages - 1, k = 0;
+    if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages[%d].tool_calls': must be a list of calls", i);
+    ByteBuf b = {0};
+    j->p++;
+    json_space(j);
+    for (int first = 1; json_next_item(j, ']', &first, "field 'tool_calls': expected ',' or ']'"); k++) {
+        json_object(j, f, call_field);
+        if (!f->call.name) { buf_free(&b); json_fail(j, "field 'messages[%d].tool_calls[%d].function.name': missing", i, k); }
+        buf_printf(&b, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>", k ? "\n" : "", f->call.name,
+                   f->call.arguments ? f->call.arguments : "{}");
+        free(f->call.name);
+        free(f->call.arguments);
+        f->call = (ToolCall){NULL, NULL};
+        json_space(j);
+    }
+    j->p++;
+    free(f->calls[i]);
+    f->calls[i] = b.data;
+}
+
+/* The system message's part that gives the tools: Qwen's template's text
+   for ChatML; for the other families, the generic fallback, a short one
+   (llama2.c's models have 512 positions): each tool's name and description
+   and the form of a call, whose arguments the constraint then holds to the
+   schema. */
+static void buf_tools_system(ByteBuf *b, const ToolSet *ts, const Tokenizer *tok) {
+    if (tok->chat_template != CHAT_CHATML) {
+        buf_str(b, "Tools:");
+        for (int i = 0; i < ts->n; i++) buf_printf(b, "\n- %s", ts->tools[i].name);
+        buf_str(b, "\nCall one as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call>");
+        return;
+    }
+    buf_str(b, "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>");
+    for (int i = 0; i < ts->n; i++) {
+        buf_str(b, "\n");
+        buf_str(b, ts->tools[i].json);
+    }
+    buf_str(b, "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+}
+
+/* Rewrites the messages into the plain conversation that the family's
+   renderer takes (see 11.1): the tools into the system message (one is
+   made when there is none), an assistant message's calls after its
+   content (a newline between), and each run of "tool" messages into one
+   user message of <tool_response> blocks. */
+static void tool_messages(ServeFields *f, const Tokenizer *tok) {
+    int n = 0, i = 0;
+    char **roles = xcalloc((size_t)f->n_messages + 1, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 1, sizeof(char *));
+    if (f->tools.n > 0) {
+        ByteBuf b = {0};
+        if (strcmp(f->roles[0], "system") == 0) {
+            buf_printf(&b, "%s\n\n", f->contents[0]);
+            free(f->roles[0]);
+            free(f->contents[0]);
+            f->roles[0] = NULL;
+            i = 1;
+        }
+        buf_tools_system(&b, &f->tools, tok);
+        roles[n] = strdup("system");
+        contents[n++] = b.data;
+    }
+    for (; i < f->n_messages; i++) {
+        char *role = f->roles[i], *content = f->contents[i] ? f->contents[i] : strdup("");
+        ByteBuf b = {0};
+        if (strcmp(role, "tool") == 0) {
+            if (i > 0 && f->roles[i - 1] && strcmp(f->roles[i - 1], "tool") == 0) { /* (a tool's role is kept until the end) */
+                buf_printf(&b, "%s\n", contents[--n]);
+                free(contents[n]);
+                free(roles[n]);
+            }
+            buf_printf(&b, "<tool_response>\n%s\n</tool_response>", content);
+            free(content);
+            roles[n] = strdup("user");
+            contents[n++] = b.data;
+        } else if (f->calls[i]) {
+            buf_printf(&b, "%s%s%s", content, content[0] ? "\n" : "", f->calls[i]);
+            free(content);
+            roles[n] = role;
+            contents[n++] = b.data;
+            f->roles[i] = NULL;
+        } else {
+            roles[n] = role;
+            contents[n++] = content;
+            f->roles[i] = NULL;
+        }
+    }
+    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->calls[i]); free(f->call_ids[i]); }
+    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids);
+    f->calls = f->call_ids = NULL;
+    f->roles = roles;
+    f->contents = contents;
+    f->n_messages = n;
+}
+
+/* One field of a message: "role", "content" and "tool_call_id" (strings;
+   content may be null), "tool_calls" (11.1); others ignored. */
 static void message_field(JsonCursor *j, ServeFields *f, char *name) {
     f->member = name;
     int i = f->n_messages - 1;
-    if (strcmp(name, "role") == 0 || strcmp(name, "content") == 0) {
+    if (strcmp(name, "tool_calls") == 0) {
+        parse_message_calls(j, f);
+    } else if (strcmp(name, "role") == 0 || strcmp(name, "content") == 0 || strcmp(name, "tool_call_id") == 0) {
         JsonKind kind = json_value(j, name, &f->text);
-        if (kind != JSON_STRING) json_fail(j, "field 'messages': '%s' must be a string", name);
-        char **slot = name[0] == 'r' ? &f->roles[i] : &f->contents[i];
+        if (kind == JSON_NULL && name[0] == 'c') {
+        } else if (kind != JSON_STRING) json_fail(j, "field 'messages[%d].%s': must be a string", i, name);
+        char **slot = name[0] == 'r' ? &f->roles[i] : name[0] == 'c' ? &f->contents[i] : &f->call_ids[i];
         free(*slot);
-        *slot = f->text;
+        *slot = kind == JSON_NULL ? NULL : f->text;
+        if (kind == JSON_NULL) free(f->text);
         f->text = NULL;
     } else {
         json_skip(j, 1);
@@ -16042,14 +16423,19 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'messages': expected ',' or ']'");) {
-        f->roles = realloc(f->roles, (size_t)(f->n_messages + 1) * sizeof(char *));
-        f->contents = realloc(f->contents, (size_t)(f->n_messages + 1) * sizeof(char *));
-        if (!f->roles || !f->contents) die(EXIT_BAD_FILE, "out of memory");
-        f->roles[f->n_messages] = f->contents[f->n_messages] = NULL;
+        char ***lists[4] = {&f->roles, &f->contents, &f->calls, &f->call_ids};
+        for (int k = 0; k < 4; k++) {
+            *lists[k] = realloc(*lists[k], (size_t)(f->n_messages + 1) * sizeof(char *));
+            if (!*lists[k]) die(EXIT_BAD_FILE, "out of memory");
+            (*lists[k])[f->n_messages] = NULL;
+        }
         f->n_messages++;
         json_object(j, f, message_field);
         int i = f->n_messages - 1;
-        if (!f->roles[i] || !f->contents[i]) json_fail(j, "field 'messages': each needs a 'role' and a 'content' string");
+        if (!f->roles[i] || (!f->contents[i] && !f->calls[i]))
+            json_fail(j, "field 'messages': each needs a 'role' and a 'content' string (or, the assistant's, 'tool_calls')");
+        if (strcmp(f->roles[i], "tool") == 0 && !f->call_ids[i])
+            json_fail(j, "field 'messages[%d].tool_call_id': missing (a 'tool' message answers the call of that id)", i);
         json_space(j);
     }
     j->p++;
@@ -16059,7 +16445,7 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
    refused unless they hold their harmless value (null, false, 0, 1, {}). */
 static const char *const refused_fields[] = {"best_of", "echo", "top_logprobs", "suffix", "presence_penalty",
                                              "frequency_penalty", "logit_bias", "tools", "tool_choice", "functions",
-                                             "function_call"};
+                                             "function_call", "parallel_tool_calls"};
 
 /* Whether the value at the cursor is harmless for a refused field. */
 static int harmless_value(JsonCursor *j, ServeFields *f) {
@@ -16146,8 +16532,17 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
     static const char *const batch_fields[] = {"temperature", "top_p", "seed", "min_new_tokens", "top_k", "min_p",
                                                "repetition_penalty", "no_repeat_ngram_size", "length_penalty"};
     f->name = name;
+    int given = !(j->end - j->p >= 4 && memcmp(j->p, "null", 4) == 0); /* (null stands for an absent field) */
     if (strcmp(name, "messages") == 0 && f->chat) {
         parse_messages(j, f);
+    } else if (strcmp(name, "tools") == 0 && f->chat && given) {
+        parse_tools(j, f);
+    } else if (strcmp(name, "tool_choice") == 0 && f->chat && given) {
+        parse_tool_choice(j, f);
+    } else if (strcmp(name, "parallel_tool_calls") == 0 && f->chat && given) {
+        JsonKind kind = json_value(j, name, &f->text);
+        if (kind != JSON_TRUE && kind != JSON_FALSE) json_fail(j, "field 'parallel_tool_calls': must be true or false");
+        f->tools.parallel = kind == JSON_TRUE;
     } else if (strcmp(name, "stop") == 0 && j->p < j->end && *j->p == '[') {
         parse_stop_list(j, &f->line, &f->text);
     } else if (choice_field(j, f, name)) {
@@ -16204,6 +16599,12 @@ static void parse_request_body(ServeFields *f, const char *body, size_t n) {
         json_fail(&j, f->messages_given ? "field 'messages': the list is empty; it needs a user message at least"
                                         : "missing field 'messages'");
     if (!f->chat && !f->line.prompt && !f->line.ids && f->n_prompts == 0) json_fail(&j, "missing field 'prompt'");
+    if (f->tools.choice == TOOLS_NAMED) {
+        int found = 0;
+        for (int i = 0; i < f->tools.n; i++) found |= strcmp(f->tools.tools[i].name, f->tools.named) == 0;
+        if (!found) json_fail(&j, "field 'tool_choice': no tool named '%s' in 'tools'", f->tools.named);
+    }
+    if (f->tools.n == 0 && (f->tools.choice == TOOLS_REQUIRED)) json_fail(&j, "field 'tool_choice': \"required\" needs 'tools'");
 }
 
 /* The tokens of a whole conversation in the tokenizer's chat template, as
@@ -16329,6 +16730,9 @@ typedef struct {
     unsigned char first_chunk[SERVE_MAX_N]; /* a choice's next chunk is its first */
     ByteBuf held[SERVE_MAX_N]; /* each choice's streamed text not yet sent: an incomplete UTF-8 character */
     ThinkSplit think[SERVE_MAX_N]; /* each choice's reasoning told from its answer (chat, a template that thinks) */
+    int calls;                 /* how its replies make tool calls: CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED (11.1) */
+    ByteBuf reply[SERVE_MAX_N]; /* with tools, streamed: each choice's text so far (a call is held back) */
+    size_t told[SERVE_MAX_N];   /* bytes of it streamed as content */
     char *stops[MAX_STOPS]; /* the request's stop strings */
     char id[40];
     long long created;
@@ -16422,6 +16826,8 @@ static void conn_free_echo(Conn *c) {
     for (int i = 0; i < SERVE_MAX_N; i++) {
         free(c->echo[i]);
         c->echo[i] = NULL;
+        buf_free(&c->reply[i]);
+        c->told[i] = 0;
     }
 }
 
@@ -16589,6 +16995,161 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
     send_delta(srv, c, choice, "content", text, finish);
 }
 
+/* ---- 11.1's answers: a reply's calls ----------------------------------------- */
+
+enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED }; /* how a reply makes its calls (Conn's calls) */
+
+static int calls_mode(const ToolSet *ts) {
+    if (ts->n == 0 || ts->choice == TOOLS_NONE) return CALLS_NONE;
+    return ts->choice == TOOLS_AUTO ? CALLS_AT_MARKER : CALLS_PREFILLED;
+}
+
+/* The schema of the calls a reply may make (see 11.1); NULL with the
+   refusal in err: a function's parameters that 6.1 does not take. */
+static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    ByteBuf b = {0};
+    buf_str(&b, "{\"$defs\":{\"call\":{\"anyOf\":[");
+    for (int i = 0, k = 0; i < ts->n; i++) {
+        const Tool *t = &ts->tools[i];
+        if (ts->choice == TOOLS_NAMED && strcmp(t->name, ts->named) != 0) continue;
+        char why[256];
+        JsonSchema *alone = t->parameters ? compile_schema(t->parameters, strlen(t->parameters), why, sizeof(why)) : NULL;
+        if (t->parameters && !alone) {
+            snprintf(err, err_len, "field 'tools[%d].function.parameters': %s", i, why);
+            buf_free(&b);
+            return NULL;
+        }
+        free_schema(alone);
+        buf_str(&b, k++ ? "," : "");
+        buf_str(&b, "{\"type\":\"object\",\"properties\":{\"name\":{\"const\":");
+        buf_json(&b, t->name);
+        buf_printf(&b, "},\"arguments\":%s},\"required\":[\"name\",\"arguments\"],\"additionalProperties\":false}",
+                   t->parameters ? t->parameters : "{\"type\":\"object\"}");
+    }
+    if (ts->parallel)
+        buf_printf(&b, "]}},\"anyOf\":[{\"$ref\":\"#/$defs/call\"},{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/call\"},"
+                       "\"minItems\":1,\"maxItems\":%d}]}", SERVE_MAX_CALLS);
+    else
+        buf_str(&b, "]}},\"$ref\":\"#/$defs/call\"}");
+    JsonSchema *s = compile_schema(b.data, b.n, err, err_len);
+    buf_free(&b);
+    return s;
+}
+
+static char *span_dup(const char *p, size_t n) {
+    char *s = xcalloc(n + 1, 1);
+    memcpy(s, p, n);
+    return s;
+}
+
+/* The end of the JSON value that starts at p, in text the constraint wrote
+   (valid, without white space). */
+static const char *json_value_end(const char *p) {
+    int depth = 0;
+    do {
+        if (*p == '"') {
+            for (p++; *p != '"'; p++)
+                if (*p == '\\') p++;
+        } else if (*p == '{' || *p == '[') {
+            depth++;
+        } else if (*p == '}' || *p == ']') {
+            depth--;
+        } else if (depth == 0) { /* a number or a literal */
+            while (*p && !strchr(",}]", *p)) p++;
+            return p;
+        }
+        p++;
+    } while (depth > 0);
+    return p;
+}
+
+/* The calls of a reply's text, made as `mode` says: the JSON value after
+   the marker (the whole reply, when the prompt ends with the marker), one
+   call or a list. Returns their count, 0 when the reply made none whole
+   (it is all content); *content_len: the length of the text before them. */
+static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+    const char *at = mode == CALLS_AT_MARKER ? strstr(text, TOOL_MARKER) : text;
+    *content_len = strlen(text);
+    if (strcmp(h->stop, "json") != 0 || !at) return 0;
+    *content_len = (size_t)(at - text);
+    const char *p = at + (mode == CALLS_AT_MARKER ? strlen(TOOL_MARKER) : 0);
+    int n = 0;
+    for (p += *p == '['; *p == '{' && n < SERVE_MAX_CALLS; n++) {
+        const char *end = json_value_end(p);
+        ToolCall *c = &calls[n];
+        *c = (ToolCall){NULL, NULL};
+        for (const char *key = p + 1; *key == '"';) { /* "name":..., "arguments":... in either order */
+            const char *value = json_value_end(key) + 1, *value_end = json_value_end(value);
+            if (strncmp(key, "\"name\":", 7) == 0) {
+                JsonCursor j = {value + 1, value_end, NULL};
+                c->name = json_string(&j, "name");
+            } else {
+                c->arguments = span_dup(value, (size_t)(value_end - value));
+            }
+            key = value_end + (*value_end == ',');
+        }
+        p = end + (*end == ',');
+    }
+    return n;
+}
+
+/* Call k's "id": the completion's and the choice's. */
+static void buf_call_id(ByteBuf *b, const Conn *c, int choice, int k) {
+    buf_printf(b, "\"id\":\"call_%s_%d_%d\"", c->id + strlen("chatcmpl-"), choice, k);
+}
+
+/* message.tool_calls of an answer. */
+static void buf_tool_calls(ByteBuf *b, const Conn *c, int choice, const ToolCall *calls, int n) {
+    buf_str(b, ",\"tool_calls\":[");
+    for (int k = 0; k < n; k++) {
+        buf_str(b, k ? ",{" : "{");
+        buf_call_id(b, c, choice, k);
+        buf_str(b, ",\"type\":\"function\",\"function\":{\"name\":");
+        buf_json(b, calls[k].name);
+        buf_str(b, ",\"arguments\":");
+        buf_json(b, calls[k].arguments);
+        buf_str(b, "}}");
+    }
+    buf_str(b, "]");
+}
+
+static void free_calls(ToolCall *calls, int n) {
+    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); }
+}
+
+/* One Server-Sent Event whose delta is `members` (JSON object members). */
+static void send_raw_delta(Server *srv, Conn *c, int choice, const char *members) {
+    ByteBuf b = {0};
+    buf_str(&b, "data: ");
+    completion_head(srv, c, &b, "chat.completion.chunk");
+    buf_printf(&b, ",\"choices\":[{\"index\":%d,\"delta\":{%s%s},\"finish_reason\":null}]}\n\n", choice,
+               c->first_chunk[choice] ? "\"role\":\"assistant\",\"content\":null," : "", members);
+    c->first_chunk[choice] = 0;
+    conn_body(c, b.data, b.n);
+    buf_free(&b);
+}
+
+/* A streamed reply's calls, as OpenAI streams them: each call's id, type
+   and name with empty arguments, then its arguments, as delta.tool_calls
+   items with the call's index. */
+static void stream_calls(Server *srv, Conn *c, int choice, const ToolCall *calls, int n) {
+    for (int k = 0; k < n; k++) {
+        ByteBuf b = {0};
+        buf_printf(&b, "\"tool_calls\":[{\"index\":%d,", k);
+        buf_call_id(&b, c, choice, k);
+        buf_str(&b, ",\"type\":\"function\",\"function\":{\"name\":");
+        buf_json(&b, calls[k].name);
+        buf_str(&b, ",\"arguments\":\"\"}}]");
+        send_raw_delta(srv, c, choice, b.data);
+        b.n = 0;
+        buf_printf(&b, "\"tool_calls\":[{\"index\":%d,\"function\":{\"arguments\":", k);
+        buf_json(&b, calls[k].arguments);
+        buf_str(&b, "}}]");
+        send_raw_delta(srv, c, choice, b.data);
+        buf_free(&b);
+    }
+}
+
 /* Whether a chat answer's reasoning goes apart from its content: the
    template's replies open with <think> (Qwen3), as llama-server and vLLM
    send them. */
@@ -16630,6 +17191,33 @@ static size_t utf8_whole(const char *s, size_t n) {
 static Conn *request_conn(Server *srv, const Request *r) { return &srv->conns[r->index / SERVE_MAX_N]; }
 static int request_choice(const Request *r) { return r->index % SERVE_MAX_N; }
 
+/* A reply's streamed text as content (its reasoning apart: see serve_thinks). */
+static void stream_content(Server *srv, Conn *c, int choice, const char *text, size_t n) {
+    StreamedChoice sc = {srv, c, choice};
+    if (serve_thinks(srv, c)) {
+        think_feed(&c->think[choice], text, n, serve_think_sink, &sc);
+    } else if (n > 0) {
+        char *part = span_dup(text, n);
+        send_chunk(srv, c, choice, part, NULL);
+        free(part);
+    }
+}
+
+/* A reply's streamed text; with tools, what may be a call is held back
+   (all of it when the prompt ends with the marker; else from the marker, or
+   what may be its start, on) until the reply ends (serve_on_done). */
+static void stream_reply(Server *srv, Conn *c, int choice, const char *text, size_t n) {
+    if (c->calls == CALLS_NONE) { stream_content(srv, c, choice, text, n); return; }
+    ByteBuf *all = &c->reply[choice];
+    buf_add(all, text, n);
+    if (c->calls == CALLS_PREFILLED || !all->data) return;
+    const char *at = strstr(all->data, TOOL_MARKER);
+    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, TOOL_MARKER);
+    if (safe <= c->told[choice]) return;
+    stream_content(srv, c, choice, all->data + c->told[choice], safe - c->told[choice]);
+    c->told[choice] = safe;
+}
+
 /* The engine's on_text: a streamed request's next text, as one event per
    token (a character split between tokens waits for its end). */
 static void serve_on_text(Request *r, const char *text, size_t n) {
@@ -16645,9 +17233,7 @@ static void serve_on_text(Request *r, const char *text, size_t n) {
     memcpy(piece, held->data, whole);
     memmove(held->data, held->data + whole, held->n - whole + 1);
     held->n -= whole;
-    StreamedChoice sc = {srv, c, choice};
-    if (serve_thinks(srv, c)) think_feed(&c->think[choice], piece, whole, serve_think_sink, &sc);
-    else send_chunk(srv, c, choice, piece, NULL);
+    stream_reply(srv, c, choice, piece, whole);
     free(piece);
 }
 
@@ -16765,6 +17351,10 @@ static void answer_choices(Server *srv, Conn *c) {
         const Hypothesis *h = &r->hyps[0];
         char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
         buf_printf(&b, "%s{\"index\":%d,", i ? "," : "", i);
+        ToolCall calls[SERVE_MAX_CALLS];
+        size_t content_len;
+        int n_calls = c->calls != CALLS_NONE ? reply_calls(text, h, c->calls, calls, &content_len) : 0;
+        if (n_calls > 0) text[content_len] = '\0'; /* the content: the text before the calls */
         if (c->chat) {
             ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
             if (serve_thinks(srv, c)) {
@@ -16775,11 +17365,13 @@ static void answer_choices(Server *srv, Conn *c) {
                 buf_str(&parts[0], text);
             }
             buf_str(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
-            buf_json(&b, parts[0].data ? parts[0].data : "");
+            if (n_calls > 0 && parts[0].n == 0) buf_str(&b, "null");
+            else buf_json(&b, parts[0].data ? parts[0].data : "");
             if (parts[1].n > 0) {
                 buf_str(&b, ",\"reasoning_content\":");
                 buf_json(&b, parts[1].data);
             }
+            if (n_calls > 0) buf_tool_calls(&b, c, i, calls, n_calls);
             buf_free(&parts[0]);
             buf_free(&parts[1]);
             buf_str(&b, "},\"logprobs\":");
@@ -16795,7 +17387,8 @@ static void answer_choices(Server *srv, Conn *c) {
             if (r->lp) completion_logprobs(srv->tok, &b, r, c->echo[i]);
         }
         if (!r->lp) buf_str(&b, "null");
-        buf_printf(&b, ",\"finish_reason\":\"%s\"}", finish_reason(h));
+        buf_printf(&b, ",\"finish_reason\":\"%s\"}", n_calls > 0 ? "tool_calls" : finish_reason(h));
+        free_calls(calls, n_calls);
         generated += h->n_tokens;
         free(text);
     }
@@ -16830,14 +17423,21 @@ static void serve_on_done(Request *r, void *user) {
     const Hypothesis *h = r->n_hyps > 0 ? &r->hyps[0] : NULL;
     if (c->stream && h && !r->error) {
         StreamedChoice sc = {srv, c, choice};
-        if (serve_thinks(srv, c)) {
-            think_feed(&c->think[choice], c->held[choice].data ? c->held[choice].data : "", c->held[choice].n, serve_think_sink, &sc);
-            think_finish(&c->think[choice], serve_think_sink, &sc);
-        } else if (c->held[choice].n > 0) {
-            send_chunk(srv, c, choice, c->held[choice].data, NULL);
-        }
+        if (c->held[choice].n > 0) stream_reply(srv, c, choice, c->held[choice].data, c->held[choice].n);
         buf_free(&c->held[choice]); /* nothing of it is left for the connection's next answer */
-        send_chunk(srv, c, choice, NULL, finish_reason(h));
+        ToolCall calls[SERVE_MAX_CALLS];
+        int n_calls = 0;
+        if (c->calls != CALLS_NONE) { /* the text held back: content up to the calls, then the calls */
+            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+            size_t content_len;
+            n_calls = reply_calls(text, h, c->calls, calls, &content_len);
+            if (content_len > c->told[choice]) stream_content(srv, c, choice, text + c->told[choice], content_len - c->told[choice]);
+            free(text);
+        }
+        if (serve_thinks(srv, c)) think_finish(&c->think[choice], serve_think_sink, &sc);
+        stream_calls(srv, c, choice, calls, n_calls);
+        free_calls(calls, n_calls);
+        send_chunk(srv, c, choice, NULL, n_calls > 0 ? "tool_calls" : finish_reason(h));
     }
     think_finish(&c->think[choice], NULL, NULL); /* nor of its reasoning (after an error) */
     if (--c->n_left > 0) return;
@@ -16929,7 +17529,14 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
     *why = "the prompt does not fit the model's context";
     for (int p = 0; p < count; p++) {
         PromptItem one = {f->line.prompt, f->line.ids, f->line.n_ids}, *item = f->n_prompts > 0 ? &f->prompts[p] : &one;
-        if (f->chat) prompts[p] = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt[p], why);
+        if (f->chat) {
+            prompts[p] = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt[p], why);
+            /* "required" or a named function: the reply starts with the call (11.1) */
+            if (prompts[p] && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, prompts[p], &n_prompt[p], srv->steps)) {
+                free(prompts[p]);
+                prompts[p] = NULL;
+            }
+        }
         else if (item->ids && item->n_ids <= srv->steps) {
             prompts[p] = xcalloc((size_t)item->n_ids, sizeof(int));
             memcpy(prompts[p], item->ids, (size_t)item->n_ids * sizeof(int));
@@ -16947,6 +17554,16 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
     return count;
 }
 
+/* The constraint of a request with tools (11.1), as its schema; the
+   refusal, or NULL. */
+static const char *tool_constraint(ServeFields *f, char *err, size_t err_len) {
+    if (f->line.schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
+    if (f->line.o.beams > 0) return "field 'tools' cannot be combined with num_beams";
+    f->line.schema = tool_call_schema(&f->tools, err, err_len);
+    f->line.o.schema = f->line.schema;
+    return f->line.schema ? NULL : err;
+}
+
 /* Starts a completion (chat or not) from the request body: the fields are
    read over the command line's options and its requests are built as
    run_batch builds one; a streamed answer's head goes out at once. */
@@ -16956,6 +17573,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     f->chat = chat;
     f->max_tokens = f->top_logprobs = -1;
     f->n = 1;
+    f->tools.parallel = 1;
     f->vocab = srv->e->t->config.vocab_size;
     jmp_buf trap;
     error_trap = &trap;
@@ -16967,6 +17585,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
         return;
     }
     parse_request_body(f, h->body, h->body_len);
+    if (chat) tool_messages(f, srv->tok);
     Options *o = &f->line.o;
     if (f->max_tokens > 0) o->max_new_tokens = f->max_tokens;
     const char *refusal = NULL;
@@ -16974,6 +17593,9 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     else if (o->beams > 0 && f->stream) refusal = "num_beams cannot be streamed: ask with stream false";
     else refusal = choice_refusal(f);
     if (!refusal && f->n_prompts * f->n > SERVE_MAX_N) refusal = "fields 'prompt' and 'n': the prompts times n is 16 at most";
+    char tool_refusal[320];
+    int calls = calls_mode(&f->tools);
+    if (!refusal && calls != CALLS_NONE) refusal = tool_constraint(f, tool_refusal, sizeof(tool_refusal));
     int n_prompt[SERVE_MAX_N], *prompts[SERVE_MAX_N], n_prompts = 0;
     char *echo[SERVE_MAX_N] = {NULL};
     const char *why = NULL;
@@ -16988,6 +17610,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
+    d.constrain_after = calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL;
     submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
     for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
         c->echo[k] = echo[k / f->n] && k % f->n != 0 ? strdup(echo[k / f->n]) : echo[k / f->n];
@@ -17000,6 +17623,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     f->line.o.controls.n_stops = 0;
     c->chat = chat;
     c->stream = f->stream;
+    c->calls = calls;
     free_serve_fields(f);
     free(f);
     c->phase = CONN_RUNNING;

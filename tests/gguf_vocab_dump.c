@@ -11,7 +11,10 @@
          none; FAMILY one of chat_family_names overrides the file's, "" keeps
          it; REASONING show, hide or off as --reasoning)
      gguf_vocab_dump messages FILE.gguf REASONING ROLE CONTENT [ROLE CONTENT...]
-         the ids of a conversation as serve renders a chat request's messages */
+         the ids of a conversation as serve renders a chat request's messages
+     gguf_vocab_dump request FILE.gguf BODY.json
+         the ids of the prompt of a chat request's body as serve renders it,
+         its tools, calls and tool results included (11.1) */
 #define TESTING
 #include "../run.c"
 #include "hex_lines.h"
@@ -38,7 +41,7 @@ static void dump_tokens(const Tokenizer *tok) {
 int main(int argc, char **argv) {
     if (argc < 3) {
         fprintf(stderr, "usage: gguf_vocab_dump tokens FILE.gguf | info FILE.gguf | chat FILE.gguf FIRST SYSTEM USER [FAMILY [REASONING]] | "
-                        "messages FILE.gguf REASONING ROLE CONTENT...\n");
+                        "messages FILE.gguf REASONING ROLE CONTENT... | request FILE.gguf BODY.json\n");
         return 2;
     }
     Tokenizer tok;
@@ -81,6 +84,23 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
         printf("\n");
         free(ids);
+    } else if (strcmp(argv[1], "request") == 0 && argc == 4) {
+        size_t n_body;
+        const char *body = map_file(argv[3], &n_body, "request");
+        ServeFields f = {0};
+        f.chat = 1;
+        f.vocab = tok.vocab_size;
+        f.tools.parallel = 1;
+        parse_request_body(&f, body, n_body);
+        tool_messages(&f, &tok);
+        const char *why = NULL;
+        int n = 0, *ids = chat_messages_tokens(&tok, f.roles, f.contents, f.n_messages, 1 << 20, &n, &why);
+        if (!ids) die(EXIT_USAGE, "%s", why);
+        for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+        printf("\n");
+        free(ids);
+        free_serve_fields(&f);
+        unmap((void *)body, n_body);
     } else {
         fprintf(stderr, "gguf_vocab_dump: unknown command %s\n", argv[1]);
         return 2;
