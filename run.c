@@ -932,6 +932,8 @@ typedef struct {
     const uint8_t *packed_scales; /* (rows / PACK_ROWS rounded up, a block's scales in scale_form, then its offsets) */
     int packed_bits;              /* a packed value's bits: 8, 6 (int8 values in -32..31), 5 (in -16..15) or 4;
                                      12: bfloat16 in 12 bits (BF16_SPLIT builds) */
+    const int8_t *packed_table;   /* 4 bits: the values that the 4-bit codes n name (GGUF types of a
+                                     table: table[n]); NULL: n - 8 */
     int scale_form;               /* SCALES_F32, SCALES_F16 or SCALES_SHARED (section 3) */
     int offset_form;              /* OFFSETS_NONE, OFFSETS_F32 or OFFSETS_MIN (section 3): a packed
                                      block's offsets, after its scales */
@@ -1559,7 +1561,13 @@ typedef struct GGUF {
    (k = 1 for the types of one group a block; no `factors` where the scale
    is no such product: MXFP4's powers of two), and for the K-quants with a
    minimum the f16 dmin and group g's m[g], offset = centre x scale - dmin x
-   m[g] (centre: 2^(value_bits - 1), the middle of the values' range). */
+   m[g] (centre: 2^(value_bits - 1), the middle of the values' range).
+   The types of a `table` (IQ4_NL, IQ4_XS, MXFP4) store 4-bit codes n that
+   name one of its 16 int8 values: value = table[n] x scale. Their unpack
+   gives the codes as Q4_0's gives its values, n - 8 (the 4-bit layout,
+   centred), which the builds that pack keep as 4 bits (section 3's packed
+   weights look the table up in the kernel); block_values looks them up
+   for the rest (the other builds hold their values as int8, `bits` 8). */
 typedef void (*GGMLUnpack)(const uint8_t *block, int8_t *q, float *scales, float *offsets);
 typedef void (*GGMLFactors)(const uint8_t *block, uint16_t *d, int8_t *k, uint16_t *dmin, uint8_t *m);
 typedef struct {
@@ -1569,6 +1577,7 @@ typedef struct {
     GGMLUnpack unpack; /* NULL: float types */
     GGMLFactors factors; /* NULL: scales kept as float32 */
     int value_bits;    /* the bits that hold the values unpack gives (4, 5, 6 or 8) */
+    const int8_t *table; /* the values that codes n name (table[n]); NULL: unpack gives the values */
 } GGMLType;
 
 static float half_to_float(uint16_t h); /* section 4 */
@@ -1739,25 +1748,16 @@ static void factors_q6_k(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *dmi
     for (int g = 0; g < 16; g++) k[g] = (int8_t)b[192 + g];
 }
 
-/* The 4-bit codes of IQ4_NL, IQ4_XS and MXFP4 name one of 16 int8 values
-   of a table rather than a step count: 16 bytes at qs, byte j holding code
-   j in its low nibble and code j + 16 in its high one (as Q4_0). */
-static void table_values(const uint8_t *qs, const int8_t *table, int8_t *q) {
-    for (int j = 0; j < 16; j++) {
-        q[j] = table[qs[j] & 15];
-        q[j + 16] = table[qs[j] >> 4];
-    }
-}
-
 /* IQ4_NL's and IQ4_XS's table (ggml's kvalues_iq4nl): 16 values spread
    non-linearly, closer together near zero, as trained weights are. */
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* IQ4_NL, 32 values: f16 d, 16 bytes of codes n; value = d table[n]. */
+/* IQ4_NL, 32 values: f16 d, 16 bytes of codes n laid out as Q4_0's
+   nibbles; value = d table[n]. */
 static void unpack_iq4_nl(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
     (void)offsets;
     scales[0] = f16_at(b);
-    table_values(b + 2, iq4_values, q);
+    four_bit_values(b + 2, q);
 }
 
 /* IQ4_XS, 256 values in 8 sub-blocks of 32: f16 d, 2 bytes scales_h
@@ -1774,7 +1774,7 @@ static void unpack_iq4_xs(const uint8_t *b, int8_t *q, float *scales, float *off
     const float d = f16_at(b);
     for (int g = 0; g < 8; g++) {
         scales[g] = d * (float)(iq4_xs_scale(b, g) - 32);
-        table_values(b + 8 + 16 * g, iq4_values, q + 32 * g);
+        four_bit_values(b + 8 + 16 * g, q + 32 * g);
     }
 }
 
@@ -1787,54 +1787,60 @@ static void factors_iq4_xs(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *d
 /* MXFP4 (OCP microscaling FP4), 32 values: 1 byte e, an E8M0 power of two
    2^(e - 127), then 16 bytes of E2M1 codes n (sign, 2 exponent bits, 1
    mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; -0 is 0);
-   value = 2^(e - 127) E2M1(n). Held as ggml holds it, twice E2M1 (the
-   integers -12..12, which pack in 5 bits) times 2^(e - 128): a float32 for
-   every e (2^-128 and 2^-127 subnormal; e = 255, NaN to the standard, a
-   power of two as any other to ggml, which writes the files). That scale
-   lies beyond f16's range: MXFP4 has no factors, and its packed scales
-   are float32. */
+   value = 2^(e - 127) E2M1(n). Held as ggml holds it, its table twice
+   E2M1 (the integers -12..12) times 2^(e - 128): a float32 for every e
+   (2^-128 and 2^-127 subnormal; e = 255, NaN to the standard, a power of
+   two as any other to ggml, which writes the files). That scale lies
+   beyond f16's range: MXFP4 has no factors, and its packed scales are
+   float32. */
 static const int8_t doubled_e2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static void unpack_mxfp4(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
     (void)offsets;
     scales[0] = ldexpf(1.0f, b[0] - 128);
-    table_values(b + 1, doubled_e2m1, q);
+    four_bit_values(b + 1, q);
+}
+
+/* A block's values: unpack's, or a table type's codes looked up. */
+static void block_values(const GGMLType *type, const uint8_t *b, int8_t *q, float *scales, float *offsets) {
+    type->unpack(b, q, scales, offsets);
+    for (int j = 0; type->table && j < type->block; j++) q[j] = type->table[q[j] + 8];
 }
 
 static const GGMLType ggml_types[] = {
-    [0] = {"F32", 1, 4, 32, 0, 0, NULL, NULL, 32},
-    [1] = {"F16", 1, 2, 32, 0, 0, NULL, NULL, 16},
-    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0, factors_one, 4},
-    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1, factors_one, 4},
-    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0, factors_one, 5},
-    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1, factors_one, 5},
-    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0, factors_one, 8},
-    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k, factors_k, 4},
-    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k, factors_k, 5},
-    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k, factors_q6_k, 6},
-    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [20] = {"IQ4_NL", 32, 18, 8, 32, 0, unpack_iq4_nl, factors_one, 8},
-    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [23] = {"IQ4_XS", 256, 136, 8, 32, 0, unpack_iq4_xs, factors_iq4_xs, 8},
-    [24] = {"I8", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [25] = {"I16", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [26] = {"I32", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [27] = {"I64", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [28] = {"F64", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [30] = {"BF16", 1, 2, 32, 0, 0, NULL, NULL, 16},
-    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL, NULL, 0},
-    [39] = {"MXFP4", 32, 17, 8, 32, 0, unpack_mxfp4, NULL, 5},
-    [40] = {"NVFP4", 0, 0, 0, 0, 0, NULL, NULL, 0},
+    [0] = {"F32", 1, 4, 32, 0, 0, NULL, NULL, 32, NULL},
+    [1] = {"F16", 1, 2, 32, 0, 0, NULL, NULL, 16, NULL},
+    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0, factors_one, 4, NULL},
+    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1, factors_one, 4, NULL},
+    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0, factors_one, 5, NULL},
+    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1, factors_one, 5, NULL},
+    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0, factors_one, 8, NULL},
+    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k, factors_k, 4, NULL},
+    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k, factors_k, 5, NULL},
+    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k, factors_q6_k, 6, NULL},
+    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [20] = {"IQ4_NL", 32, 18, 8, 32, 0, unpack_iq4_nl, factors_one, 4, iq4_values},
+    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [23] = {"IQ4_XS", 256, 136, 8, 32, 0, unpack_iq4_xs, factors_iq4_xs, 4, iq4_values},
+    [24] = {"I8", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [25] = {"I16", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [26] = {"I32", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [27] = {"I64", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [28] = {"F64", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [30] = {"BF16", 1, 2, 32, 0, 0, NULL, NULL, 16, NULL},
+    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [39] = {"MXFP4", 32, 17, 8, 32, 0, unpack_mxfp4, NULL, 4, doubled_e2m1},
+    [40] = {"NVFP4", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
 };
 #define GGML_TYPES ((int)(sizeof(ggml_types) / sizeof(ggml_types[0])))
 enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };
@@ -2175,7 +2181,7 @@ static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *val
     for (long long b = 0; b < blocks; b++) {
         int8_t q[256];
         float s[16], o[16];
-        type->unpack((const uint8_t *)x->data + (size_t)b * type->block_bytes, q, s, o);
+        block_values(type, (const uint8_t *)x->data + (size_t)b * type->block_bytes, q, s, o);
         memcpy(scales + (size_t)b * per, s, (size_t)per * sizeof(float));
         for (int k = 0; offsets && k < per; k++) { /* group g of row r */
             const size_t at = (size_t)b * type->block + (size_t)k * type->group, r = at / x->ne[0], g = at % x->ne[0] / type->group;
@@ -2961,7 +2967,7 @@ static void matrix_row(float *out, const Matrix *W, int row) {
         for (int j0 = 0; j0 < W->cols; j0 += type->block, block += type->block_bytes) {
             int8_t q[256];
             float s[16], o[16];
-            type->unpack(block, q, s, o);
+            block_values(type, block, q, s, o);
             for (int j = 0; j < type->block; j++) {
                 out[j0 + j] = q[j] * s[j / type->group];
                 if (type->offsets) out[j0 + j] += o[j / type->group];
@@ -3670,7 +3676,9 @@ KERNEL void block_q8(float *out, size_t stride, const Matrix *W, int i, int n_ro
    so a row's result does not depend on the other rows of its batch.
    group_size is a multiple of 4. 4-bit weights (bits = 4) go the same way:
    their stored nibbles are q + 8, unsigned already, and the group sums
-   start at -8 * sum xq.
+   start at -8 * sum xq. The 4-bit codes n of a table's values (`table`:
+   GGUF IQ4_NL, IQ4_XS, MXFP4) become table[n] + 128 by one vpshufb, and
+   then go as 8-bit values do, from -128 * sum xq.
 
    The kernel reads the weights as pack_matrices lays them out when the
    checkpoint is loaded: PACK_ROWS rows at a time, columns 4 at a time, each
@@ -3729,8 +3737,15 @@ KERNEL __m512i five_bit_step(const uint8_t *run, const __m512i *units, const int
     return _mm512_mask_add_epi8(low, (__mmask64)tops, low, _mm512_set1_epi8(16));
 }
 
+/* W's table (packed_table) as the unsigned bytes of 8-bit values, table[n]
+   + 128, in each 128-bit lane: vpshufb of it by a half of 4-bit codes (each
+   in 0..15) gives their values so. */
+static inline __m512i table_bytes(const Matrix *W) {
+    return _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)W->packed_table), _mm_set1_epi8(-128)));
+}
+
 /* Columns j..j+3 (j a multiple of 4) of the packed block at p, as unsigned
-   bytes: lane r holds row r's 4 values. */
+   bytes: lane r holds row r's 4 values (a table's: its codes). */
 KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
     if (bits == 8) return _mm512_loadu_si512(p + (size_t)j * PACK_ROWS);
     if (bits == 4) return nibble_half(_mm512_loadu_si512(p + (size_t)j / 8 * 64), j / 4 % 2);
@@ -3770,9 +3785,9 @@ KERNEL vfloat packed_offset(const Matrix *W, const PackedSide *side, vfloat wsg,
    for the one before it on its sum, so that few inputs need several sums
    in flight (4 for fewer than 4 inputs). `next`: the next block, prefetched
    a group at a time.
-   N and bits are constants in every inlined copy. */
+   N, bits and table are constants in every inlined copy. */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
-                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
+                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
     enum { MAX_CHAINS = 4 };
     const int cols = W->cols, gs = W->group_size, groups = cols / gs, chains = N < 4 ? 4 : 2;
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
@@ -3781,6 +3796,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
     const PackedSide side = packed_side(W, ws);
     if (N == 1 && bits == 8 && packed_block_bytes(W) > INT8_PREFETCH_MAX) next = NULL;
     if (next) prefetch_far(ws + scale_bytes, scale_bytes);
+    const __m512i lut = table ? table_bytes(W) : _mm512_setzero_si512();
     vfloat acc[PACK_INPUTS];
     for (int m = 0; m < N; m++) acc[m] = vf_zero();
     for (int g = 0; g < groups; g++) {
@@ -3795,7 +3811,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
 #pragma GCC unroll 4
 #endif
             for (int step = 0; step < 4; step++) { /* columns j + 4 step .. j + 4 step + 3 */
-                const __m512i w = nibble_half(units[step / 2], step % 2);
+                const __m512i n = nibble_half(units[step / 2], step % 2), w = table ? _mm512_shuffle_epi8(lut, n) : n;
                 for (int m = 0; m < N; m++) {
                     int32_t x4;
                     memcpy(&x4, x + (size_t)m * cols + j + 4 * step, sizeof(x4));
@@ -3898,12 +3914,18 @@ static void amx_configure(int k) {
     amx_k = k;
 }
 
-/* Each thread's 4-bit block widened to bytes: (cols / 4, PACK_ROWS, 4). */
+/* Each thread's 4-bit block widened to bytes: (cols / 4, PACK_ROWS, 4)
+   (a table's codes looked up, as packed_q8 does). */
 static _Thread_local Scratch amx_widened;
 
-static const uint8_t *amx_widen(const uint8_t *p, int cols, const int bits) {
+static const uint8_t *amx_widen(const Matrix *W, const uint8_t *p, const int bits, const int table) {
+    const int cols = W->cols;
+    const __m512i lut = table ? table_bytes(W) : _mm512_setzero_si512();
     uint8_t *base = scratch_grow(&amx_widened, (size_t)cols * PACK_ROWS);
-    for (int j = 0; j < cols; j += 4) _mm512_store_si512(base + (size_t)j * PACK_ROWS, packed_weights(p, j, bits));
+    for (int j = 0; j < cols; j += 4) {
+        const __m512i w = packed_weights(p, j, bits);
+        _mm512_store_si512(base + (size_t)j * PACK_ROWS, table ? _mm512_shuffle_epi8(lut, w) : w);
+    }
     return base;
 }
 
@@ -3993,7 +4015,15 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
    (q + 128) would overflow a pair (2 x 255 x 127); their sign bit flipped
    back gives q, and |q| times the input with q's sign (vpsignb) is q x xq,
    at most 2 x 128 x 127 = 32512 a pair, widened at every step: the group
-   sum itself, from 0 rather than from the start. Each group then ends as
+   sum itself, from 0 rather than from the start. The 4-bit codes n of a
+   table's values (`table`: GGUF IQ4_NL, IQ4_XS, MXFP4) become table[n]
+   by one vpshufb of the table and then go as 8-bit values do: |table[n]|
+   x xq pairs at most 2 x 127 x 127 too, where the unsigned table[n] + 128
+   of the VNNI form would overflow. IQ4_NL so held takes Q4_0's 0.5625
+   bytes a weight instead of 1.0625 as int8: a 4096 x 4096 matrix times one
+   input row, one core of a busy AMD EPYC (AVX2) machine, the least of
+   300 runs: 1.18-1.62 ms -> 0.50-0.53 (Q4_0: 0.34-0.37, whose 4-bit values
+   pair 8 steps before widening). Each group then ends as
    packed_q8's VNNI form ends it, the same float operations lane by lane:
    from the same prepared inputs, a row's result is bit for bit the one a
    VNNI build gives it, whatever its batch (checked by hand on a 37 x 1024
@@ -4078,10 +4108,13 @@ static inline __attribute__((always_inline)) void in_register(__m256i *v) {
 
 /* packed_q8 (the same arguments and results). A group's columns are a
    constant of the value bits (AVX2_GROUP), so that its steps unroll whole
-   and each flush into the int32 sums falls where it is known. */
+   and each flush into the int32 sums falls where it is known. `wide`:
+   int8 values (8 bits, or a table's), |q| x (xq with q's sign). */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
-                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
-    const int G = AVX2_GROUP(bits), cols = W->cols, groups = cols / G, flush = bits == 4 ? 8 : bits == 5 ? 4 : bits == 6 ? 2 : 1;
+                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
+    const int wide = bits == 8 || table, G = AVX2_GROUP(bits), cols = W->cols, groups = cols / G;
+    const int flush = wide ? 1 : bits == 4 ? 8 : bits == 5 ? 4 : 2;
+    const __m256i lut = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)W->packed_table)) : _mm256_setzero_si256();
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     const size_t scale_bytes = packed_scale_bytes(W);
     const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
@@ -4096,7 +4129,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         __m256i sum[PACK_INPUTS][2], pairs[PACK_INPUTS][2];
         for (int m = 0; m < N; m++)
             for (int h = 0; h < 2; h++) {
-                sum[m][h] = _mm256_set1_epi32(bits == 8 ? 0 : c[(size_t)m * groups + g]); /* 8 bits: q x xq itself */
+                sum[m][h] = _mm256_set1_epi32(wide ? 0 : c[(size_t)m * groups + g]); /* wide: q x xq itself */
                 pairs[m][h] = _mm256_setzero_si256();
             }
 #if defined(__GNUC__)
@@ -4107,13 +4140,14 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
             const uint8_t *run = p + (size_t)(j - 4 * at) * PACK_ROWS * bits / 8; /* 4 lines of 8-bit values, 2 units of 4-bit ones, or 5- or 6-bit values */
             for (int h = 0; h < 2; h++) {
                 const __m256i v = bits == 8   ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(run + 64 * at + 32 * h)), _mm256_set1_epi8(-128))
+                                  : table     ? _mm256_shuffle_epi8(lut, nibbles8(run + 64 * (at / 2), h, at % 2))
                                   : bits == 4 ? nibbles8(run + 64 * (at / 2), h, at % 2)
                                               : run_step8(run, h, at, bits);
-                const __m256i w = bits == 8 ? _mm256_abs_epi8(v) : v;
+                const __m256i w = wide ? _mm256_abs_epi8(v) : v;
                 for (int m = 0; m < N; m++) {
                     int32_t x4;
                     memcpy(&x4, x + (size_t)m * cols + j, sizeof(x4));
-                    const __m256i xb = bits == 8 ? _mm256_sign_epi8(_mm256_set1_epi32(x4), v) : _mm256_set1_epi32(x4);
+                    const __m256i xb = wide ? _mm256_sign_epi8(_mm256_set1_epi32(x4), v) : _mm256_set1_epi32(x4);
                     pairs[m][h] = _mm256_add_epi16(pairs[m][h], _mm256_maddubs_epi16(w, xb));
                     in_register(&pairs[m][h]);
                 }
@@ -4152,7 +4186,9 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
    are their own signed bytes, so sdot with the input's 4 bytes (lane s of
    the run's 16 input bytes, vdotq_laneq_s32) adds what vpdpbusd adds, from
    the same start; 8-bit values (q + 128) get their sign bit flipped back
-   to q, summed from 0 as the AVX2 form does. Each group ends with the
+   to q, summed from 0 as the AVX2 form does, and so do a table's values
+   (`table`: GGUF IQ4_NL, IQ4_XS, MXFP4), table[n] from the 4-bit codes n
+   by one tbl (vqtbl1q_s8). Each group ends with the
    same float operations lane by lane as packed_q8's other forms (vfmaq_f32
    and vfmsq_f32 fused as the x86 ones): under qemu, a 37 x 1024 matrix of
    each of the 8 types gave the VNNI build's outputs bit for bit, n = 1..9,
@@ -4170,11 +4206,13 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
 #define PACK_FEW 4
 
 /* Columns 4 step .. 4 step + 3 of quarter k (rows 4k..4k+3) of a run of
-   packed values (as packed_weights reads them), as bytes. */
-static inline int8x16_t run_quarter(const uint8_t *run, int k, const int step, const int bits) {
+   packed values (as packed_weights reads them), as bytes (table: the
+   values lut names). */
+static inline int8x16_t run_quarter(const uint8_t *run, int k, const int step, const int bits, const int table, int8x16_t lut) {
     if (bits == 8) return vreinterpretq_s8_u8(veorq_u8(vld1q_u8(run + 64 * step + 16 * k), vdupq_n_u8(0x80)));
     const uint8x16_t unit = vld1q_u8(run + 64 * (step / 2) + 16 * k);
     uint8x16_t v = step % 2 ? vshrq_n_u8(unit, 4) : vandq_u8(unit, vdupq_n_u8(15));
+    if (table) return vqtbl1q_s8(lut, v);
     if (bits == 6) {
         const uint32x4_t tops = vld1q_u32((const uint32_t *)(const void *)(run + 128 + 16 * k));
         const uint32x4_t t = step == 0 ? vshlq_n_u32(tops, 4) : step == 1 ? vshlq_n_u32(tops, 2) : step == 2 ? tops : vshrq_n_u32(tops, 2);
@@ -4218,13 +4256,14 @@ static inline float32x4_t packed_offset4(const Matrix *W, const PackedSide *side
 
 /* packed_q8 (the same arguments and results). */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
-                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits) {
+                      const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
     const int cols = W->cols, gs = W->group_size, groups = cols / gs;
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     const size_t scale_bytes = packed_scale_bytes(W);
     const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
     const PackedSide side = packed_side(W, ws);
     if (next) prefetch_far(ws + scale_bytes, scale_bytes);
+    const int8x16_t lut = table ? vld1q_s8(W->packed_table) : vdupq_n_s8(0);
     float32x4_t acc[PACK_INPUTS][4];
     for (int m = 0; m < N; m++)
         for (int k = 0; k < 4; k++) acc[m][k] = vdupq_n_f32(0.0f);
@@ -4233,7 +4272,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         if (next) prefetch_far(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
         int32x4_t sum[PACK_INPUTS][4];
         for (int m = 0; m < N; m++)
-            for (int k = 0; k < 4; k++) sum[m][k] = vdupq_n_s32(bits == 8 ? 0 : c[(size_t)m * groups + g]);
+            for (int k = 0; k < 4; k++) sum[m][k] = vdupq_n_s32(bits == 8 || table ? 0 : c[(size_t)m * groups + g]);
         for (int j = j0; j < j1; j += SIX_BIT_COLS) {
             const uint8_t *run = p + (size_t)j * PACK_ROWS * bits / 8;
             int8x16_t xv[PACK_INPUTS]; /* the run's 16 input bytes: step s in lane s */
@@ -4243,7 +4282,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
 #endif
             for (int step = 0; step < 4; step++)
                 for (int k = 0; k < 4; k++) {
-                    const int8x16_t w = run_quarter(run, k, step, bits);
+                    const int8x16_t w = run_quarter(run, k, step, bits, table, lut);
                     for (int m = 0; m < N; m++) {
                         switch (step) { /* the lane must be a constant */
                         case 0: sum[m][k] = vdotq_laneq_s32(sum[m][k], w, xv[m], 0); break;
@@ -4386,6 +4425,7 @@ typedef enum {
     KERNEL_Q4_SIMD,   /* VNNI: group_size a multiple of 4; else of VI_COLS */
     KERNEL_Q5_SIMD,   /* VNNI: int8 values in -16..15, packed as 5 bits */
     KERNEL_Q6_SIMD,   /* VNNI: int8 values in -32..31, packed as 6 bits */
+    KERNEL_TABLE_SIMD, /* packed: 4-bit codes of a table's int8 values (packed_table) */
 } KernelKind;
 
 static KernelKind kernel_of(const Matrix *W) {
@@ -4403,7 +4443,7 @@ static KernelKind kernel_of(const Matrix *W) {
 #endif
 #ifdef PACKED_Q
     if (W->packed)
-        return W->packed_bits == 4 ? KERNEL_Q4_SIMD : W->packed_bits == 5 ? KERNEL_Q5_SIMD : W->packed_bits == 6 ? KERNEL_Q6_SIMD : KERNEL_Q8_SIMD;
+        return W->packed_table ? KERNEL_TABLE_SIMD : W->packed_bits == 4 ? KERNEL_Q4_SIMD : W->packed_bits == 5 ? KERNEL_Q5_SIMD : W->packed_bits == 6 ? KERNEL_Q6_SIMD : KERNEL_Q8_SIMD;
 #endif
 #ifndef VNNI
     if (!W->q4 && W->group_size > 0 && W->group_size % VI_COLS == 0) return KERNEL_Q8_SIMD;
@@ -4442,7 +4482,8 @@ static int packed_inputs(int n) {
 }
 
 /* The start of a group sum of quantised values q (group_size of them;
-   NULL: a row past n, whose start is 0). */
+   NULL: a row past n, whose start is 0); a table's values as 8-bit ones
+   (VNNI: table[n] + 128). */
 static int32_t group_start(const Inputs *in, const int16_t *q) {
     int32_t sum = 0;
     for (int j = 0; q && j < in->group_size; j++) sum += q[j];
@@ -4606,7 +4647,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
    1 to 4 below) in kernels of their own, of 5 to 7 in the kernel of 8,
    whose extra rows are zero (packed_inputs; AVX2: 4 at most, each run its
    own). */
-KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *next, const Inputs *in, const int bits) {
+KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *next, const Inputs *in, const int bits, const int table) {
     const int rows = W->rows, cols = W->cols, groups = cols / W->group_size, n_rows = rows - i < PACK_ROWS ? rows - i : PACK_ROWS;
     int b = 0;
 #ifdef AMX
@@ -4614,7 +4655,7 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
         /* the next block's weights, prefetched a share per run of inputs */
         const size_t block = packed_block_bytes(W), runs = (size_t)(in->n / AMX_INPUTS), share = (block / runs + 63) / 64 * 64;
         const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * block;
-        const uint8_t *wb = bits == 8 ? p : amx_widen(p, cols, bits);
+        const uint8_t *wb = bits == 8 ? p : amx_widen(W, p, bits, table);
         for (size_t r = 0; r < runs; r++, b += AMX_INPUTS) {
             const size_t at = r * share < block ? r * share : block;
             amx_q8(out + (size_t)b * rows + i, (size_t)rows, W, i, n_rows, next ? (const uint8_t *)next + at : NULL,
@@ -4632,11 +4673,11 @@ KERNEL void matmul_packed(float *out, const Matrix *W, int i, const uint8_t *nex
         const float *s = in->s8 + (size_t)b * groups, *xsum = in->sum8 + (size_t)b * groups;
         float *o = out + (size_t)b * rows + i;
         switch (n_in) {
-        case 1: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 1, bits); break;
-        case 2: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 2, bits); break;
-        case 3: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 3, bits); break;
-        case 4: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 4, bits); break;
-        default: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, PACK_INPUTS, bits);
+        case 1: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 1, bits, table); break;
+        case 2: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 2, bits, table); break;
+        case 3: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 3, bits, table); break;
+        case 4: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, 4, bits, table); break;
+        default: packed_q8(o, (size_t)rows, W, i, n_rows, pre, x, c, s, xsum, n_in, PACK_INPUTS, bits, table);
         }
     }
 }
@@ -4810,10 +4851,11 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
 #endif
 #ifdef PACKED_Q
     if (W->packed) { /* VNNI builds: every int8 or 4-bit matrix */
-        if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4);
-        else if (in->kind == KERNEL_Q5_SIMD) matmul_packed(out, W, i, next, in, 5);
-        else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6);
-        else matmul_packed(out, W, i, next, in, 8);
+        if (in->kind == KERNEL_Q4_SIMD) matmul_packed(out, W, i, next, in, 4, 0);
+        else if (in->kind == KERNEL_Q5_SIMD) matmul_packed(out, W, i, next, in, 5, 0);
+        else if (in->kind == KERNEL_Q6_SIMD) matmul_packed(out, W, i, next, in, 6, 0);
+        else if (in->kind == KERNEL_TABLE_SIMD) matmul_packed(out, W, i, next, in, 4, 1);
+        else matmul_packed(out, W, i, next, in, 8, 0);
         return;
     }
 #endif
@@ -5177,7 +5219,8 @@ static uint32_t nibble_unit(uint64_t v) {
 }
 
 /* The int8 value that packs as bits of 0 (a lane past a matrix's last row,
-   a column past its last). */
+   a column past its last; a table's code 0, whatever value it names: those
+   lanes' sums are never stored, and a GGUF row is whole blocks of 32). */
 static int8_t packed_zero(int bits) { return (int8_t)-(1 << (bits - 1)); }
 
 /* A block's values, as packed_weights reads them, from the int8 values of
@@ -5364,6 +5407,7 @@ static size_t matrix_packed_bytes(Matrix *W) {
     if (W->blocks) {
         const GGMLType *type = &ggml_types[W->block_type];
         W->packed_bits = type->value_bits;
+        W->packed_table = type->table; /* stored_row's values are its codes, n - 8 */
         W->scale_form = !type->factors ? SCALES_F32 : W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
         W->offset_form = !type->offsets ? OFFSETS_NONE : W->scale_run > 1 ? OFFSETS_MIN : OFFSETS_F32;
         W->offset_centre = (float)(1 << (type->value_bits - 1));
@@ -5387,7 +5431,8 @@ typedef struct {
     uint16_t *d, *dmin; /* (groups) f16 bits, one a run of scale_run groups (SCALES_F16: one a group) */
 } PackRow;
 
-/* Row r of W: unpacked from its GGUF blocks, or read from section 1's
+/* Row r of W: unpacked from its GGUF blocks (a table type's codes n - 8,
+   as packed_table names them), or read from section 1's
    arrays (a shared scale's factors found by shared_scale). */
 static void stored_row(const Matrix *W, size_t r, PackRow *row) {
     const int cols = W->cols, groups = cols / W->group_size;

@@ -1437,6 +1437,7 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
     void *packing = pack_for_kernels(&blockwise);
     expect(blockwise.packed != NULL, "not packed");
     expect(blockwise.packed_bits == type->value_bits, "values packed as %d bits", blockwise.packed_bits);
+    expect(blockwise.packed_table == type->table, "packed with%s a table", blockwise.packed_table ? "" : "out");
     expect(blockwise.scale_form == (!type->factors ? SCALES_F32 : type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d",
            blockwise.scale_form);
     expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
@@ -1497,7 +1498,7 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
 
 /* GGUF matrices of every block type that the build packs, packed straight
    from their blocks (as VNNI and AVX2 builds load them): each form the type stores is chosen (values of 4, 5, 6 or 8
-   bits as such, f16, shared or (MXFP4) float32 scales, K-quants' offsets as minimums);
+   bits as such, a table's 4-bit codes with their table, f16, shared or (MXFP4) float32 scales, K-quants' offsets as minimums);
    (VNNI) every output is bit for bit the one of the same matrix unpacked as
    section 2.2 unpacks it (q, float32 scales and offsets) and packed from
    that; within 1e-5 of the double sum of its values times the quantised
