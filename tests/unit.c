@@ -2131,7 +2131,11 @@ static void test_window_pool(void) {
     for (int list = 0; c.win && list < 2; list++)
         for (int b = c.win->head[list]; b >= 0; b = c.win->next[b]) n_free++;
     expect(!broken, "after %d operations: %s", op, broken ? broken : "");
-    expect(left > 150 && resumed > 10 && cut > 0, "only %d blocks left behind, %d prefixes resumed, %d cut short", left, resumed, cut);
+    /* the counts follow the data generator's state, which the suites before
+       this one leave differently in each build (114 to 190 blocks left
+       behind seen): enough that windows are left, resumed and cut short
+       many times over */
+    expect(left > 50 && resumed > 10 && cut > 0, "only %d blocks left behind, %d prefixes resumed, %d cut short", left, resumed, cut);
     expect(c.win && n_free == c.win->n_blocks && c.win->held == 0, "%d of %d window blocks are free at the end (leaked blocks)", n_free,
            c.win ? c.win->n_blocks : 0);
     kv_free(&c);
