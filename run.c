@@ -15,7 +15,8 @@
         of the wrong kind named as what they are; 2.1 GGUF files (llama.cpp's
         format), 2.2 a model from one (types F32 to Q6_K, IQ4_NL, IQ4_XS
         and MXFP4; the architectures of section 1's table: llama, qwen2,
-        qwen3, gemma3, phi3, smollm3, granite)
+        qwen3, gemma3, phi3, smollm3, granite; with experts qwen3moe,
+        qwen2moe, olmoe, gpt-oss and deepseek2)
      3. kernels: rmsnorm, softmax, matmul (quantised weights packed at
         load for the VNNI kernel, GGUF's straight from their blocks;
         bfloat16 dot products, bfloat16 weights packed in 12 bits), rope,
@@ -12949,22 +12950,6 @@ static void engine_done(Engine *e, Request *r) {
     if (e->on_done) e->on_done(r, e->user);
 }
 
-/* Blocks of the first n_tokens of `tokens` (a prompt, or a paused request's
-   tokens) that the prefix index holds ready: their count, or -1 when the
-   next one is still being computed by a running request (the request then
-   waits for it rather than compute it a second time). The last token is
-   always computed, for its logits. */
-static int prefix_match(const KVCache *c, const int *tokens, int n_tokens, int *blocks) {
-    int n = 0, parent = -1;
-    for (; (n + 1) * KV_BLOCK <= n_tokens - 1; n++) {
-        int b = prefix_find(c, parent, tokens + (size_t)n * KV_BLOCK);
-        if (b < 0) break;
-        if (c->state[b] == BLOCK_PENDING) return -1;
-        blocks[n] = parent = b;
-    }
-    return n;
-}
-
 /* How many of the n blocks `matched` of a prompt's prefix (prefix_match) a
    request can take in a cache with windowed layers: as many as leave the
    partners of the window before the position it resumes at all kept. */
@@ -12975,6 +12960,23 @@ static int window_resumable(const KVCache *c, const int *matched, int n) {
         if (i == n) break;
     }
     return n;
+}
+
+/* Blocks of the first n_tokens of `tokens` (a prompt, or a paused request's
+   tokens) that the prefix index holds ready: their count, or -1 when the
+   next one is still being computed by a running request (the request then
+   waits for it rather than compute it a second time). The last token is
+   always computed, for its logits. In a cache with windowed layers, only
+   as many as window_resumable allows. */
+static int prefix_match(const KVCache *c, const int *tokens, int n_tokens, int *blocks) {
+    int n = 0, parent = -1;
+    for (; (n + 1) * KV_BLOCK <= n_tokens - 1; n++) {
+        int b = prefix_find(c, parent, tokens + (size_t)n * KV_BLOCK);
+        if (b < 0) break;
+        if (c->state[b] == BLOCK_PENDING) return -1;
+        blocks[n] = parent = b;
+    }
+    return c->win ? window_resumable(c, blocks, n) : n;
 }
 
 /* Gives s (empty) the blocks of its tokens: the first n_matched from the
@@ -13033,7 +13035,6 @@ static int engine_start(Engine *e, Request *r) {
         free(matched);
         return 0;
     }
-    if (c->win) n_matched = window_resumable(c, matched, n_matched);
     promise_blocks(c, r, t->config.seq_len);
     r->seqs = xcalloc((size_t)r->n_seqs, sizeof(Sequence));
     int cap = r->n_prompt + r->max_new;
@@ -13120,7 +13121,6 @@ static int engine_resume(Engine *e, Request *r) {
     int *matched = xcalloc((size_t)s->n_tokens / KV_BLOCK + 1, sizeof(int));
     int n_matched = prefix_match(c, s->tokens, s->n_tokens, matched);
     if (n_matched >= 0) {
-        if (c->win) n_matched = window_resumable(c, matched, n_matched);
         promise_blocks(c, r, e->t->config.seq_len);
         sequence_take_blocks(e, s, matched, n_matched);
         r->state = REQUEST_RUNNING;
