@@ -2638,17 +2638,15 @@ static void gguf_mla_layers(Transformer *t, const GGUF *g) {
     Weights *w = &t->weights;
     const int L = p->n_layers, H = p->n_heads, dim = p->dim, R = p->mla_rank, nope = p->mla_nope, rope = p->rope_dims;
     const int q_width = H * (nope + rope);
-    w->wq = xcalloc((size_t)L, sizeof(Matrix)); /* rows 0 where q comes from q_a and q_b */
     w->wk = xcalloc((size_t)L, sizeof(Matrix)); /* none: rows 0 */
     w->wv = xcalloc((size_t)L, sizeof(Matrix));
     if (p->q_rank > 0) {
+        w->wq = xcalloc((size_t)L, sizeof(Matrix)); /* rows 0: q comes from q_a and q_b */
         w->wq_a = gguf_layer_matrices(t, g, "attn_q_a", p->q_rank, dim);
         w->wq_b = gguf_layer_matrices(t, g, "attn_q_b", q_width, p->q_rank);
         w->q_a_norm = gguf_layer_vectors(t, g, "attn_q_a_norm.weight", p->q_rank, 1);
-    } else {
-        free(w->wq);
+    } else
         w->wq = gguf_layer_matrices(t, g, "attn_q", q_width, dim);
-    }
     w->wkv_a = gguf_layer_matrices(t, g, "attn_kv_a_mqa", R + rope, dim);
     w->kv_a_norm = gguf_layer_vectors(t, g, "attn_kv_a_norm.weight", R, 1);
     w->wo = gguf_layer_matrices(t, g, "attn_output", dim, H * p->mla_value);
