@@ -2687,6 +2687,7 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
     w->w2 = xcalloc((size_t)L, sizeof(Matrix));
     w->w3 = xcalloc((size_t)L, sizeof(Matrix));
     char name[64];
+    int dense = 0, shared = 0; /* whether a layer reads a dense FFN, a shared expert */
     for (int l = 0; l < L; l++) {
         snprintf(name, sizeof(name), "blk.%d.ffn_gate_inp.weight", l);
         const char *ffn[3] = {"ffn_gate", "ffn_up", "ffn_down"};
@@ -2701,13 +2702,21 @@ static void gguf_moe_layers(Transformer *t, const GGUF *g) {
             if (!gguf_tensor(g, name) && !p->arch->mla) continue; /* DeepSeek's are required */
             ffn[0] = "ffn_gate_shexp", ffn[1] = "ffn_up_shexp", ffn[2] = "ffn_down_shexp";
             width = p->shared_hidden;
-        }
+            shared = 1;
+        } else
+            dense = 1;
         Matrix *out[3] = {&w->w1[l], &w->w3[l], &w->w2[l]};
         for (int i = 0; i < 3; i++) {
             snprintf(name, sizeof(name), "blk.%d.%s.weight", l, ffn[i]);
             *out[i] = i < 2 ? gguf_matrix(t, g, name, width, dim) : gguf_matrix(t, g, name, dim, width);
         }
     }
+    /* a width no tensor has (Qwen3-MoE's feed_forward_length, with experts
+       in every layer) is the experts' instead: the buffers are sized by
+       the widths the layers read, not by a number the file's tensors do
+       not bound */
+    if (!dense) t->config.hidden_dim = F;
+    if (!shared) t->config.shared_hidden = F;
     w->shared_gate = gguf_layer_vectors(t, g, "ffn_gate_inp_shexp.weight", dim, 0);
     if (p->arch->mla) w->select_bias = gguf_layer_vectors(t, g, "exp_probs_b.bias", E, 0); /* DeepSeek-V3's */
     if (p->arch->biases) { /* gpt-oss: the router's and each expert's biases */
