@@ -1579,6 +1579,7 @@ typedef struct {
     GGMLFactors factors; /* NULL: scales kept as float32 */
     int value_bits;    /* the bits that hold the values unpack gives (4, 5, 6 or 8) */
     const int8_t *table; /* the values that codes n name (table[n]); NULL: unpack gives the values */
+    int e8m0;            /* scales 2^(e - 128) of a byte e (MXFP4's E8M0): packed as those bytes */
 } GGMLType;
 
 static float half_to_float(uint16_t h); /* section 4 */
@@ -1792,8 +1793,8 @@ static void factors_iq4_xs(const uint8_t *b, uint16_t *d, int8_t *k, uint16_t *d
    E2M1 (the integers -12..12) times 2^(e - 128): a float32 for every e
    (2^-128 and 2^-127 subnormal; e = 255, NaN to the standard, a power of
    two as any other to ggml, which writes the files). That scale lies
-   beyond f16's range: MXFP4 has no factors, and its packed scales are
-   float32. */
+   beyond f16's range: MXFP4 has no factors; its packed scales are its
+   bytes e (section 3's SCALES_E8M0). */
 static const int8_t doubled_e2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static void unpack_mxfp4(const uint8_t *b, int8_t *q, float *scales, float *offsets) {
@@ -1809,39 +1810,39 @@ static void block_values(const GGMLType *type, const uint8_t *b, int8_t *q, floa
 }
 
 static const GGMLType ggml_types[] = {
-    [0] = {"F32", 1, 4, 32, 0, 0, NULL, NULL, 32, NULL},
-    [1] = {"F16", 1, 2, 32, 0, 0, NULL, NULL, 16, NULL},
-    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0, factors_one, 4, NULL},
-    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1, factors_one, 4, NULL},
-    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0, factors_one, 5, NULL},
-    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1, factors_one, 5, NULL},
-    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0, factors_one, 8, NULL},
-    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k, factors_k, 4, NULL},
-    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k, factors_k, 5, NULL},
-    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k, factors_q6_k, 6, NULL},
-    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [20] = {"IQ4_NL", 32, 18, 8, 32, 0, unpack_iq4_nl, factors_one, 4, iq4_values},
-    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [23] = {"IQ4_XS", 256, 136, 8, 32, 0, unpack_iq4_xs, factors_iq4_xs, 4, iq4_values},
-    [24] = {"I8", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [25] = {"I16", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [26] = {"I32", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [27] = {"I64", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [28] = {"F64", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [30] = {"BF16", 1, 2, 32, 0, 0, NULL, NULL, 16, NULL},
-    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
-    [39] = {"MXFP4", 32, 17, 8, 32, 0, unpack_mxfp4, NULL, 4, doubled_e2m1},
-    [40] = {"NVFP4", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL},
+    [0] = {"F32", 1, 4, 32, 0, 0, NULL, NULL, 32, NULL, 0},
+    [1] = {"F16", 1, 2, 32, 0, 0, NULL, NULL, 16, NULL, 0},
+    [2] = {"Q4_0", 32, 18, 4, 32, 0, unpack_q4_0, factors_one, 4, NULL, 0},
+    [3] = {"Q4_1", 32, 20, 4, 32, 1, unpack_q4_1, factors_one, 4, NULL, 0},
+    [6] = {"Q5_0", 32, 22, 8, 32, 0, unpack_q5_0, factors_one, 5, NULL, 0},
+    [7] = {"Q5_1", 32, 24, 8, 32, 1, unpack_q5_1, factors_one, 5, NULL, 0},
+    [8] = {"Q8_0", 32, 34, 8, 32, 0, unpack_q8_0, factors_one, 8, NULL, 0},
+    [9] = {"Q8_1", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [10] = {"Q2_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [11] = {"Q3_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [12] = {"Q4_K", 256, 144, 4, 32, 1, unpack_q4_k, factors_k, 4, NULL, 0},
+    [13] = {"Q5_K", 256, 176, 8, 32, 1, unpack_q5_k, factors_k, 5, NULL, 0},
+    [14] = {"Q6_K", 256, 210, 8, 16, 0, unpack_q6_k, factors_q6_k, 6, NULL, 0},
+    [15] = {"Q8_K", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [16] = {"IQ2_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [17] = {"IQ2_XS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [18] = {"IQ3_XXS", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [19] = {"IQ1_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [20] = {"IQ4_NL", 32, 18, 8, 32, 0, unpack_iq4_nl, factors_one, 4, iq4_values, 0},
+    [21] = {"IQ3_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [22] = {"IQ2_S", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [23] = {"IQ4_XS", 256, 136, 8, 32, 0, unpack_iq4_xs, factors_iq4_xs, 4, iq4_values, 0},
+    [24] = {"I8", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [25] = {"I16", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [26] = {"I32", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [27] = {"I64", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [28] = {"F64", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [29] = {"IQ1_M", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [30] = {"BF16", 1, 2, 32, 0, 0, NULL, NULL, 16, NULL, 0},
+    [34] = {"TQ1_0", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [35] = {"TQ2_0", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
+    [39] = {"MXFP4", 32, 17, 8, 32, 0, unpack_mxfp4, NULL, 4, doubled_e2m1, 1},
+    [40] = {"NVFP4", 0, 0, 0, 0, 0, NULL, NULL, 0, NULL, 0},
 };
 #define GGML_TYPES ((int)(sizeof(ggml_types) / sizeof(ggml_types[0])))
 enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30 };
@@ -3387,7 +3388,7 @@ static size_t packed_block_bytes(const Matrix *W) {
 }
 #define SIX_BIT_COLS 16 /* the columns of a run of 5- or 6-bit values (packed_weights) */
 
-/* A block's scales, in one of three forms (pack_matrices picks the smallest
+/* A block's scales, in one of four forms (pack_matrices picks the smallest
    that holds every scale exactly):
      SCALES_F32     float32 (groups, PACK_ROWS)
      SCALES_F16     f16 (groups, PACK_ROWS): the GGUF types of one scale
@@ -3395,8 +3396,13 @@ static size_t packed_block_bytes(const Matrix *W) {
      SCALES_SHARED  int8 k (groups, PACK_ROWS), then f16 d (groups /
                     scale_run, PACK_ROWS): scale = k * d, the K-quants'
                     sub-block scale times their block's d
+     SCALES_E8M0    uint8 e (groups, PACK_ROWS): scale = 2^(e - 128),
+                    MXFP4's, widened as 2^(h - 64) x 2^(e - h - 64), h =
+                    e / 2: two normal floats made from their exponent
+                    bits, whose product is exact for every e (2^-128
+                    and 2^-127 subnormal)
    Q4_K's values and scales then take 0.54 bytes a weight instead of
-   0.625, Q6_K's (as 6 bits) 0.82, the file's.
+   0.625, Q6_K's (as 6 bits) 0.82, MXFP4's 0.53, the file's.
    Then, for the types with a minimum, the block's offsets, in one of two
    forms:
      OFFSETS_F32    float32 (groups, PACK_ROWS)
@@ -3405,7 +3411,7 @@ static size_t packed_block_bytes(const Matrix *W) {
                     m, computed as the K-quants' unpack computes it (Q4_K,
                     Q5_K: their 6-bit minimums and their block's dmin)
    so that a Q4_K block of 16 rows is 2368 bytes against the file's 2304. */
-enum { SCALES_F32, SCALES_F16, SCALES_SHARED };
+enum { SCALES_F32, SCALES_F16, SCALES_SHARED, SCALES_E8M0 };
 enum { OFFSETS_NONE, OFFSETS_F32, OFFSETS_MIN };
 
 /* The bytes of a block's scales alone. */
@@ -3413,6 +3419,7 @@ static size_t scale_part_bytes(const Matrix *W) {
     const size_t groups = (size_t)(W->cols / W->group_size);
     if (W->scale_form == SCALES_F32) return groups * PACK_ROWS * sizeof(float);
     if (W->scale_form == SCALES_F16) return groups * PACK_ROWS * sizeof(uint16_t);
+    if (W->scale_form == SCALES_E8M0) return groups * PACK_ROWS;
     return groups * PACK_ROWS + groups / (size_t)W->scale_run * PACK_ROWS * sizeof(uint16_t);
 }
 
@@ -3422,16 +3429,6 @@ static size_t packed_scale_bytes(const Matrix *W) {
     if (W->offset_form == OFFSETS_F32) return bytes + groups * PACK_ROWS * sizeof(float);
     if (W->offset_form == OFFSETS_MIN) return bytes + groups * PACK_ROWS + groups / (size_t)W->scale_run * PACK_ROWS * sizeof(uint16_t);
     return bytes;
-}
-
-/* Whether this build packs W (bfloat16: once split_plan chose to). */
-static int matrix_packs(const Matrix *W) {
-    if (W->packed_bits == SPLIT_BITS) return 1;
-#ifdef VNNI
-    return W->group_size > 0 && W->group_size % 4 == 0;
-#else
-    return W->blocks && packs_blocks(&ggml_types[W->block_type]);
-#endif
 }
 
 /* Whether this build may pack W in 12 bits (split_plan decides). */
@@ -3444,27 +3441,47 @@ static int split_candidate(const Matrix *W) {
 #endif
 }
 
-/* AVX2 builds: the columns of a group of packed values of `bits` bits,
-   a constant that packed_q8 unrolls (Q6_K's 16, every other type's 32). */
+/* AVX2 builds: the columns of a unit of packed values of `bits` bits, a
+   constant that packed_q8 unrolls (16 for 6 bits, 32 for the others); a
+   group is whole units. */
 #define AVX2_GROUP(bits) ((bits) == 6 ? 16 : 32)
 
-/* Whether this build packs GGUF matrices of this block type straight
-   from their blocks (gguf_matrix leaves them as stored): VNNI builds all;
-   AVX2 ones those whose groups are AVX2_GROUP of their bits (every
-   type's); NEON dotprod ones those whose groups are whole runs of
-   SIX_BIT_COLS columns (every type's). */
-static int packs_blocks(const GGMLType *type) {
+/* Whether this build packs matrices whose groups (of one scale) are
+   `group` columns: VNNI builds a multiple of 4; AVX2 ones whole units of
+   every width the values may pack as (AVX2_GROUP: a multiple of 32); NEON
+   dotprod ones whole runs of SIX_BIT_COLS columns. */
+static int packs_groups(int group) {
 #if defined(VNNI)
-    (void)type;
-    return 1;
+    return group % 4 == 0;
 #elif defined(PACKED_AVX2)
-    return type->group == AVX2_GROUP(type->value_bits);
+    return group % 32 == 0;
 #elif defined(PACKED_Q)
-    return type->group % SIX_BIT_COLS == 0;
+    return group % SIX_BIT_COLS == 0;
 #else
-    (void)type;
+    (void)group;
     return 0;
 #endif
+}
+
+/* Whether this build packs GGUF matrices of this block type straight
+   from their blocks (gguf_matrix leaves them as stored): every type's
+   groups are whole units (AVX2: Q6_K's 16 columns are one unit of 6 bits). */
+static int packs_blocks(const GGMLType *type) {
+#if defined(PACKED_AVX2)
+    return type->group % AVX2_GROUP(type->value_bits) == 0;
+#else
+    return packs_groups(type->group);
+#endif
+}
+
+/* Whether this build packs W (bfloat16: once split_plan chose to): a GGUF
+   matrix by its block type, an int8 or 4-bit one of the project's own
+   checkpoints (versions 2 and 3) by its group size, so that the same
+   weights take the same kernel whichever file they came in. */
+static int matrix_packs(const Matrix *W) {
+    if (W->packed_bits == SPLIT_BITS) return 1;
+    if (W->blocks) return packs_blocks(&ggml_types[W->block_type]);
+    return W->group_size > 0 && packs_groups(W->group_size);
 }
 
 #ifdef SIMD_WIDTH
@@ -3763,10 +3780,19 @@ KERNEL __m512i packed_weights(const uint8_t *p, int j, const int bits) {
     return six_bit_step(units, _mm512_loadu_si512(run + 128), j % SIX_BIT_COLS / 4);
 }
 
+/* The scales 2^(e - 128) of 16 bytes e at p (SCALES_E8M0). */
+static inline vfloat e8m0_16(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i h = _mm512_srli_epi32(e, 1), bias = _mm512_set1_epi32(63);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, bias), 23)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(e, h), bias), 23)));
+}
+
 /* Group g's scales of the 16 rows of a packed block. */
 KERNEL vfloat packed_scale(const Matrix *W, const PackedSide *side, int g) {
     if (W->scale_form == SCALES_F32) return vf_load((const float *)side->scales + (size_t)g * PACK_ROWS);
     if (W->scale_form == SCALES_F16) return vf_load_half((const uint16_t *)side->scales + (size_t)g * PACK_ROWS);
+    if (W->scale_form == SCALES_E8M0) return e8m0_16(side->scales + (size_t)g * PACK_ROWS);
     const vfloat d = vf_load_half((const uint16_t *)side->d + (size_t)(g >> side->shift) * PACK_ROWS);
     const __m512i k = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(side->scales + (size_t)g * PACK_ROWS)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(k), d);
@@ -4083,11 +4109,20 @@ static inline __m256i run_step8(const uint8_t *run, int h, const int step, const
 /* f16 values at p (8 of them) as floats. */
 static inline __m256 halves8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* The scales 2^(e - 128) of 8 bytes e at p (SCALES_E8M0). */
+static inline __m256 e8m0_8(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i h = _mm256_srli_epi32(e, 1), bias = _mm256_set1_epi32(63);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23)),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, h), bias), 23)));
+}
+
 /* Half h of group g's scales, as packed_scale. */
 static inline __m256 packed_scale8(const Matrix *W, const PackedSide *side, int g, int h) {
     const size_t at = (size_t)g * PACK_ROWS + 8 * (size_t)h;
     if (W->scale_form == SCALES_F32) return _mm256_loadu_ps((const float *)side->scales + at);
     if (W->scale_form == SCALES_F16) return halves8(side->scales + at * 2);
+    if (W->scale_form == SCALES_E8M0) return e8m0_8(side->scales + at);
     const __m256 d = halves8(side->d + ((size_t)(g >> side->shift) * PACK_ROWS + 8 * (size_t)h) * 2);
     const __m256i k = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(side->scales + at)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(k), d);
@@ -4114,13 +4149,15 @@ static inline __attribute__((always_inline)) void in_register(__m256i *v) {
 #endif
 }
 
-/* packed_q8 (the same arguments and results). A group's columns are a
+/* packed_q8 (the same arguments and results). A unit's columns are a
    constant of the value bits (AVX2_GROUP), so that its steps unroll whole
-   and each flush into the int32 sums falls where it is known. `wide`:
+   and each flush into the int32 sums falls where it is known; a group is
+   one unit (every GGUF type) or several (the project's own checkpoints:
+   groups of 64 columns, say), whose int32 sums go on across them. `wide`:
    int8 values (8 bits, or a table's), |q| x (xq with q's sign). */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
                       const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
-    const int wide = bits == 8 || table, G = AVX2_GROUP(bits), cols = W->cols, groups = cols / G;
+    const int wide = bits == 8 || table, U = AVX2_GROUP(bits), G = W->group_size, cols = W->cols, groups = cols / G;
     const int flush = wide ? 1 : bits == 4 ? 8 : bits == 5 ? 4 : 2;
     const __m256i lut = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)W->packed_table)) : _mm256_setzero_si256();
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
@@ -4140,33 +4177,35 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                 sum[m][h] = _mm256_set1_epi32(wide ? 0 : c[(size_t)m * groups + g]); /* wide: q x xq itself */
                 pairs[m][h] = _mm256_setzero_si256();
             }
+        for (int u = j0; u < j0 + G; u += U) { /* the group's units */
 #if defined(__GNUC__)
 #pragma GCC unroll 8
 #endif
-        for (int step = 0; step < G / 4; step++) { /* columns j .. j + 3 */
-            const int j = j0 + 4 * step, at = step % 4; /* at: the step within its run of SIX_BIT_COLS columns */
-            const uint8_t *run = p + (size_t)(j - 4 * at) * PACK_ROWS * bits / 8; /* 4 lines of 8-bit values, 2 units of 4-bit ones, or 5- or 6-bit values */
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = bits == 8   ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(run + 64 * at + 32 * h)), _mm256_set1_epi8(-128))
-                                  : table     ? _mm256_shuffle_epi8(lut, nibbles8(run + 64 * (at / 2), h, at % 2))
-                                  : bits == 4 ? nibbles8(run + 64 * (at / 2), h, at % 2)
-                                              : run_step8(run, h, at, bits);
-                const __m256i w = wide ? _mm256_abs_epi8(v) : v;
-                for (int m = 0; m < N; m++) {
-                    int32_t x4;
-                    memcpy(&x4, x + (size_t)m * cols + j, sizeof(x4));
-                    const __m256i xb = wide ? _mm256_sign_epi8(_mm256_set1_epi32(x4), v) : _mm256_set1_epi32(x4);
-                    pairs[m][h] = _mm256_add_epi16(pairs[m][h], _mm256_maddubs_epi16(w, xb));
-                    in_register(&pairs[m][h]);
-                }
-            }
-            if ((step + 1) % flush == 0 || step == G / 4 - 1)
-                for (int m = 0; m < N; m++)
-                    for (int h = 0; h < 2; h++) {
-                        sum[m][h] = _mm256_add_epi32(sum[m][h], _mm256_madd_epi16(pairs[m][h], ones));
-                        in_register(&sum[m][h]);
-                        pairs[m][h] = _mm256_setzero_si256();
+            for (int step = 0; step < U / 4; step++) { /* columns j .. j + 3 */
+                const int j = u + 4 * step, at = step % 4; /* at: the step within its run of SIX_BIT_COLS columns */
+                const uint8_t *run = p + (size_t)(j - 4 * at) * PACK_ROWS * bits / 8; /* 4 lines of 8-bit values, 2 units of 4-bit ones, or 5- or 6-bit values */
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = bits == 8   ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(run + 64 * at + 32 * h)), _mm256_set1_epi8(-128))
+                                      : table     ? _mm256_shuffle_epi8(lut, nibbles8(run + 64 * (at / 2), h, at % 2))
+                                      : bits == 4 ? nibbles8(run + 64 * (at / 2), h, at % 2)
+                                                  : run_step8(run, h, at, bits);
+                    const __m256i w = wide ? _mm256_abs_epi8(v) : v;
+                    for (int m = 0; m < N; m++) {
+                        int32_t x4;
+                        memcpy(&x4, x + (size_t)m * cols + j, sizeof(x4));
+                        const __m256i xb = wide ? _mm256_sign_epi8(_mm256_set1_epi32(x4), v) : _mm256_set1_epi32(x4);
+                        pairs[m][h] = _mm256_add_epi16(pairs[m][h], _mm256_maddubs_epi16(w, xb));
+                        in_register(&pairs[m][h]);
                     }
+                }
+                if ((step + 1) % flush == 0 || step == U / 4 - 1)
+                    for (int m = 0; m < N; m++)
+                        for (int h = 0; h < 2; h++) {
+                            sum[m][h] = _mm256_add_epi32(sum[m][h], _mm256_madd_epi16(pairs[m][h], ones));
+                            in_register(&sum[m][h]);
+                            pairs[m][h] = _mm256_setzero_si256();
+                        }
+            }
         }
         for (int h = 0; h < 2; h++) {
             const __m256 wsg = packed_scale8(W, &side, g, h);
@@ -4239,11 +4278,21 @@ static inline int8x16_t run_quarter(const uint8_t *run, int k, const int step, c
 /* f16 values at p (4 of them) as floats. */
 static inline float32x4_t halves4(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p))); }
 
+/* The scales 2^(e - 128) of 4 bytes e at p (SCALES_E8M0). */
+static inline float32x4_t e8m0_4(const uint8_t *p) {
+    uint32_t four;
+    memcpy(&four, p, 4);
+    const uint32x4_t e = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four))))), h = vshrq_n_u32(e, 1);
+    const uint32x4_t bias = vdupq_n_u32(63);
+    return vmulq_f32(vreinterpretq_f32_u32(vshlq_n_u32(vaddq_u32(h, bias), 23)), vreinterpretq_f32_u32(vshlq_n_u32(vaddq_u32(vsubq_u32(e, h), bias), 23)));
+}
+
 /* Quarter k of group g's scales, as packed_scale. */
 static inline float32x4_t packed_scale4(const Matrix *W, const PackedSide *side, int g, int k) {
     const size_t at = (size_t)g * PACK_ROWS + 4 * (size_t)k;
     if (W->scale_form == SCALES_F32) return vld1q_f32((const float *)(const void *)side->scales + at);
     if (W->scale_form == SCALES_F16) return halves4(side->scales + at * 2);
+    if (W->scale_form == SCALES_E8M0) return e8m0_4(side->scales + at);
     const float32x4_t d = halves4(side->d + ((size_t)(g >> side->shift) * PACK_ROWS + 4 * (size_t)k) * 2);
     int32_t four;
     memcpy(&four, side->scales + at, 4);
@@ -5416,7 +5465,7 @@ static size_t matrix_packed_bytes(Matrix *W) {
         const GGMLType *type = &ggml_types[W->block_type];
         W->packed_bits = type->value_bits;
         W->packed_table = type->table; /* stored_row's values are its codes, n - 8 */
-        W->scale_form = !type->factors ? SCALES_F32 : W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
+        W->scale_form = type->e8m0 ? SCALES_E8M0 : !type->factors ? SCALES_F32 : W->scale_run > 1 ? SCALES_SHARED : SCALES_F16;
         W->offset_form = !type->offsets ? OFFSETS_NONE : W->scale_run > 1 ? OFFSETS_MIN : OFFSETS_F32;
         W->offset_centre = (float)(1 << (type->value_bits - 1));
     } else {
@@ -5478,6 +5527,7 @@ static void pack_row_scales(const Matrix *W, uint8_t *ws, size_t lane, const Pac
     uint8_t *wo = ws + scale_part_bytes(W), *d_at = ws + (size_t)groups * PACK_ROWS, *dmin_at = wo + (size_t)groups * PACK_ROWS;
     for (int g = 0; scale_form == SCALES_F32 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 4, &row->s[g], 4);
     for (int g = 0; scale_form == SCALES_F16 && g < groups; g++) memcpy(ws + ((size_t)g * PACK_ROWS + lane) * 2, &row->d[g], 2);
+    for (int g = 0; scale_form == SCALES_E8M0 && g < groups; g++) ws[(size_t)g * PACK_ROWS + lane] = (uint8_t)(ilogbf(row->s[g]) + 128);
     for (int g = 0; scale_form == SCALES_SHARED && g < groups; g++) ws[(size_t)g * PACK_ROWS + lane] = (uint8_t)row->k[g];
     for (int r = 0; scale_form == SCALES_SHARED && r < runs; r++) memcpy(d_at + ((size_t)r * PACK_ROWS + lane) * 2, &row->d[r], 2);
     for (int g = 0; offset_form == OFFSETS_F32 && g < groups; g++) memcpy(wo + ((size_t)g * PACK_ROWS + lane) * 4, &row->o[g], 4);

@@ -28,6 +28,13 @@ load is `-n 1` with an empty prompt, timed whole) beside llama.cpp's
 (`llama-bench -p 0 -n 1 -r 1` timed whole: its load, a warm-up token and
 one token).
 
+The project's own checkpoints of the same random weights (export.py
+random --version 2: int8 in groups of 64, float32 scales; --version 3:
+4-bit in groups of 32) are the types v2 and v3: run.c reads them, and
+llama.cpp, which cannot, the GGUF Q8_0 and Q4_0 files of the same weights
+beside them (the rows say which); their bytes a token are the checkpoint's
+(bench.py's count).
+
 --shape llama32_1b measures the Llama 3.2 1B shape instead (dim 2048,
 hidden 8192, 16 layers, 32 heads, 8 key/value heads, vocabulary 128256,
 tied), with --tokenizer naming a vocabulary of that size (Llama 3's
@@ -52,7 +59,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from bench import make_prompt, machine, probe_bandwidth, stats_of, write_report  # noqa: E402
+from bench import make_prompt, machine, probe_bandwidth, stats_of, weight_bytes_per_token, write_report  # noqa: E402
 
 # name: (export.py --shape, export.py's tying flag, key/value cache bytes at the context: layers x 2 x kv_dim x context x 4)
 SHAPES = {
@@ -61,6 +68,7 @@ SHAPES = {
 }
 EXPORTED = ["F32", "F16", "BF16", "Q8_0", "Q4_0"]  # export.py --encoding, lower-cased
 QUANTIZED = ["Q4_K_M", "Q5_K_M", "Q6_K"]  # llama-quantize from the F16 file
+OWN = {"v2": ("2", "Q8_0"), "v3": ("3", "Q4_0")}  # run.c's own checkpoints: export.py --version, llama.cpp's file beside
 
 
 def make_files(python, cache, tok, llama, shape, types):
@@ -69,9 +77,10 @@ def make_files(python, cache, tok, llama, shape, types):
     os.makedirs(cache, exist_ok=True)
     spec, tying, _ = SHAPES[shape]
     paths = {}
+    anchors = {OWN[t][1] for t in types if t in OWN}
     for t in EXPORTED:
         path = os.path.join(cache, "%s.%s.gguf" % (shape, t))
-        if (t in types or (t == "F16" and set(types) & set(QUANTIZED))) and not os.path.exists(path):
+        if (t in types or t in anchors or (t == "F16" and set(types) & set(QUANTIZED))) and not os.path.exists(path):
             print("bench: writing %s" % path, file=sys.stderr)
             subprocess.run([python, os.path.join(ROOT, "export.py"), "random", path, "--shape", spec, "--seed", "1",
                             tying, "--encoding", t.lower(), "--tokenizer", tok], check=True, stdout=subprocess.DEVNULL)
@@ -83,7 +92,20 @@ def make_files(python, cache, tok, llama, shape, types):
             print("bench: quantizing %s" % path, file=sys.stderr)
             subprocess.run([quantize, paths["F16"], path, t], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         paths[t] = path
+    for t, (version, _) in OWN.items():
+        path = os.path.join(cache, "%s.%s.bin" % (shape, t))
+        if t in types and not os.path.exists(path):
+            print("bench: writing %s" % path, file=sys.stderr)
+            subprocess.run([python, os.path.join(ROOT, "export.py"), "random", path, "--shape", spec, "--seed", "1", tying,
+                            "--version", version], check=True, stdout=subprocess.DEVNULL)
+        paths[t] = path
     return {t: paths[t] for t in types if t in paths}
+
+
+def anchor_of(t, paths, cache, shape):
+    """The file llama.cpp reads for type t: the same file, or for run.c's own
+    checkpoints the GGUF of the same weights."""
+    return os.path.join(cache, "%s.%s.gguf" % (shape, OWN[t][1])) if t in OWN else paths[t]
 
 
 def bytes_per_token(path, split):
@@ -126,15 +148,18 @@ def main():
     ap.add_argument("--bandwidth", default=os.path.join(ROOT, "build", "bench", "bandwidth"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "gguf-results.md"))
     ap.add_argument("--shape", choices=sorted(SHAPES), default="s110gqa")
-    ap.add_argument("--types", default=",".join(EXPORTED + QUANTIZED), help="comma-separated, of %s" % ", ".join(EXPORTED + QUANTIZED))
+    ap.add_argument("--types", default=",".join(EXPORTED + QUANTIZED + list(OWN)),
+                    help="comma-separated, of %s" % ", ".join(EXPORTED + QUANTIZED + list(OWN)))
     ap.add_argument("--tokenizer", help="the vocabulary (default: MODELS_DIR's tokenizer.bin; llama32_1b needs a 128256-token one, "
                     "e.g. Llama 3's tokenizer.json)")
     args = ap.parse_args()
     types = args.types.split(",")
     if args.threads < 1:
         sys.exit("bench: --threads must be at least 1")
-    if set(types) - set(EXPORTED + QUANTIZED):
-        sys.exit("bench: --types: unknown %s" % ", ".join(sorted(set(types) - set(EXPORTED + QUANTIZED))))
+    if set(types) - set(EXPORTED + QUANTIZED + list(OWN)):
+        sys.exit("bench: --types: unknown %s" % ", ".join(sorted(set(types) - set(EXPORTED + QUANTIZED + list(OWN)))))
+    if set(types) & set(OWN) and args.shape != "s110gqa":
+        sys.exit("bench: --types v2, v3: the own checkpoints are measured in the s110gqa shape only")
     runbin = os.environ.get("RUN", "./runomp")
     tok = args.tokenizer or os.path.join(os.environ.get("MODELS_DIR", "../shared/models"), "tokenizer.bin")
     python = os.environ.get("PYTHON", sys.executable)
@@ -146,15 +171,16 @@ def main():
         sys.exit("bench: %s not found (LLAMA_CPP names a llama.cpp build directory)" % lbench)
     paths = make_files(python, args.cache, tok, llama, args.shape, types)
     split = b"BF16 dot products" in subprocess.run([runbin, "--version"], stdout=subprocess.PIPE).stdout
-    per_token = {t: bytes_per_token(path, split) for t, path in paths.items()}
-    file_per_token = {t: bytes_per_token(path, False) for t, path in paths.items()}  # as llama.cpp reads them
-    fastest = min(paths.values(), key=os.path.getsize)
+    anchor = {t: anchor_of(t, paths, args.cache, args.shape) for t in paths}
+    per_token = {t: weight_bytes_per_token(path) if t in OWN else bytes_per_token(path, split) for t, path in paths.items()}
+    file_per_token = {t: bytes_per_token(anchor[t], False) for t in paths}  # as llama.cpp reads them
+    fastest = min((p for t, p in paths.items() if t not in OWN), key=os.path.getsize, default=anchor[types[0]])
     p16, p128 = make_prompt(runbin, fastest, fastest, 16), make_prompt(runbin, fastest, fastest, 128)  # the file's vocabulary
 
     runs = {t: {"tg": [], "pp": [], "ltg": [], "lpp": [], "load": [], "lload": [], "rss": 0} for t in paths}
     probes = []
     def run_c(t, path):
-        base = [runbin, path, "-t", "0", "-T", str(args.threads)]
+        base = [runbin, path, "-t", "0", "-T", str(args.threads)] + (["-z", tok] if t in OWN else [])
         (_, _, _, tg), rss1 = stats_of(base + ["-n", "144", "-i", p16])
         (_, pp, _, _), rss2 = stats_of(base + ["-n", "129", "-i", p128])
         runs[t]["tg"].append(tg)
@@ -174,7 +200,7 @@ def main():
             # drift of the machine's speed favours neither
             for side in ((run_c, llama_cpp) if r % 2 == 0 else (llama_cpp, run_c)):
                 if side is run_c or lbench:
-                    side(t, path)
+                    side(t, path if side is run_c else anchor[t])
         probes.append(probe_bandwidth(args.bandwidth, "1024", str(args.threads))[args.threads])
         print("bench: round %d of %d done" % (r + 1, args.runs), file=sys.stderr)
     bw = statistics.median(probes)
@@ -187,7 +213,7 @@ def main():
         size = os.path.getsize(path)
         tg, pp, ltg, lpp = med(x["tg"]), med(x["pp"]), med(x["ltg"]), med(x["lpp"])
         rows.append("| %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f | %.0f | %.2fx | %.0f%% | %.0f%% | %.2fx | %.2f | %.2f |" % (
-            t, size / 1e6, per_token[t] / 1e6, tg, ltg, paired(x["tg"], x["ltg"]), pp, lpp, paired(x["pp"], x["lpp"]),
+            "%s (llama.cpp: %s)" % (t, OWN[t][1]) if t in OWN else t, size / 1e6, per_token[t] / 1e6, tg, ltg, paired(x["tg"], x["ltg"]), pp, lpp, paired(x["pp"], x["lpp"]),
             100 * tg * per_token[t] / 1e9 / bw, 100 * ltg * file_per_token[t] / 1e9 / bw, x["rss"] / size, med(x["load"]),
             med(x["lload"])))
     lines = [

@@ -1192,9 +1192,14 @@ static void test_kernels(void) {
                 if (with_offsets) m.offsets = offsets;
                 m.scale_run = run;
                 void *packing = pack_for_kernels(&m);
-#ifdef VNNI
-                expect(m.scale_form == form, "scales packed in form %d, not %d", m.scale_form, form);
-                if (gs) expect(m.packed_bits == (bits == 4 ? 4 : narrow && gs % SIX_BIT_COLS == 0 ? (six ? 6 : 5) : 8), "values packed as %d bits", m.packed_bits);
+#ifdef PACKED_Q
+                /* every build that packs takes the project's own int8 and
+                   4-bit matrices whose groups it can (AVX2: multiples of 32) */
+                if (gs && packs_groups(gs)) {
+                    expect(m.packed != NULL, "not packed");
+                    expect(m.scale_form == form, "scales packed in form %d, not %d", m.scale_form, form);
+                    expect(m.packed_bits == (bits == 4 ? 4 : narrow && gs % SIX_BIT_COLS == 0 ? (six ? 6 : 5) : 8), "values packed as %d bits", m.packed_bits);
+                }
 #endif
                 for (int n = 1; n <= MAXN && !case_failed; n++) {
                     int off = (n * 7) % (MAXN - n + 1); /* the batch is rows off..off+n-1 of x */
@@ -1438,8 +1443,8 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
     expect(blockwise.packed != NULL, "not packed");
     expect(blockwise.packed_bits == type->value_bits, "values packed as %d bits", blockwise.packed_bits);
     expect(blockwise.packed_table == type->table, "packed with%s a table", blockwise.packed_table ? "" : "out");
-    expect(blockwise.scale_form == (!type->factors ? SCALES_F32 : type->block > type->group ? SCALES_SHARED : SCALES_F16), "scales in form %d",
-           blockwise.scale_form);
+    expect(blockwise.scale_form == (type->e8m0 ? SCALES_E8M0 : !type->factors ? SCALES_F32 : type->block > type->group ? SCALES_SHARED : SCALES_F16),
+           "scales in form %d", blockwise.scale_form);
     expect(blockwise.offset_form == (!type->offsets ? OFFSETS_NONE : type->block > type->group ? OFFSETS_MIN : OFFSETS_F32),
            "offsets in form %d", blockwise.offset_form);
     /* the same matrix unpacked, as non-VNNI builds hold it */
@@ -1498,7 +1503,7 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
 
 /* GGUF matrices of every block type that the build packs, packed straight
    from their blocks (as VNNI and AVX2 builds load them): each form the type stores is chosen (values of 4, 5, 6 or 8
-   bits as such, a table's 4-bit codes with their table, f16, shared or (MXFP4) float32 scales, K-quants' offsets as minimums);
+   bits as such, a table's 4-bit codes with their table, f16, shared or (MXFP4) E8M0 scales, K-quants' offsets as minimums);
    (VNNI) every output is bit for bit the one of the same matrix unpacked as
    section 2.2 unpacks it (q, float32 scales and offsets) and packed from
    that; within 1e-5 of the double sum of its values times the quantised
@@ -1523,6 +1528,24 @@ static void test_gguf_packing(void) {
         for (int extreme = 0; extreme < 2 && !case_failed; extreme++) check_gguf_packing(types[ti], extreme, R, C, N);
         end();
     }
+    /* MXFP4's scales as the kernels widen their bytes (SCALES_E8M0): every
+       e, the subnormal 2^-128 and 2^-127 and the largest, 2^127, included */
+    begin("E8M0 scales widened (%s): 2^(e - 128) for every byte e, bit for bit", KERNEL_NAME);
+    uint8_t bytes[256 + 16];
+    float widened[256];
+    for (int e = 0; e < 256 + 16; e++) bytes[e] = (uint8_t)e;
+#if defined(VNNI)
+    for (int e = 0; e < 256; e += 16) vf_store(widened + e, e8m0_16(bytes + e));
+#elif defined(PACKED_AVX2)
+    for (int e = 0; e < 256; e += 8) _mm256_storeu_ps(widened + e, e8m0_8(bytes + e));
+#else
+    for (int e = 0; e < 256; e += 4) vst1q_f32(widened + e, e8m0_4(bytes + e));
+#endif
+    for (int e = 0; e < 256 && !case_failed; e++) {
+        const float want = ldexpf(1.0f, e - 128);
+        expect(memcmp(&widened[e], &want, sizeof(float)) == 0, "e %d: %.9g, not %.9g", e, widened[e], want);
+    }
+    end();
 #endif
 }
 
