@@ -38,7 +38,8 @@
     10. batch requests: JSON Lines in, JSON lines out
     11. serving: an HTTP server with the OpenAI API (-m serve);
         11.1 tool calls (tools rendered in the prompt, calls constrained
-        by 6.1 to their functions' parameters)
+        by 6.1 to their functions' parameters); 11.2 the same calls from
+        the command line (-m chat --tools, --batch lines with messages)
     12. main
 
    BUILD OPTIONS
@@ -15087,7 +15088,10 @@ static JsonSchema *schema_of_options(const Options *o) {
    (as -r), and the controls by their long options' names with '_' for '-'
    ("max_new_tokens", "min_new_tokens", "repetition_penalty",
    "no_repeat_ngram_size", "top_k", "min_p", "stop": a string or an array
-   of them); an absent field takes the command line's value.
+   of them); an absent field takes the command line's value. A line may be
+   a chat instead, as the server's: "messages" for "prompt", with "tools",
+   "tool_choice" and "parallel_tool_calls" (read by section 11's parsers:
+   see 11.2).
 
    Lines are read as they arrive, while the engine runs, and each becomes a
    request at once: a program can write a line and wait for its answer on
@@ -18436,6 +18440,8 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         free(cut);
         buf_free(&m);
         request_free(r);
+        free_serve_fields(f); /* (its schema, the request's constraint, with it) */
+        free(f);
         clear_interrupt(); /* Ctrl-C ended this reply only */
         after_results = 0;
         for (int k = 0; k < n_calls; k++) {
