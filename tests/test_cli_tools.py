@@ -178,6 +178,19 @@ def text_mode():
     assert out.count("Assistant: ") == 1, out  # (the answer to 4 results does not fit stories260K's context)
 
 
+def results_from_stdin():
+    """Without --tool-results the results are read as input lines: the same replies."""
+    tools, _ = files()
+    model, vocab = st.marker_model()
+    args = [model, "-z", vocab, "-m", "chat", "-f", "json", "-y", "", "-i", USER, "--tools", tools, "-t", "0", "--max-new-tokens", "200"]
+    typed = run(args, stdin=("\n".join(RESULTS) + "\n").encode())
+    filed, _ = cli_chat(model, vocab, "auto", 200)
+    assert typed.returncode == 0, typed.stderr.decode(errors="replace")
+    replies = typed.stdout.decode().splitlines()
+    assert len(replies) == 2 and replies == filed.splitlines(), (replies, filed)
+    assert json.loads(replies[0])["finish_reason"] == "tool_calls" and json.loads(replies[1])["message"]["content"] == "Hello", replies
+
+
 def auto_marker():
     """"auto" on the model that writes Hello<tool_call>: the constraint from its own marker, as the server's."""
     model, vocab = st.marker_model()
@@ -242,6 +255,7 @@ def main():
     case("cli_tools_text_mode", need_stories(text_mode))
     case("cli_tools_stories260K", need_stories(lambda: against_server(STORIES, TOK512, 250, choices=("required", "calculate"))))
     case("cli_tools_auto_marker", auto_marker)
+    case("cli_tools_results_from_stdin", results_from_stdin)
     case("cli_tools_random_qwen3", lambda: against_server(*st.random_gguf("qwen3"), 200, choices=("required", "get_weather")))
     case("cli_tools_random_llama3", lambda: against_server(*st.random_gguf("llama3"), 200, choices=("required", "calculate")))
     return 1 if COUNTS["FAIL"] else 0
