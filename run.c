@@ -16145,6 +16145,7 @@ typedef struct ServeFields {
     int n_messages, messages_given;
     ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
     ToolCall call;           /* the call of a message's tool_calls being read */
+    ByteBuf calls_text;      /* a message's tool_calls rendered so far (freed on any exit, as the call) */
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
 } ServeFields;
@@ -16167,6 +16168,7 @@ static void free_serve_fields(ServeFields *f) {
     free_tools(&f->tools);
     free(f->call.name);
     free(f->call.arguments);
+    buf_free(&f->calls_text);
     free(f->name);
     free(f->text);
     free(f->member);
@@ -16407,13 +16409,14 @@ static void call_field(JsonCursor *j, ServeFields *f, char *name) {
 static void parse_message_calls(JsonCursor *j, ServeFields *f) {
     int i = f->n_messages - 1, k = 0;
     if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages[%d].tool_calls': must be a list of calls", i);
-    ByteBuf b = {0};
+    ByteBuf *b = &f->calls_text;
+    buf_free(b);
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'tool_calls': expected ',' or ']'"); k++) {
         json_object(j, f, call_field);
-        if (!f->call.name) { buf_free(&b); json_fail(j, "field 'messages[%d].tool_calls[%d].function.name': missing", i, k); }
-        buf_printf(&b, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>", k ? "\n" : "", f->call.name,
+        if (!f->call.name) json_fail(j, "field 'messages[%d].tool_calls[%d].function.name': missing", i, k);
+        buf_printf(b, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>", k ? "\n" : "", f->call.name,
                    f->call.arguments ? f->call.arguments : "{}");
         free(f->call.name);
         free(f->call.arguments);
@@ -16422,7 +16425,8 @@ static void parse_message_calls(JsonCursor *j, ServeFields *f) {
     }
     j->p++;
     free(f->calls[i]);
-    f->calls[i] = b.data;
+    f->calls[i] = b->data;
+    *b = (ByteBuf){NULL, 0, 0};
 }
 
 /* The system message's part that gives the tools: Qwen's template's text
