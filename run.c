@@ -14316,6 +14316,12 @@ static void print_answer_of(const Tokenizer *tok, const Hypothesis *reply, int l
     printf("\n");
 }
 
+/* Whether a chat in text mode leaves the replies' reasoning out: --reasoning
+   hide, and off for Harmony, whose reasoning cannot be asked off. */
+static int hides_reasoning(const Tokenizer *tok) {
+    return reasoning_splits(tok) && (tok->reasoning == REASONING_HIDE || (tok->reasoning == REASONING_OFF && tok->chat_template == CHAT_HARMONY));
+}
+
 /* ---- The conversation ------------------------------------------------------
    What the cache holds in a chat, as turns: each is the user's message
    rendered with the template (BOS first; the system prompt goes into the
@@ -14495,9 +14501,7 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         int *feed = xcalloc((size_t)n_feed, sizeof(int));
         conversation_tokens(&conv, 0, feed);
         memcpy(feed + n_kept, turn.tokens, (size_t)turn.n_prompt * sizeof(int));
-        /* Harmony's reasoning cannot be asked off: --reasoning off hides it */
-        const int hide = text_mode && reasoning_splits(tok) &&
-                         (tok->reasoning == REASONING_HIDE || (tok->reasoning == REASONING_OFF && tok->chat_template == CHAT_HARMONY));
+        const int hide = text_mode && hides_reasoning(tok);
         int stream = text_mode && d->beam.beams == 0;
         ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
@@ -18430,7 +18434,9 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         buf_str(&m, "{\"role\":\"assistant\",");
         const char *finish = buf_reply_message(&m, cut, h, calls, reasoning_splits(tok), prefix, &n_calls);
         buf_str(&m, "}");
+        ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
         if (text_mode && n_calls > 0) print_calls_text(text, h, calls, prefix);
+        else if (text_mode && hides_reasoning(tok)) print_answer_of(tok, h, last, 0, &split);
         else if (text_mode) printf("%s\n", text);
         else {
             ByteBuf extra = {0};

@@ -10,9 +10,12 @@ settings, -m chat -f json's replies (the call, then the answer to the
 results that --tool-results feeds back) and a --batch line's answer carry
 the same message (content, calls' names and arguments) and finish_reason as
 /v1/chat/completions returns, and every call's arguments parse and validate
-against its tool's parameters (Debian's python3-jsonschema). Text mode shows
-each call as one JSON line. A batch line without "tools" takes --tools, and
-a named choice with parallel_tool_calls false makes one call of that tool.
+against its tool's parameters (Debian's python3-jsonschema). A --batch
+line with the conversation of the chat's first reply prints the chat's JSON
+line (with its "id"). Text mode shows each call as one JSON line; results
+typed on stdin give the replies of --tool-results. A batch line without
+"tools" takes --tools, and a named choice with parallel_tool_calls false
+makes one call of that tool.
 On the models of test_serve_tools.py: stories260K with tok512 (MODELS_DIR;
 SKIP when absent), the random Qwen3 and Llama 3 GGUF files, and the model
 that writes "Hello" and then Qwen's <tool_call> marker itself ("auto": the
@@ -111,7 +114,7 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
         srv = ts.Server()
     finally:
         ts.MODEL, ts.TOK = STORIES, TOK512
-    lines, expected, report = [], [], []
+    lines, expected, report, chat_lines = [], [], [], []
     try:
         for choice in choices:
             api_choice = choice if choice in ("auto", "none", "required") else {"type": "function", "function": {"name": choice}}
@@ -121,6 +124,7 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
             assert choice == "auto" or n > 0, "server %s: no call: %s" % (choice, turns[0])
             out, err = cli_chat(model, tok, choice, max_tokens)
             got = [json.loads(line) for line in out.splitlines()]
+            chat_lines.append(got[0])
             replies = [t for t in turns if t is not None]
             if turns[-1] is None:  # the reply to the results does not fit: the server refuses it, the chat ends
                 assert "do not fit the model's context" in err and "the chat ends" in err, err
@@ -162,6 +166,8 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
         assert shape(g["message"], g["finish_reason"]) == shape(message, finish), \
             "batch %s: run %s, the server %s" % (line["id"], shape(g["message"], g["finish_reason"]), shape(message, finish))
         assert all(c["id"].startswith("call_%d_" % (lines.index(line) + 1)) for c in g["message"].get("tool_calls") or []), g
+    # line 1 is the chat's first reply, whose calls are named call_1_K too: the same line, with the batch's "id"
+    assert dict(got[0], id=None) == dict(chat_lines[0], id=None), "batch line 1 %s, -m chat -f json %s" % (got[0], chat_lines[0])
     assert len(got[-1]["message"]["tool_calls"]) == 1 and got[-1]["message"]["tool_calls"][0]["function"]["name"] == "calculate", got[-1]
     print("# %s: %s" % (os.path.basename(model), "; ".join(report)), flush=True)
 
