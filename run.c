@@ -18133,12 +18133,13 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
    results asked for, a line each (--tool-results FILE: the file's lines, in
    order; at its end the chat ends), then sent back as "tool" messages. The
    reply after results is asked with "auto" (a "required" or named choice
-   holds for the reply to each user message), so the model may answer in
-   words or call again. Replies are printed whole, not streamed (a call is
-   shown once it parses). The turns are not dropped when the context is
-   full, as a chat without tools drops them: a conversation with calls and
-   results is kept whole, as the server takes it, and a message that does
-   not fit is refused.
+   holds for the reply to each user message, "none" for every reply), so
+   the model may answer in words or call again, and a chat that requires
+   calls still ends in an answer. Replies are printed whole, not streamed
+   (a call is shown once it parses). Unlike a chat without tools, this one
+   drops no turns when the context is full: calls and their results are
+   kept whole, as the server takes them, and a message that does not fit is
+   refused.
    --batch: a line may be a chat, with "messages" (the server's shape,
    tool_calls and tool messages included) instead of "prompt", and "tools",
    "tool_choice", "parallel_tool_calls"; --tools and --tool-choice are the
