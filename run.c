@@ -38,7 +38,8 @@
     10. batch requests: JSON Lines in, JSON lines out
     11. serving: an HTTP server with the OpenAI API (-m serve);
         11.1 tool calls (tools rendered in the prompt, calls constrained
-        by 6.1 to their functions' parameters)
+        by 6.1 to their functions' parameters); 11.2 the same calls from
+        the command line (-m chat --tools, --batch lines with messages)
     12. main
 
    BUILD OPTIONS
@@ -13491,8 +13492,9 @@ static void print_json_string(const char *s) {
 
 
 /* One JSON line for a returned sequence; `id` (JSON text) leads it when
-   given. */
-static void print_json_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token) {
+   given, `extra` (JSON object members; NULL: none) ends it. */
+static void print_json_hypothesis_with(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+                                       const char *extra) {
     char *text = hypothesis_text(tok, h, last_prompt_token);
     if (id) printf("{\"id\":%s,", id);
     else putchar('{');
@@ -13505,8 +13507,13 @@ static void print_json_hypothesis(const Tokenizer *tok, const char *id, int rank
         printf(",\"stop_string\":");
         print_json_string(h->stop_string);
     }
+    if (extra) printf(",%s", extra);
     printf("}\n");
     free(text);
+}
+
+static void print_json_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token) {
+    print_json_hypothesis_with(tok, id, rank, h, last_prompt_token, NULL);
 }
 
 /* Prints the best n_show hypotheses: in text mode after the prompt (or, with
@@ -14368,6 +14375,12 @@ static void print_answer_of(const Tokenizer *tok, const Hypothesis *reply, int l
     printf("\n");
 }
 
+/* Whether a chat in text mode leaves the replies' reasoning out: --reasoning
+   hide, and off for Harmony, whose reasoning cannot be asked off. */
+static int hides_reasoning(const Tokenizer *tok) {
+    return reasoning_splits(tok) && (tok->reasoning == REASONING_HIDE || (tok->reasoning == REASONING_OFF && tok->chat_template == CHAT_HARMONY));
+}
+
 /* ---- The conversation ------------------------------------------------------
    What the cache holds in a chat, as turns: each is the user's message
    rendered with the template (BOS first; the system prompt goes into the
@@ -14547,9 +14560,7 @@ static void chat(Engine *e, const Tokenizer *tok, const Decoding *d, const char 
         int *feed = xcalloc((size_t)n_feed, sizeof(int));
         conversation_tokens(&conv, 0, feed);
         memcpy(feed + n_kept, turn.tokens, (size_t)turn.n_prompt * sizeof(int));
-        /* Harmony's reasoning cannot be asked off: --reasoning off hides it */
-        const int hide = text_mode && reasoning_splits(tok) &&
-                         (tok->reasoning == REASONING_HIDE || (tok->reasoning == REASONING_OFF && tok->chat_template == CHAT_HARMONY));
+        const int hide = text_mode && hides_reasoning(tok);
         int stream = text_mode && d->beam.beams == 0;
         ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
         Request *r = request_new(feed, n_feed, cap_new_tokens(d, steps - n_feed + 1), 1, &turn_decoding);
@@ -14682,6 +14693,10 @@ typedef struct {
     int max_body_kb;
     int max_conns, max_queue;  /* -m serve: --max-conns, --max-queue, --header-timeout, --drain-seconds */
     double header_timeout, drain_seconds;
+    const char *tools_file;    /* --tools: a JSON array of tools (chat and --batch: 11.2); NULL: none */
+    const char *tools_json;    /* its text, checked (main: load_tools) */
+    const char *tool_choice;   /* --tool-choice: auto, none, required or a tool's name; NULL: auto */
+    const char *tool_results;  /* --tool-results: the calls' results, a line each, in chat; NULL: asked for */
 } Options;
 
 static const char *usage_text =
@@ -14723,8 +14738,10 @@ static const char *usage_text =
     "  --min-new-tokens <int>        no end before this many new tokens (default 0)\n"
     "  --stop <string>    end the text before this string (repeatable, up to 16; default none)\n"
     "  --json             the answer is one JSON object, and ends with it (default: off)\n"
-    "  --json-schema <file>  the answer is one JSON value valid under this JSON schema (a subset,\n"
-    "                     see docs/options.md), and ends with it (default: off)\n"
+    "  --json-schema <file>  the answer is one JSON value valid under this schema (default: off)\n"
+    "  --tools <file>     functions the model may call, a JSON array as OpenAI's: chat, --batch\n"
+    "  --tool-choice <c>  auto (default with --tools), none, required or a tool's name\n"
+    "  --tool-results <file>  chat: the calls' results, a line each, in order (default: asked for)\n"
     "\n"
     "Beam search:\n"
     "  -b <int>           beams; 1 is greedy (default: off, sample)\n"
@@ -14733,10 +14750,9 @@ static const char *usage_text =
     "  -r <int>           hypotheses to print, best first, 1..b (default 1)\n"
     "\n"
     "Engines and modes:\n"
-    "  --batch <file>     many requests at once: JSON Lines in ('-' for stdin), a JSON line out for\n"
-    "                     each; fields \"prompt\", \"id\", the long options' names with _ for -, and\n"
-    "                     \"steps\" (-n), \"temperature\", \"top_p\", \"seed\", \"beams\", \"response_format\"\n"
-    "                     (--json, --json-schema): see docs/options.md (default: off)\n"
+    "  --batch <file>     many requests: JSON Lines in ('-': stdin), a JSON line out each; fields\n"
+    "                     \"prompt\" or \"messages\", \"id\", the long options' names with _ for -, \"steps\",\n"
+    "                     \"temperature\", \"top_p\", \"seed\", \"beams\", \"response_format\", \"tools\" (docs)\n"
     "  --ordered          --batch: print the results in input order (default: as they end)\n"
     "  --parallel <int>   requests run at once, --batch and serve (default 8)\n"
     "  --draft <file>     speculative decoding with this draft model (same vocabulary); the same\n"
@@ -14754,8 +14770,7 @@ static const char *usage_text =
     "  --max-body-kb <int>  request bodies above this many KiB get 413 (default 1024)\n"
     "  --max-conns <int>  connections open at once; the open-file limit is raised for them (default 4096)\n"
     "  --max-queue <int>  requests waiting beyond the --parallel running; more get 429 (default 1024)\n"
-    "  --header-timeout <float>  seconds a request's header may take, and its body as long again;\n"
-    "                     slower clients are dropped (default 5)\n"
+    "  --header-timeout <float>  seconds for a request's header, and as long for its body (default 5)\n"
     "  --drain-seconds <float>   on SIGTERM, seconds until the process exits (default 5)\n"
     "\n"
     "Performance:\n"
@@ -14928,6 +14943,9 @@ static int parse_long_option(Options *o, int argc, char **argv, int i) {
     if (strcmp(flag, "--stop") == 0) { add_stop(c, option_value(argc, argv, i)); return 2; }
     if (strcmp(flag, "--json") == 0) { o->json_object = 1; return 1; }
     if (strcmp(flag, "--json-schema") == 0) { o->schema_file = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--tools") == 0) { o->tools_file = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--tool-choice") == 0) { o->tool_choice = option_value(argc, argv, i); return 2; }
+    if (strcmp(flag, "--tool-results") == 0) { o->tool_results = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--prompt-ids") == 0) { o->prompt_ids = option_value(argc, argv, i); return 2; }
     if (strcmp(flag, "--max-new-tokens") == 0) { o->max_new_tokens = (int)parse_integer(flag, option_value(argc, argv, i), 1, INT_MAX); return 2; }
     if (strcmp(flag, "--chat-template") == 0) {
@@ -15024,6 +15042,17 @@ static void check_json(const Options *o) {
         usage_error("--json and --json-schema apply to -m generate, chat, serve and --batch");
 }
 
+/* --tools, --tool-choice and --tool-results (11.2): a chat's or a batch's
+   (serve takes "tools" in each request); the results are a chat's. */
+static void check_tools(const Options *o) {
+    if (!o->tools_file) usage_error("--tool-choice and --tool-results need --tools FILE (the tools the model may call)");
+    if (o->batch_file ? 0 : strcmp(o->mode, "chat") != 0)
+        usage_error("--tools applies to -m chat and --batch (a line with \"messages\"); -m serve takes \"tools\" in each request");
+    if (o->tool_results && o->batch_file) usage_error("--tool-results applies to -m chat (a batch line's messages carry the results)");
+    if (o->beams > 0) usage_error("--tools does not work with beam search (-b): a call is constrained as it is sampled");
+    if (o->json_object || o->schema_file) usage_error("--tools and --json or --json-schema cannot be combined (a call's arguments follow its schema)");
+}
+
 static Options parse_options(int argc, char **argv) {
     Options o = {.mode = "generate", .temperature = 1.0f, .topp = 0.9f, .steps = 256,
                  .format = FORMAT_TEXT, .length_penalty = 1.0f, .early_stopping = STOP_HEURISTIC, .n_return = 1, .parallel = 8,
@@ -15057,6 +15086,7 @@ static Options parse_options(int argc, char **argv) {
     if (o.draft_file || o.lookup) check_speculation(&o);
     if (o.keep >= 0) check_keep(&o);
     if (o.json_object || o.schema_file) check_json(&o);
+    if (o.tools_file || o.tool_choice || o.tool_results) check_tools(&o);
     if (o.n_return > (o.beams > 0 ? o.beams : 1))
         usage_error("-r %d asks for more hypotheses than the %d beams (-b) keep", o.n_return, o.beams > 0 ? o.beams : 1);
     return o;
@@ -15121,7 +15151,10 @@ static JsonSchema *schema_of_options(const Options *o) {
    (as -r), and the controls by their long options' names with '_' for '-'
    ("max_new_tokens", "min_new_tokens", "repetition_penalty",
    "no_repeat_ngram_size", "top_k", "min_p", "stop": a string or an array
-   of them); an absent field takes the command line's value.
+   of them); an absent field takes the command line's value. A line may be
+   a chat instead, as the server's: "messages" for "prompt", with "tools",
+   "tool_choice" and "parallel_tool_calls" (read by section 11's parsers:
+   see 11.2).
 
    Lines are read as they arrive, while the engine runs, and each becomes a
    request at once: a program can write a line and wait for its answer on
@@ -15258,7 +15291,10 @@ typedef struct {
     int *ids, n_ids;        /* the prompt as token ids ("prompt_ids"; the server's "prompt" list); NULL: none */
     char *id;
     char *stops[MAX_STOPS]; /* the texts o.controls.stops points to */
-    JsonSchema *schema;     /* its "response_format"'s, which o.schema points to; NULL: none */
+    JsonSchema *schema;     /* its "response_format"'s (or its tools' calls': 11.2), which o.schema points to; NULL: none */
+    struct ServeFields *chat; /* a chat line's "messages", "tools", "tool_choice", "parallel_tool_calls" (11.2); NULL: none */
+    int tools_given;        /* whether the line has "tools" (else --tools's) */
+    int tool_choice_given;  /* whether the line has "tool_choice" (else --tool-choice's, with --tools's) */
 } BatchLine;
 
 /* The strings a line's parse holds for a moment (field names, a value's
@@ -15428,6 +15464,7 @@ static void apply_response_format(JsonCursor *j, BatchLine *line) {
 
 /* Parses one line (a flat JSON object) over the defaults in line->o. */
 static int run_positions(const Options *o, int seq_len);
+static void batch_chat_field(JsonCursor *j, BatchLine *line, const char *name, int vocab); /* 11.2 */
 
 static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int vocab, int seq_len) {
     json_temps_free(tmp);
@@ -15453,6 +15490,9 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
             parse_token_ids(j, line, name, vocab, &tmp->text);
         } else if (strcmp(name, "response_format") == 0) {
             apply_response_format(j, line);
+        } else if (strcmp(name, "messages") == 0 || strcmp(name, "tools") == 0 || strcmp(name, "tool_choice") == 0 ||
+                   strcmp(name, "parallel_tool_calls") == 0) {
+            batch_chat_field(j, line, name, vocab); /* a chat, as the server's (11.2) */
         } else {
             JsonKind kind = json_value(j, name, &tmp->text);
             apply_field(j, line, name, kind, tmp->text, vocab);
@@ -15465,7 +15505,7 @@ static void parse_batch_line(JsonCursor *j, BatchLine *line, JsonTemps *tmp, int
     json_space(j);
     if (j->p < j->end) json_fail(j, "text after the object");
     json_temps_free(tmp);
-    if (!line->prompt && !line->ids) json_fail(j, "missing field 'prompt' (or 'prompt_ids')");
+    if (!line->prompt && !line->ids && !line->chat) json_fail(j, "missing field 'prompt' (or 'prompt_ids', or 'messages')");
     if (line->prompt && line->ids) json_fail(j, "fields 'prompt' and 'prompt_ids' both give the prompt: use one");
     int positions = line->o.keep >= 0 ? run_positions(&line->o, seq_len) : resolve_steps(line->o.steps, seq_len);
     if (line->o.controls.min_new_tokens > positions)
@@ -15607,7 +15647,11 @@ static void batch_input_stop(BatchInput *in) {
    sliding-window layers, which --keep's ring does not serve. */
 typedef struct {
     int vocab, seq_len, max_beams, windowed;
+    const Tokenizer *tok; /* a chat line's template (11.2) */
 } BatchLimits;
+
+static void batch_chat_check(JsonCursor *j, BatchLine *line, const Tokenizer *tok);
+static void free_batch_chat(BatchLine *line);
 
 /* Parses line `text` (n bytes, named `where` in errors) into *line, over the
    defaults in line->o. Returns 1 for a request, 0 for a blank line (spaces
@@ -15631,9 +15675,11 @@ static int parse_line(const char *text, size_t n, const char *where, BatchLine *
         free_batch_stops(line);
         free_schema(line->schema);
         line->schema = NULL;
+        free_batch_chat(line);
         return -1;
     }
     parse_batch_line(&j, line, tmp, lim->vocab, lim->seq_len);
+    if (line->chat) batch_chat_check(&j, line, lim->tok);
     if (line->o.beams > lim->max_beams)
         json_fail(&j, "field 'beams': %d is more than a batch runs (%d, or -b when that is more)", line->o.beams, lim->max_beams);
     if (line->o.keep >= 0 && lim->windowed) json_fail(&j, "field 'keep': this model's sliding-window layers do not work with it");
@@ -15661,6 +15707,9 @@ typedef struct {
     char *refusal;      /* a refused line's JSON line */
     int handed;         /* done and handed over by the engine (a refusal: at once) */
     int printed;
+    int chat;           /* a line with "messages": its answers carry the message (11.2) */
+    int calls;          /* how its replies make tool calls: CALLS_NONE, ... (11.1) */
+    int line_no;        /* its line's number: its calls' ids are call_N_K */
 } BatchSlot;
 
 typedef struct {
@@ -15692,9 +15741,13 @@ static int new_slot(BatchOutput *out) {
     return out->n++;
 }
 
+static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+                                  int calls, const char *prefix); /* 11.2 */
+
 /* A request's JSON lines (its error, or its hypotheses); then it is freed,
    with the stop strings its line allocated. */
-static void print_request(BatchOutput *out, Request *r) {
+static void print_request(BatchOutput *out, const BatchSlot *s) {
+    Request *r = s->request;
     if (r->error) {
         printf("{\"id\":%s,\"error\":", r->id);
         print_json_string(r->error);
@@ -15702,7 +15755,12 @@ static void print_request(BatchOutput *out, Request *r) {
         out->failed++;
     } else {
         int n_show = r->n_hyps < r->d.n_return ? r->n_hyps : r->d.n_return;
-        for (int i = 0; i < n_show; i++) print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
+        char prefix[32];
+        snprintf(prefix, sizeof(prefix), "call_%d", s->line_no);
+        for (int i = 0; i < n_show; i++) {
+            if (s->chat) print_chat_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1], s->calls, prefix);
+            else print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
+        }
     }
     for (int k = 0; k < r->d.controls.n_stops; k++) free((char *)r->d.controls.stops[k]);
     request_free(r);
@@ -15711,7 +15769,7 @@ static void print_request(BatchOutput *out, Request *r) {
 static void print_slot(BatchOutput *out, int i) {
     BatchSlot *s = slot_at(out, i);
     if (s->refusal) fputs(s->refusal, stdout);
-    else print_request(out, s->request);
+    else print_request(out, s);
     free(s->refusal);
     *s = (BatchSlot){.handed = 1, .printed = 1};
     flush_output();
@@ -15778,6 +15836,7 @@ static int *line_prompt(const Tokenizer *tok, const char *text, int room, int *n
 /* A line's prompt given as token ids, taken from it, or NULL (freed) when
    they do not fit `room` positions. */
 static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why) {
+    if (!line->ids) return NULL;
     int *ids = line->ids;
     *n_tokens = line->n_ids;
     line->ids = NULL;
@@ -15787,6 +15846,9 @@ static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why)
     return NULL;
 }
 
+static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls); /* 11.2 */
+static const char *calls_marker(int calls);
+
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
    at place i: submitted to the engine, or done at once when it cannot run
    or has nothing to generate. */
@@ -15794,17 +15856,24 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     const int seq_len = b->limits.seq_len;
     int steps = run_positions(&line->o, seq_len), n_prompt = 0;
     const char *why;
-    int *prompt = line->ids ? take_ids(line, seq_len, &n_prompt, &why) : line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
+    BatchSlot *slot = slot_at(&b->out, i);
+    int *prompt = line->chat ? batch_chat_prompt(line, b->tok, seq_len, &n_prompt, &why, &slot->calls)
+                  : line->ids ? take_ids(line, seq_len, &n_prompt, &why) : line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
     for (int k = 0; k < line->o.controls.n_stops; k++) /* the request frees them all: the command line's are copied */
         if (!line->stops[k]) line->o.controls.stops[k] = line->stops[k] = strdup(line->o.controls.stops[k]);
     Decoding d = decoding_of(&line->o, b->clock_seed);
     d.format = FORMAT_JSON;
-    Request *r = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0, b->tok->eos_ends_generate, &d);
+    d.constrain_after = calls_marker(slot->calls);
+    slot->chat = line->chat != NULL;
+    slot->line_no = b->in.line_no;
+    free_batch_chat(line);
+    /* a chat's reply ends at the end of its turn, as the server's */
+    Request *r = request_new(prompt, n_prompt, prompt ? cap_new_tokens(&d, steps - n_prompt + 1) : 0, slot->chat || b->tok->eos_ends_generate, &d);
     r->index = i;
     r->id = line->id;
     r->own_schema = line->schema;
-    slot_at(&b->out, i)->request = r;
+    slot->request = r;
     b->out.requests++;
     if (!prompt) {
         r->error = why;
@@ -15855,7 +15924,7 @@ static void take_line(BatchRun *b, const char *text, size_t n) {
 static int run_batch(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clock_seed) {
     const Config *p = &e->t->config;
     int max_beams = o->beams > BATCH_MAX_BEAMS ? o->beams : BATCH_MAX_BEAMS;
-    BatchRun b = {.e = e, .tok = tok, .defaults = o, .limits = {p->vocab_size, p->seq_len, max_beams, p->window > 0}, .clock_seed = clock_seed};
+    BatchRun b = {.e = e, .tok = tok, .defaults = o, .limits = {p->vocab_size, p->seq_len, max_beams, p->window > 0, tok}, .clock_seed = clock_seed};
     b.out = (BatchOutput){.tok = tok, .ordered = o->ordered, .progress = isatty(STDERR_FILENO)};
     batch_input_open(&b.in, o->batch_file);
     b.where = xcalloc(strlen(b.in.name) + 24, 1);
@@ -16122,7 +16191,7 @@ static void free_tools(ToolSet *ts) {
 /* A completion's fields as read from its JSON body: the options (the
    command line's, with the fields applied, as a --batch line), the prompt or
    the messages, and whether to stream. Owns every string. */
-typedef struct {
+typedef struct ServeFields {
     BatchLine line;
     int stream, chat;
     int vocab;
@@ -16139,6 +16208,7 @@ typedef struct {
     int n_messages, messages_given;
     ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
     ToolCall call;           /* the call of a message's tool_calls being read */
+    ByteBuf calls_text;      /* a message's tool_calls rendered so far (freed on any exit, as the call) */
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
 } ServeFields;
@@ -16161,6 +16231,7 @@ static void free_serve_fields(ServeFields *f) {
     free_tools(&f->tools);
     free(f->call.name);
     free(f->call.arguments);
+    buf_free(&f->calls_text);
     free(f->name);
     free(f->text);
     free(f->member);
@@ -16401,13 +16472,14 @@ static void call_field(JsonCursor *j, ServeFields *f, char *name) {
 static void parse_message_calls(JsonCursor *j, ServeFields *f) {
     int i = f->n_messages - 1, k = 0;
     if (j->p >= j->end || *j->p != '[') json_fail(j, "field 'messages[%d].tool_calls': must be a list of calls", i);
-    ByteBuf b = {0};
+    ByteBuf *b = &f->calls_text;
+    buf_free(b);
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'tool_calls': expected ',' or ']'"); k++) {
         json_object(j, f, call_field);
-        if (!f->call.name) { buf_free(&b); json_fail(j, "field 'messages[%d].tool_calls[%d].function.name': missing", i, k); }
-        buf_printf(&b, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>", k ? "\n" : "", f->call.name,
+        if (!f->call.name) json_fail(j, "field 'messages[%d].tool_calls[%d].function.name': missing", i, k);
+        buf_printf(b, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>", k ? "\n" : "", f->call.name,
                    f->call.arguments ? f->call.arguments : "{}");
         free(f->call.name);
         free(f->call.arguments);
@@ -16416,7 +16488,8 @@ static void parse_message_calls(JsonCursor *j, ServeFields *f) {
     }
     j->p++;
     free(f->calls[i]);
-    f->calls[i] = b.data;
+    f->calls[i] = b->data;
+    *b = (ByteBuf){NULL, 0, 0};
 }
 
 /* The system message's part that gives the tools: Qwen's template's text
@@ -16690,6 +16763,17 @@ static void request_field(JsonCursor *j, ServeFields *f, char *name) {
     f->name = f->text = NULL;
 }
 
+/* A tool_choice that names a function needs one of that name, and
+   "required" needs tools (a server's request, a batch line's: 11.2). */
+static void check_tool_choice(const JsonCursor *j, const ToolSet *ts) {
+    if (ts->choice == TOOLS_NAMED) {
+        int found = 0;
+        for (int i = 0; i < ts->n; i++) found |= strcmp(ts->tools[i].name, ts->named) == 0;
+        if (!found) json_fail(j, "field 'tool_choice': no tool named '%s' in 'tools'", ts->named);
+    }
+    if (ts->n == 0 && ts->choice == TOOLS_REQUIRED) json_fail(j, "field 'tool_choice': \"required\" needs 'tools'");
+}
+
 /* Reads a request body (n bytes) into f (whose line.o holds the defaults);
    a bad one fails through json_fail. */
 static void parse_request_body(ServeFields *f, const char *body, size_t n) {
@@ -16701,12 +16785,7 @@ static void parse_request_body(ServeFields *f, const char *body, size_t n) {
         json_fail(&j, f->messages_given ? "field 'messages': the list is empty; it needs a user message at least"
                                         : "missing field 'messages'");
     if (!f->chat && !f->line.prompt && !f->line.ids && f->n_prompts == 0) json_fail(&j, "missing field 'prompt'");
-    if (f->tools.choice == TOOLS_NAMED) {
-        int found = 0;
-        for (int i = 0; i < f->tools.n; i++) found |= strcmp(f->tools.tools[i].name, f->tools.named) == 0;
-        if (!found) json_fail(&j, "field 'tool_choice': no tool named '%s' in 'tools'", f->tools.named);
-    }
-    if (f->tools.n == 0 && (f->tools.choice == TOOLS_REQUIRED)) json_fail(&j, "field 'tool_choice': \"required\" needs 'tools'");
+    check_tool_choice(&j, &f->tools);
 }
 
 /* The tokens of a whole conversation in the tokenizer's chat template, as
@@ -17195,17 +17274,21 @@ static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall
     return n;
 }
 
-/* Call k's "id": the completion's and the choice's. */
-static void buf_call_id(ByteBuf *b, const Conn *c, int choice, int k) {
-    buf_printf(b, "\"id\":\"call_%s_%d_%d\"", c->id + strlen("chatcmpl-"), choice, k);
+/* The prefix of a choice's call ids: call_ID_CHOICE (the completion's
+   number and the choice's); call k's "id" is the prefix, '_' and k. The
+   command line names its calls the same way (11.2). */
+static void call_id_prefix(char *out, size_t size, const Conn *c, int choice) {
+    snprintf(out, size, "call_%s_%d", c->id + strlen("chatcmpl-"), choice);
 }
 
-/* message.tool_calls of an answer. */
-static void buf_tool_calls(ByteBuf *b, const Conn *c, int choice, const ToolCall *calls, int n) {
+static void buf_call_id(ByteBuf *b, const char *prefix, int k) { buf_printf(b, "\"id\":\"%s_%d\"", prefix, k); }
+
+/* message.tool_calls of an answer (and of a --batch line's, 11.2). */
+static void buf_tool_calls(ByteBuf *b, const char *prefix, const ToolCall *calls, int n) {
     buf_str(b, ",\"tool_calls\":[");
     for (int k = 0; k < n; k++) {
         buf_str(b, k ? ",{" : "{");
-        buf_call_id(b, c, choice, k);
+        buf_call_id(b, prefix, k);
         buf_str(b, ",\"type\":\"function\",\"function\":{\"name\":");
         buf_json(b, calls[k].name);
         buf_str(b, ",\"arguments\":");
@@ -17235,10 +17318,12 @@ static void send_raw_delta(Server *srv, Conn *c, int choice, const char *members
    and name with empty arguments, then its arguments, as delta.tool_calls
    items with the call's index. */
 static void stream_calls(Server *srv, Conn *c, int choice, const ToolCall *calls, int n) {
+    char prefix[64];
+    call_id_prefix(prefix, sizeof(prefix), c, choice);
     for (int k = 0; k < n; k++) {
         ByteBuf b = {0};
         buf_printf(&b, "\"tool_calls\":[{\"index\":%d,", k);
-        buf_call_id(&b, c, choice, k);
+        buf_call_id(&b, prefix, k);
         buf_str(&b, ",\"type\":\"function\",\"function\":{\"name\":");
         buf_json(&b, calls[k].name);
         buf_str(&b, ",\"arguments\":\"\"}}]");
@@ -17340,6 +17425,41 @@ static void serve_on_text(Request *r, const char *text, size_t n) {
 }
 
 static const char *finish_reason(const Hypothesis *h) { return strcmp(h->stop, "length") == 0 ? "length" : "stop"; }
+
+/* The members of a chat reply's message, as the answer's message has them
+   (and a --batch line with messages, and -m chat -f json: 11.2): "content",
+   the text before the calls when there are calls (null when that is
+   empty); "reasoning_content" when `thinks` (serve_thinks) and the reply
+   reasoned; "tool_calls" when it made calls (mode: CALLS_*), their ids
+   prefix_K. text is the reply's whole text (cut at its calls here); *n_calls
+   gets their count. Returns the finish reason: "tool_calls" with calls. */
+static const char *buf_reply_message(ByteBuf *b, char *text, const Hypothesis *h, int mode, int thinks, const char *prefix, int *n_calls) {
+    ToolCall calls[SERVE_MAX_CALLS];
+    size_t content_len;
+    int n = mode != CALLS_NONE ? reply_calls(text, h, mode, calls, &content_len) : 0;
+    if (n > 0) text[content_len] = '\0'; /* the content: the text before the calls */
+    ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
+    if (thinks) {
+        ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
+        think_feed(&split, text, strlen(text), keep_think_sink, parts);
+        think_finish(&split, keep_think_sink, parts);
+    } else {
+        buf_str(&parts[0], text);
+    }
+    buf_str(b, "\"content\":");
+    if (n > 0 && parts[0].n == 0) buf_str(b, "null");
+    else buf_json(b, parts[0].data ? parts[0].data : "");
+    if (parts[1].n > 0) {
+        buf_str(b, ",\"reasoning_content\":");
+        buf_json(b, parts[1].data);
+    }
+    if (n > 0) buf_tool_calls(b, prefix, calls, n);
+    buf_free(&parts[0]);
+    buf_free(&parts[1]);
+    free_calls(calls, n);
+    if (n_calls) *n_calls = n;
+    return n > 0 ? "tool_calls" : finish_reason(h);
+}
 
 /* ---- Choices and their log-probabilities -----------------------------------
    A completion with n choices runs as n requests on the engine, choice i
@@ -17453,29 +17573,12 @@ static void answer_choices(Server *srv, Conn *c) {
         const Hypothesis *h = &r->hyps[0];
         char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
         buf_printf(&b, "%s{\"index\":%d,", i ? "," : "", i);
-        ToolCall calls[SERVE_MAX_CALLS];
-        size_t content_len;
-        int n_calls = c->calls != CALLS_NONE ? reply_calls(text, h, c->calls, calls, &content_len) : 0;
-        if (n_calls > 0) text[content_len] = '\0'; /* the content: the text before the calls */
+        const char *finish = finish_reason(h);
         if (c->chat) {
-            ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
-            if (serve_thinks(srv, c)) {
-                ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
-                think_feed(&split, text, strlen(text), keep_think_sink, parts);
-                think_finish(&split, keep_think_sink, parts);
-            } else {
-                buf_str(&parts[0], text);
-            }
-            buf_str(&b, "\"message\":{\"role\":\"assistant\",\"content\":");
-            if (n_calls > 0 && parts[0].n == 0) buf_str(&b, "null");
-            else buf_json(&b, parts[0].data ? parts[0].data : "");
-            if (parts[1].n > 0) {
-                buf_str(&b, ",\"reasoning_content\":");
-                buf_json(&b, parts[1].data);
-            }
-            if (n_calls > 0) buf_tool_calls(&b, c, i, calls, n_calls);
-            buf_free(&parts[0]);
-            buf_free(&parts[1]);
+            char prefix[64];
+            call_id_prefix(prefix, sizeof(prefix), c, i);
+            buf_str(&b, "\"message\":{\"role\":\"assistant\",");
+            finish = buf_reply_message(&b, text, h, c->calls, serve_thinks(srv, c), prefix, NULL);
             buf_str(&b, "},\"logprobs\":");
             if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
@@ -17489,8 +17592,7 @@ static void answer_choices(Server *srv, Conn *c) {
             if (r->lp) completion_logprobs(srv->tok, &b, r, c->echo[i]);
         }
         if (!r->lp) buf_str(&b, "null");
-        buf_printf(&b, ",\"finish_reason\":\"%s\"}", n_calls > 0 ? "tool_calls" : finish_reason(h));
-        free_calls(calls, n_calls);
+        buf_printf(&b, ",\"finish_reason\":\"%s\"}", finish);
         generated += h->n_tokens;
         free(text);
     }
@@ -17621,6 +17723,21 @@ static void submit_choices(Server *srv, Conn *c, const ServeFields *f, const Dec
     }
 }
 
+/* The tokens of a chat's messages (as tool_messages left them) in `room`
+   positions: chat_messages_tokens's, and with "required" or a named
+   function the marker after them, so that the reply starts with the call
+   (11.1). NULL (and *why) as chat_messages_tokens. The server and the
+   command line's chats and batch lines (11.2) all prompt with it. */
+static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    int *tokens = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, room, n_tokens, why);
+    if (tokens && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, tokens, n_tokens, room)) {
+        *why = "the messages do not fit the model's context";
+        free(tokens);
+        return NULL;
+    }
+    return tokens;
+}
+
 /* The token ids of a completion's prompts (the messages, for chat), at
    most SERVE_MAX_N, each fitting the context: their count, or 0 with *why
    (those made are freed). With echo, each prompt's text goes to echo[p]
@@ -17631,14 +17748,7 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
     *why = "the prompt does not fit the model's context";
     for (int p = 0; p < count; p++) {
         PromptItem one = {f->line.prompt, f->line.ids, f->line.n_ids}, *item = f->n_prompts > 0 ? &f->prompts[p] : &one;
-        if (f->chat) {
-            prompts[p] = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, srv->steps, &n_prompt[p], why);
-            /* "required" or a named function: the reply starts with the call (11.1) */
-            if (prompts[p] && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, prompts[p], &n_prompt[p], srv->steps)) {
-                free(prompts[p]);
-                prompts[p] = NULL;
-            }
-        }
+        if (f->chat) prompts[p] = chat_prompt_tokens(tok, f, srv->steps, &n_prompt[p], why);
         else if (item->ids && item->n_ids <= srv->steps) {
             prompts[p] = xcalloc((size_t)item->n_ids, sizeof(int));
             memcpy(prompts[p], item->ids, (size_t)item->n_ids * sizeof(int));
@@ -17656,14 +17766,14 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
     return count;
 }
 
-/* The constraint of a request with tools (11.1), as its schema; the
-   refusal, or NULL. */
-static const char *tool_constraint(ServeFields *f, char *err, size_t err_len) {
-    if (f->line.schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
-    if (f->line.o.beams > 0) return "field 'tools' cannot be combined with num_beams";
-    f->line.schema = tool_call_schema(&f->tools, err, err_len);
-    f->line.o.schema = f->line.schema;
-    return f->line.schema ? NULL : err;
+/* The constraint of a request (a server's, or a batch line's: 11.2) with
+   tools ts (11.1), as its line's schema; the refusal, or NULL. */
+static const char *tool_constraint(const ToolSet *ts, BatchLine *line, char *err, size_t err_len) {
+    if (line->schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
+    if (line->o.beams > 0) return "field 'tools' cannot be combined with beam search (num_beams, beams)";
+    line->schema = tool_call_schema(ts, err, err_len);
+    line->o.schema = line->schema;
+    return line->schema ? NULL : err;
 }
 
 /* Starts a completion (chat or not) from the request body: the fields are
@@ -17697,7 +17807,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     if (!refusal && f->n_prompts * f->n > SERVE_MAX_N) refusal = "fields 'prompt' and 'n': the prompts times n is 16 at most";
     char tool_refusal[320];
     int calls = calls_mode(&f->tools);
-    if (!refusal && calls != CALLS_NONE) refusal = tool_constraint(f, tool_refusal, sizeof(tool_refusal));
+    if (!refusal && calls != CALLS_NONE) refusal = tool_constraint(&f->tools, &f->line, tool_refusal, sizeof(tool_refusal));
     int n_prompt[SERVE_MAX_N], *prompts[SERVE_MAX_N], n_prompts = 0;
     char *echo[SERVE_MAX_N] = {NULL};
     const char *why = NULL;
@@ -18068,6 +18178,366 @@ static int serve(Engine *e, const Tokenizer *tok, const Options *o, uint64_t clo
     return 0;
 }
 
+/* ---- 11.2 Tool calls from the command line: chat and --batch ------------------
+   The server's tool calls (11.1) from the command line, on the same code:
+   there is one engine of calls, and these are two more ways in.
+   -m chat with --tools FILE (a JSON array of tools, as a request's "tools")
+   and --tool-choice (auto by default; none, required, or a tool's name):
+   the conversation is kept as a request's "messages" (JSON text), and each
+   reply is asked as the server is asked: the messages are read by its
+   parser, rewritten by tool_messages, prompted by chat_prompt_tokens and
+   constrained by tool_call_schema, so a chat's calls are the server's for
+   the same conversation, settings and seed. A reply's calls are shown as
+   JSON (OpenAI's shape: id, type, function: name and arguments) and their
+   results asked for, a line each (--tool-results FILE: the file's lines, in
+   order; at its end the chat ends), then sent back as "tool" messages. The
+   reply after results is asked with "auto" (a "required" or named choice
+   holds for the reply to each user message, "none" for every reply), so
+   the model may answer in words or call again, and a chat that requires
+   calls still ends in an answer. Replies are printed whole, not streamed
+   (a call is shown once it parses). Unlike a chat without tools, this one
+   drops no turns when the context is full: calls and their results are
+   kept whole, as the server takes them, and a message that does not fit is
+   refused.
+   --batch: a line may be a chat, with "messages" (the server's shape,
+   tool_calls and tool messages included) instead of "prompt", and "tools",
+   "tool_choice", "parallel_tool_calls"; --tools and --tool-choice are the
+   defaults of a chat line without "tools". The output line has, after the
+   usual fields, the server's "message" (content, reasoning_content,
+   tool_calls) and "finish_reason" ("tool_calls" when the reply made calls). */
+
+/* --tool-choice (NULL: auto) into ts: auto, none, required, or a tool's
+   name (checked in load_tools). */
+static void set_tool_choice(ToolSet *ts, const char *choice) {
+    static const char *const names[] = {"auto", "none", "required"};
+    for (int k = 0; k < 3; k++)
+        if (!choice || strcmp(choice, names[k]) == 0) {
+            ts->choice = choice ? k : TOOLS_AUTO;
+            return;
+        }
+    ts->choice = TOOLS_NAMED;
+    free(ts->named);
+    ts->named = strdup(choice);
+}
+
+/* --tools's text (checked: load_tools) into f's tools, read by the server's
+   parser; with `choice`, --tool-choice too. */
+static void apply_tool_options(ServeFields *f, const Options *o, int choice) {
+    JsonCursor j = {o->tools_json, o->tools_json + strlen(o->tools_json), NULL};
+    json_space(&j);
+    parse_tools(&j, f);
+    if (choice) set_tool_choice(&f->tools, o->tool_choice);
+}
+
+/* --tools FILE and --tool-choice, checked before the model loads: the file
+   is one JSON array of tools that a request's "tools" may be (each with a
+   name of its own and parameters that 6.1 takes), and the choice names one
+   of them. A fault ends the run with one line: what is wrong, and what to
+   give. Returns the file's text; the caller frees it. */
+static char *load_tools(const Options *o) {
+    size_t len;
+    char *text = read_whole_file(o->tools_file, "tools file", &len), err[320];
+    ServeFields *f = xcalloc(1, sizeof(ServeFields));
+    jmp_buf trap;
+    error_trap = &trap;
+    if (setjmp(trap)) {
+        error_trap = NULL;
+        char why[sizeof(error_text)];
+        memcpy(why, error_text, sizeof(why));
+        die(EXIT_USAGE, "--tools %s: %s; the file must be a JSON array of tools, [{\"type\": \"function\", \"function\": "
+            "{\"name\": ..., \"description\": ..., \"parameters\": {a JSON schema}}}]", o->tools_file, why);
+    }
+    JsonCursor j = {text, text + len, NULL};
+    json_space(&j);
+    if (j.p >= j.end || *j.p != '[') json_fail(&j, j.p >= j.end ? "the file is empty" : "not a JSON array (it starts with '%c')", *j.p);
+    parse_tools(&j, f);
+    json_space(&j);
+    if (j.p < j.end) json_fail(&j, "text after the array");
+    if (f->tools.n == 0) json_fail(&j, "an empty array (no tool to call)");
+    JsonSchema *all = tool_call_schema(&f->tools, err, sizeof(err)); /* every tool's parameters (a batch line may choose any) */
+    if (!all) json_fail(&j, "%s", err);
+    free_schema(all);
+    error_trap = NULL;
+    set_tool_choice(&f->tools, o->tool_choice);
+    if (f->tools.choice == TOOLS_NAMED) {
+        ByteBuf names = {0};
+        int found = 0;
+        for (int i = 0; i < f->tools.n; i++) {
+            found |= strcmp(f->tools.tools[i].name, f->tools.named) == 0;
+            buf_printf(&names, "%s%s", i ? ", " : "", f->tools.tools[i].name);
+        }
+        if (!found)
+            usage_error("--tool-choice '%s': no tool of that name in %s; give auto, none, required or a tool's name (%s)", o->tool_choice,
+                        o->tools_file, names.data);
+        buf_free(&names);
+    }
+    free_serve_fields(f);
+    free(f);
+    return text;
+}
+
+/* -- --batch's chat lines -- */
+
+/* A chat field of a batch line ("messages", "tools", "tool_choice",
+   "parallel_tool_calls"), read by the server's parsers into line->chat. */
+static void batch_chat_field(JsonCursor *j, BatchLine *line, const char *name, int vocab) {
+    if (!line->chat) {
+        line->chat = xcalloc(1, sizeof(ServeFields));
+        line->chat->chat = 1;
+        line->chat->tools.parallel = 1;
+        line->chat->vocab = vocab;
+    }
+    ServeFields *f = line->chat;
+    if (strcmp(name, "messages") == 0) {
+        parse_messages(j, f);
+    } else if (strcmp(name, "tools") == 0) {
+        parse_tools(j, f);
+        line->tools_given = 1;
+    } else if (strcmp(name, "tool_choice") == 0) {
+        parse_tool_choice(j, f);
+        line->tool_choice_given = 1;
+    } else {
+        JsonKind kind = json_value(j, name, &f->text);
+        if (kind != JSON_TRUE && kind != JSON_FALSE) json_fail(j, "field 'parallel_tool_calls': must be true or false");
+        f->tools.parallel = kind == JSON_TRUE;
+    }
+    free(f->text);
+    f->text = NULL;
+}
+
+static void free_batch_chat(BatchLine *line) {
+    if (!line->chat) return;
+    free_serve_fields(line->chat);
+    free(line->chat);
+    line->chat = NULL;
+}
+
+/* A parsed chat line, checked as the server checks a request, its messages
+   rewritten (tool_messages) and, with tools, its constraint made: the
+   line's schema. --tools and --tool-choice stand for a line without
+   "tools" (the choice names their tools: a line's own tools take its own
+   choice, auto by default). */
+static void batch_chat_check(JsonCursor *j, BatchLine *line, const Tokenizer *tok) {
+    ServeFields *f = line->chat;
+    if (!f->messages_given) json_fail(j, "fields 'tools', 'tool_choice' and 'parallel_tool_calls' are a chat's: they need 'messages'");
+    if (line->prompt || line->ids) json_fail(j, "fields 'messages' and 'prompt' both give the prompt: use one");
+    if (f->n_messages == 0) json_fail(j, "field 'messages': the list is empty; it needs a user message at least");
+    if (!line->tools_given && line->o.tools_json) apply_tool_options(f, &line->o, !line->tool_choice_given);
+    check_tool_choice(j, &f->tools);
+    tool_messages(f, tok);
+    char err[320];
+    const char *refusal = calls_mode(&f->tools) != CALLS_NONE ? tool_constraint(&f->tools, line, err, sizeof(err)) : NULL;
+    if (refusal) json_fail(j, "%s", refusal);
+}
+
+/* A chat line's prompt (chat_prompt_tokens), or NULL with *why, which
+   fails its request only; *calls: how its replies make calls. */
+static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls) {
+    jmp_buf trap, *outer = error_trap;
+    int *volatile tokens = NULL;
+    *calls = calls_mode(&line->chat->tools);
+    error_trap = &trap;
+    if (setjmp(trap) == 0) tokens = chat_prompt_tokens(tok, line->chat, room, n_tokens, why);
+    else *why = "the tokenizer has no token for a byte of the messages";
+    error_trap = outer;
+    return tokens;
+}
+
+/* The text after which a reply's calls are constrained (Decoding's
+   constrain_after), for calls made as `calls` says. */
+static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL; }
+
+/* A chat's JSON line for a reply: print_json_hypothesis's, then the
+   server's "message" and "finish_reason" (calls named prefix_K). */
+static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+                                  int calls, const char *prefix) {
+    char *text = hypothesis_text(tok, h, last_prompt_token);
+    ByteBuf b = {0};
+    buf_str(&b, "\"message\":{\"role\":\"assistant\",");
+    const char *finish = buf_reply_message(&b, text, h, calls, reasoning_splits(tok), prefix, NULL);
+    buf_printf(&b, "},\"finish_reason\":\"%s\"", finish);
+    print_json_hypothesis_with(tok, id, rank, h, last_prompt_token, b.data);
+    buf_free(&b);
+    free(text);
+}
+
+/* -- -m chat --tools -- */
+
+/* One more message, as a request's, after those in msgs. */
+static void buf_message(ByteBuf *msgs, const char *role, const char *content, const char *call_id) {
+    buf_str(msgs, msgs->n ? ",{\"role\":" : "{\"role\":");
+    buf_json(msgs, role);
+    buf_str(msgs, ",\"content\":");
+    buf_json(msgs, content);
+    if (call_id) {
+        buf_str(msgs, ",\"tool_call_id\":");
+        buf_json(msgs, call_id);
+    }
+    buf_str(msgs, "}");
+}
+
+/* The next line of the results file, without its line end; NULL at its end. */
+static char *next_result(FILE *f) {
+    char *line = NULL;
+    size_t cap = 0;
+    ptrdiff_t len = read_line_raw(&line, &cap, f);
+    if (len < 0) {
+        free(line);
+        return NULL;
+    }
+    while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
+    return line;
+}
+
+/* The request of the conversation so far (msgs), as the server reads it:
+   its messages rewritten with the tools, its constraint in f->line.schema.
+   after_results: a reply to results, asked with "auto" unless the choice
+   is "none". */
+static ServeFields *chat_tools_request(const ByteBuf *msgs, const Options *o, const Tokenizer *tok, int vocab, int after_results) {
+    ServeFields *f = xcalloc(1, sizeof(ServeFields));
+    f->chat = 1;
+    f->tools.parallel = 1;
+    f->vocab = vocab;
+    ByteBuf body = {0};
+    buf_printf(&body, "{\"messages\":[%s]}", msgs->data ? msgs->data : "");
+    char err[320];
+    jmp_buf trap;
+    error_trap = &trap;
+    if (setjmp(trap)) { /* not expected: run wrote the messages, and load_tools checked the tools */
+        error_trap = NULL;
+        char why[sizeof(error_text)];
+        memcpy(why, error_text, sizeof(why));
+        die(EXIT_BAD_FILE, "the chat's request with tools: %s", why);
+    }
+    parse_request_body(f, body.data, body.n);
+    apply_tool_options(f, o, 1);
+    if (after_results && f->tools.choice != TOOLS_NONE) set_tool_choice(&f->tools, NULL);
+    tool_messages(f, tok);
+    if (calls_mode(&f->tools) != CALLS_NONE && tool_constraint(&f->tools, &f->line, err, sizeof(err))) json_fail(NULL, "%s", err);
+    error_trap = NULL;
+    buf_free(&body);
+    return f;
+}
+
+/* Prints a reply with calls in text mode: its content (the text before
+   the calls), then each call as one JSON line. */
+static void print_calls_text(const char *text, const Hypothesis *h, int mode, const char *prefix) {
+    ToolCall calls[SERVE_MAX_CALLS];
+    size_t content_len;
+    int n = reply_calls(text, h, mode, calls, &content_len);
+    printf("%.*s\n", (int)content_len, text);
+    for (int k = 0; k < n; k++) {
+        ByteBuf b = {0};
+        buf_str(&b, "{");
+        buf_call_id(&b, prefix, k);
+        buf_str(&b, ",\"type\":\"function\",\"function\":{\"name\":");
+        buf_json(&b, calls[k].name);
+        buf_str(&b, ",\"arguments\":");
+        buf_json(&b, calls[k].arguments);
+        printf("Tool call: %s}}\n", b.data);
+        buf_free(&b);
+    }
+    free_calls(calls, n);
+}
+
+/* -m chat with --tools (see above): a conversation over a context of
+   `steps` positions, each reply a request run alone on e. */
+static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const Options *o, int steps) {
+    int text_mode = d->format == FORMAT_TEXT;
+    FILE *results = NULL;
+    if (o->tool_results && !(results = fopen(o->tool_results, "rb")))
+        die(EXIT_BAD_FILE, "%s: cannot open the tool results file: %s", o->tool_results, strerror(errno));
+    char *system_prompt = o->system_prompt ? strdup(o->system_prompt) : read_line("Enter system prompt (optional): ", d->format);
+    ByteBuf msgs = {0}; /* the conversation: a request's messages, as JSON text */
+    if (system_prompt && system_prompt[0]) buf_message(&msgs, "system", system_prompt, NULL);
+    Decoding turn_decoding = *d; /* each reply's sampler goes on from where the last one stopped */
+    int after_results = 0, replies = 0, turn_index = 0;
+    while (system_prompt) {
+        size_t before = msgs.n;
+        if (!after_results) {
+            char *user = (turn_index++ == 0 && o->prompt) ? strdup(o->prompt) : read_line("User: ", d->format);
+            if (!user) {
+                if (text_mode) printf("\n");
+                break;
+            }
+            buf_message(&msgs, "user", user, NULL);
+            free(user);
+        }
+        ServeFields *f = chat_tools_request(&msgs, o, tok, e->t->config.vocab_size, after_results);
+        int calls = calls_mode(&f->tools), n_prompt = 0;
+        const char *why;
+        int *prompt = chat_prompt_tokens(tok, f, steps, &n_prompt, &why);
+        if (!prompt) {
+            flush_output();
+            fprintf(stderr, "run: %s (%d positions; a chat with --tools keeps every turn)%s\n", why, steps,
+                    after_results ? ": the chat ends" : "; send a shorter message, or start a new chat");
+            free_serve_fields(f);
+            free(f);
+            if (after_results) break;
+            msgs.n = before; /* the message is not kept */
+            msgs.data[before] = '\0';
+            continue;
+        }
+        if (text_mode) printf("Assistant: ");
+        flush_output();
+        Decoding dd = turn_decoding;
+        dd.schema = f->line.schema;
+        dd.constrain_after = calls_marker(calls);
+        Request *r = request_new(prompt, n_prompt, cap_new_tokens(&dd, steps - n_prompt + 1), 1, &dd);
+        run_alone(e, r);
+        turn_decoding.seed = r->sampler.rng_state;
+        const Hypothesis *h = &r->hyps[0];
+        int last = r->prompt[r->n_prompt - 1], n_calls = 0;
+        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text);
+        snprintf(prefix, sizeof(prefix), "call_%d", ++replies);
+        ByteBuf m = {0}; /* the reply's message, as the server answers it and its client sends it back */
+        buf_str(&m, "{\"role\":\"assistant\",");
+        const char *finish = buf_reply_message(&m, cut, h, calls, reasoning_splits(tok), prefix, &n_calls);
+        buf_str(&m, "}");
+        ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
+        if (text_mode && n_calls > 0) print_calls_text(text, h, calls, prefix);
+        else if (text_mode && hides_reasoning(tok)) print_answer_of(tok, h, last, 0, &split);
+        else if (text_mode) printf("%s\n", text);
+        else {
+            ByteBuf extra = {0};
+            buf_printf(&extra, "\"message\":%s,\"finish_reason\":\"%s\"", m.data, finish);
+            print_json_hypothesis_with(tok, NULL, 1, h, last, extra.data);
+            buf_free(&extra);
+        }
+        flush_output();
+        buf_printf(&msgs, ",%s", m.data);
+        free(text);
+        free(cut);
+        buf_free(&m);
+        request_free(r);
+        free_serve_fields(f); /* (its schema, the request's constraint, with it) */
+        free(f);
+        clear_interrupt(); /* Ctrl-C ended this reply only */
+        after_results = 0;
+        for (int k = 0; k < n_calls; k++) {
+            char guide[64], id[48];
+            snprintf(id, sizeof(id), "%s_%d", prefix, k);
+            snprintf(guide, sizeof(guide), "Tool result (%s): ", id);
+            char *result = results ? next_result(results) : read_line(guide, d->format);
+            if (!result) {
+                if (results) fprintf(stderr, "run: note: %s has no more results: the chat ends\n", o->tool_results);
+                after_results = -1;
+                break;
+            }
+            if (results && text_mode) printf("%s%s\n", guide, result);
+            buf_message(&msgs, "tool", result, id);
+            free(result);
+            after_results = 1;
+        }
+        if (after_results < 0) break;
+    }
+    flush_output();
+    if (results) fclose(results);
+    buf_free(&msgs);
+    free(system_prompt);
+    print_stats(e);
+}
+
 /* ------------------------------------------------------------------------ */
 /* 12. main                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -18151,7 +18621,8 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     e->stats.keeping = d.rolling;
     int n_prompt = 0, *prompt = o->prompt_ids ? parse_prompt_ids(o->prompt_ids, p->vocab_size, &n_prompt) : NULL;
     if (o->seed == 0 && samples(o)) name_clock_seed(clock_seed);
-    if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
+    if (strcmp(o->mode, "chat") == 0 && o->tools_json) chat_tools(e, tok, &d, o, steps); /* 11.2 */
+    else if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
     else {
         if (!prompt) prompt = encode_prompt(tok, o->prompt ? o->prompt : "", INT_MAX, &n_prompt);
         generate(e, tok, &d, prompt, n_prompt, run_positions(o, p->seq_len));
@@ -18208,8 +18679,11 @@ int main(int argc, char **argv) {
     if (prompt_text) o.prompt = prompt_text;
     JsonSchema *schema = schema_of_options(&o);
     o.schema = schema;
+    char *tools_text = o.tools_file ? load_tools(&o) : NULL; /* checked before the model loads (11.2) */
+    o.tools_json = tools_text;
     if (tokenize_vocabulary_file(&o)) {
         free(prompt_text);
+        free(tools_text);
         return 0;
     }
     Transformer t;
@@ -18253,6 +18727,7 @@ int main(int argc, char **argv) {
     free_tokenizer(&tok);
     free_transformer(&t);
     free(prompt_text);
+    free(tools_text);
     free_schema(schema);
     return interrupted() ? EXIT_INTERRUPTED : status;
 }

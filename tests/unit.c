@@ -2825,6 +2825,45 @@ static void test_think_split(void) {
     end();
 }
 
+/* buf_reply_message (11.1, shared by the server, --batch and -m chat
+   --tools: 11.2): a reply's message members and finish reason, from its
+   text, how it ended and how it makes calls. */
+static void test_reply_message(void) {
+    static const struct { const char *text, *stop; int mode, thinks; const char *want, *finish; } cases[] = {
+        {"Hi<tool_call>\n[{\"name\":\"f\",\"arguments\":{\"a\":1}},{\"arguments\":{},\"name\":\"g\"}]", "json", CALLS_AT_MARKER, 0,
+         "\"content\":\"Hi\",\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+         "\"{\\\"a\\\":1}\"}},{\"id\":\"call_7_1\",\"type\":\"function\",\"function\":{\"name\":\"g\",\"arguments\":\"{}\"}}]", "tool_calls"},
+        {"{\"name\":\"f\",\"arguments\":{}}", "json", CALLS_PREFILLED, 0,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]",
+         "tool_calls"},
+        /* a call cut short: all of it is content */
+        {"Hi<tool_call>\n{\"name\":\"f\",\"argu", "length", CALLS_AT_MARKER, 0, "\"content\":\"Hi<tool_call>\\n{\\\"name\\\":\\\"f\\\",\\\"argu\"", "length"},
+        {"<think>r</think>\n\nA", "eos", CALLS_NONE, 1, "\"content\":\"A\",\"reasoning_content\":\"r\"", "stop"},
+        {"<think>r</think>A", "eos", CALLS_NONE, 0, "\"content\":\"<think>r</think>A\"", "stop"},
+    };
+    begin("buf_reply_message: a reply's content, reasoning and calls (server, --batch, chat --tools)");
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        Hypothesis h = {NULL, 0, 0.0, cases[k].stop, NULL};
+        char *text = strdup(cases[k].text);
+        ByteBuf b = {0};
+        int n = -1;
+        const char *finish = buf_reply_message(&b, text, &h, cases[k].mode, cases[k].thinks, "call_7", &n);
+        expect(strcmp(b.data, cases[k].want) == 0 && strcmp(finish, cases[k].finish) == 0 && (n > 0) == (strcmp(finish, "tool_calls") == 0),
+               "case %zu: %s (%s, %d calls), not %s (%s)", k, b.data, finish, n, cases[k].want, cases[k].finish);
+        buf_free(&b);
+        free(text);
+    }
+    ToolSet ts = {0};
+    set_tool_choice(&ts, "required");
+    expect(ts.choice == TOOLS_REQUIRED && calls_mode(&ts) == CALLS_NONE, "required without tools: %d", ts.choice);
+    set_tool_choice(&ts, "get_weather");
+    expect(ts.choice == TOOLS_NAMED && strcmp(ts.named, "get_weather") == 0, "a name: %d", ts.choice);
+    set_tool_choice(&ts, NULL);
+    expect(ts.choice == TOOLS_AUTO, "NULL is auto: %d", ts.choice);
+    free_tools(&ts);
+    end();
+}
+
 static void test_conversation(void) {
     Tokenizer tok;
     load_byte_tokenizer(&tok);
@@ -3421,6 +3460,7 @@ int main(void) {
     test_file_kinds();
     test_conversation();
     test_think_split();
+    test_reply_message();
     test_context_positions();
     test_engine_cancel();
     test_http_parse();

@@ -29,7 +29,8 @@ static int is_json_id(const char *s) {
 
 static void check_line(const BatchLine *l, const BatchLimits *lim) {
     const Options *o = &l->o;
-    CHECK(l->prompt != NULL, "a request without a prompt");
+    CHECK(l->prompt || l->ids || l->chat, "a request without a prompt");
+    CHECK(!l->chat || (l->chat->n_messages > 0 && !l->prompt && !l->ids), "a chat line without messages, or with a prompt too");
     CHECK(!l->id || is_json_id(l->id), "id %s is not a JSON string or number", l->id);
     CHECK(o->temperature >= 0.0f && isfinite(o->temperature), "temperature %g", o->temperature);
     CHECK(o->topp >= 0.0f && o->topp <= 1.0f, "top_p %g", o->topp);
@@ -53,7 +54,9 @@ typedef struct {
     BatchLine line;
 } Parsed;
 
-static const BatchLimits limits = {300, 256, 4};
+/* a chat line's template: tool_messages reads only its family (llama2's) */
+static const Tokenizer chat_tokenizer;
+static const BatchLimits limits = {300, 256, 4, 0, &chat_tokenizer};
 static Options defaults;
 
 /* Lines that fail after allocating: stop strings, an id and a prompt. */
@@ -62,6 +65,7 @@ static const char *const bad_lines[] = {
     "{\"prompt\":\"q\",\"stop\":\"c\",\"steps\":-1}",
     "{\"id\":7,\"prompt\":\"r\",\"beams\":5}",
     "not json",
+    "{\"messages\":[{\"role\":\"user\",\"content\":\"u\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"sometimes\"}",
 };
 
 static void parse(Parsed *p, const char *text, size_t n, JsonTemps *tmp) {
@@ -76,6 +80,7 @@ static void free_parsed(Parsed *p) {
     free(p->line.id);
     free_batch_stops(&p->line);
     free_schema(p->line.schema);
+    free_batch_chat(&p->line);
 }
 
 static int same_text(const char *a, const char *b) { return (!a && !b) || (a && b && strcmp(a, b) == 0); }
@@ -84,6 +89,9 @@ static void check_same(const Parsed *a, const Parsed *b) {
     CHECK(a->kind == b->kind, "kind %d, then %d after bad lines", a->kind, b->kind);
     CHECK(strcmp(a->message, b->message) == 0, "message '%s', then '%s'", a->message, b->message);
     CHECK(same_text(a->line.prompt, b->line.prompt) && same_text(a->line.id, b->line.id), "prompt or id differs");
+    CHECK(!a->line.chat == !b->line.chat && (!a->line.chat || (a->line.chat->n_messages == b->line.chat->n_messages &&
+                                                               a->line.chat->tools.n == b->line.chat->tools.n)),
+          "chat fields differ after bad lines");
     const Options *x = &a->line.o, *y = &b->line.o;
     CHECK(x->steps == y->steps && x->temperature == y->temperature && x->topp == y->topp && x->seed == y->seed &&
               x->beams == y->beams && x->length_penalty == y->length_penalty && x->early_stopping == y->early_stopping &&
@@ -103,7 +111,8 @@ static void check_one_line(const char *text, size_t n) {
     static JsonTemps tmp;
     static Parsed alone, after, bad;
     parse(&alone, text, n, &tmp);
-    if (alone.kind < 0) CHECK(alone.message[0] != '\0' && !alone.line.prompt && alone.line.o.controls.n_stops == 0, "refusal left state");
+    if (alone.kind < 0) CHECK(alone.message[0] != '\0' && !alone.line.prompt && !alone.line.chat && alone.line.o.controls.n_stops == 0,
+                                "refusal left state");
     if (alone.kind > 0) check_line(&alone.line, &limits);
     for (size_t i = 0; i < sizeof(bad_lines) / sizeof(bad_lines[0]); i++) {
         parse(&bad, bad_lines[i], strlen(bad_lines[i]), &tmp);
