@@ -36,11 +36,12 @@ from the F16 file by llama.cpp's own quantiser, llama_model_quantize
 through tests/llamacpp.py. In interleaved rounds (medians),
 for each file, the two programs in turn (which goes first alternates):
   run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt;
-             pp128: prompt tok/s of a 128-token prompt; for gemma3 also
+             pp128: prompt tok/s of a 128-token prompt; for gemma3 and
+             deepseek2 also
              d4096: generated tok/s of 32 tokens after a 4096-token prompt
              (2 threads unless --threads says)
-  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1, and for gemma3
-             -p 0 -n 32 -d 4096 (its tg32 at depth 4096)
+  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1, and for gemma3 and
+             deepseek2 -p 0 -n 32 -d 4096 (its tg32 at depth 4096)
 then the ratios (each the median of the rounds' ratios), the bytes one token
 reads (the layers' and the classifier's tensors as stored), and each
 program's tg128 x those bytes as a fraction of the streaming-read probe
@@ -85,6 +86,7 @@ SHAPES = {
 WRITTEN = ["F16", "Q8_0", "Q4_K", "MXFP4"]  # written here, quantised blocks straight from random bits (too large as floats)
 QUANTIZED = ["Q4_K_M"]  # made from the F16 file by llama.cpp's own quantiser (tests/llamacpp.py)
 DEPTH = 4096
+DEEP = ("gemma3", "deepseek2")  # the shapes also measured at depth DEPTH: a windowed cache, a latent one
 # each shape's option and the types it takes
 TYPE_OPTION = {"qwen3": "types", "gemma3": "types", "qwen3moe": "moe_types", "deepseek2": "moe_types", "gptoss": "oss_types"}
 TYPE_CHOICES = {"types": WRITTEN[:3] + QUANTIZED, "moe_types": ["Q8_0", "Q4_K"], "oss_types": ["MXFP4", "Q8_0"]}
@@ -226,7 +228,7 @@ def main():
     prompts = {}
     for shape in shapes:
         smallest = min((p for (s, _), p in files.items() if s == shape), key=os.path.getsize)
-        prompts[shape] = {n: make_prompt(runbin, smallest, n) for n in ((16, 128, DEPTH) if shape == "gemma3" else (16, 128))}
+        prompts[shape] = {n: make_prompt(runbin, smallest, n) for n in ((16, 128, DEPTH) if shape in DEEP else (16, 128))}
     per_token = {k: bytes_per_token(p, k[0]) for k, p in files.items()}
     runs = {k: {"tg": [], "pp": [], "ltg": [], "lpp": [], "d": [], "ld": []} for k in files}
     probes = []
@@ -246,7 +248,7 @@ def main():
         lpp, ltg = llama_bench(lbench, path, args.threads)
         runs[k]["lpp"].append(lpp)
         runs[k]["ltg"].append(ltg)
-        if k[0] == "gemma3":
+        if k[0] in DEEP:
             runs[k]["ld"].append(llama_depth(lbench, path, args.threads))
 
     for r in range(args.runs):
