@@ -7755,6 +7755,7 @@ typedef struct {
     int end[MAX_END_TOKENS];  /* tokens that end a reply */
     int end_of_turn;          /* the token that closes a turn in the chat template */
     int chat_template;        /* CHAT_LLAMA2, CHAT_LLAMA3, CHAT_CHATML, ... */
+    int llama31_tools;        /* CHAT_LLAMA3 whose template has Llama 3.1's tool calls (ipython; see 11.1) */
     int reasoning;            /* --reasoning: REASONING_SHOW, REASONING_HIDE or REASONING_OFF */
     int eos_ends_generate;    /* generate mode stops at an end token (llama2.c does not) */
     int add_bos, add_eos;     /* encode(..., bos = 1, ...) adds BOS (and EOS) only if the vocabulary says so */
@@ -9778,6 +9779,12 @@ static void load_gguf_tokenizer(Tokenizer *t, const GGUFVocab *v, const char *pa
                     path, chat_family_names[family]);
     }
     t->chat_template = family;
+    /* Llama 3.1+'s templates call tools in their own way (11.1): the
+       ipython environment, whose role carries the results, and
+       <|python_tag|> for the built-in tools; Llama 3's has no tools (the
+       generic fallback) */
+    t->llama31_tools = family == CHAT_LLAMA3 && v->chat_template &&
+                       (strstr(v->chat_template, "<|python_tag|>") || strstr(v->chat_template, "Environment: ipython"));
     t->end_of_turn = eot >= 0 ? eot : eos;
     t->end_of_turn = turn_end_token(t);
     add_end_token(t, t->end_of_turn);
@@ -16156,7 +16163,20 @@ typedef struct {
    marker itself, and the constraint holds from there (Decoding's
    constrain_after). A reply that ends with its calls whole answers with
    them as message.tool_calls, its text before the marker as the content,
-   and finish_reason "tool_calls". */
+   and finish_reason "tool_calls".
+   Llama 3.1+'s templates (Tokenizer's llama31_tools) have a format of their
+   own, which replaces Hermes's there: a system message that opens with
+   "Environment: ipython" and the knowledge and today's dates, the tools in
+   the first user message (each as `tojson(indent=4)` writes it, the
+   template's default tools_in_user_message), a call as the assistant's
+   whole message, plain JSON {"name": ..., "parameters": ...} (one a
+   message: the template refuses more), and each result in an "ipython"
+   message, as `tojson` writes its text. The messages are rendered as the
+   template does (llama31_prompt_tokens); "required" and a named function
+   constrain the whole reply to the call (no marker: the call is the
+   reply), and with "auto" the reply is free, a call when it starts with
+   {"name" (after <|python_tag|>, when the model writes it): no constraint
+   can switch on at a marker that is the call's own first bytes. */
 
 #define TOOL_MARKER "<tool_call>\n"
 #define SERVE_MAX_TOOLS 64 /* tools of one request, at most */
@@ -16176,6 +16196,7 @@ typedef struct {
     int choice;   /* TOOLS_* */
     char *named;  /* TOOLS_NAMED: the function's name */
     int parallel; /* parallel_tool_calls */
+    int llama31;  /* Llama 3.1's format (see above; tool_messages sets it) */
 } ToolSet;
 
 /* One call of a reply. */
@@ -16514,12 +16535,116 @@ static void buf_tools_system(ByteBuf *b, const ToolSet *ts, const Tokenizer *tok
                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
 }
 
+static char *span_dup(const char *p, size_t n) {
+    char *s = xcalloc(n + 1, 1);
+    memcpy(s, p, n);
+    return s;
+}
+
+/* Appends JSON text that buf_tojson wrote as `tojson(indent=4)` writes it
+   (JSON.stringify with 4 spaces): each item of a non-empty list or object
+   on a line of its own, indented by its depth; empty ones as [] and {}. */
+static void buf_tojson_indent(ByteBuf *b, const char *p) {
+    int depth = 0;
+    for (; *p; p++) {
+        if (*p == '"') {
+            const char *q = p + 1;
+            while (*q != '"') q += *q == '\\' ? 2 : 1;
+            buf_add(b, p, (size_t)(q + 1 - p));
+            p = q;
+        } else if ((*p == '{' || *p == '[') && p[1] != (*p == '{' ? '}' : ']')) {
+            buf_printf(b, "%c\n%*s", *p, 4 * ++depth, "");
+        } else if (*p == '{' || *p == '[') {
+            buf_add(b, p++, 2);
+        } else if (*p == '}' || *p == ']') {
+            buf_printf(b, "\n%*s%c", 4 * --depth, "", *p);
+        } else if (*p == ',') {
+            buf_printf(b, ",\n%*s", 4 * depth, "");
+            p++; /* the space after it */
+        } else {
+            buf_add(b, p, 1);
+        }
+    }
+}
+
+/* A copy of s without white space at either end (the templates' `| trim`). */
+static char *trimmed(const char *s) {
+    while (isspace((unsigned char)*s)) s++;
+    size_t n = strlen(s);
+    while (n > 0 && isspace((unsigned char)s[n - 1])) n--;
+    return span_dup(s, n);
+}
+
+/* tool_messages for Llama 3.1's format (see 11.1): the messages as its
+   template writes them, for llama31_prompt_tokens to render verbatim. The
+   first message that is not the system's must be the user's. */
+static void tool_messages_llama31(ServeFields *f) {
+    int n = 0, i = 0;
+    char **roles = xcalloc((size_t)f->n_messages + 2, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 2, sizeof(char *));
+    ByteBuf b = {0};
+    char *system = i < f->n_messages && strcmp(f->roles[i], "system") == 0 ? trimmed(f->contents[i++] ? f->contents[i - 1] : "") : strdup("");
+    buf_printf(&b, "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n%s", system);
+    free(system);
+    roles[n] = strdup("system");
+    contents[n++] = b.data;
+    if (i >= f->n_messages || strcmp(f->roles[i], "user") != 0)
+        json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'messages': with 'tools', Llama 3.1's template needs a user message first (it gives the tools)");
+    b = (ByteBuf){0};
+    buf_str(&b, "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+                "that best answers the given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": "
+                "dictionary of argument name and its value}.Do not use variables.\n\n");
+    for (int k = 0; k < f->tools.n; k++) {
+        buf_tojson_indent(&b, f->tools.tools[k].json);
+        buf_str(&b, "\n\n");
+    }
+    char *first = trimmed(f->contents[i] ? f->contents[i] : "");
+    buf_str(&b, first);
+    free(first);
+    roles[n] = strdup("user");
+    contents[n++] = b.data;
+    for (i++; i < f->n_messages; i++) {
+        b = (ByteBuf){0};
+        if (strcmp(f->roles[i], "tool") == 0 || strcmp(f->roles[i], "ipython") == 0) {
+            buf_json(&b, f->contents[i] ? f->contents[i] : ""); /* a string is iterable: `tojson` writes it */
+            roles[n] = strdup("ipython");
+        } else if (f->calls[i]) {
+            /* the first call, from parse_message_calls's block: <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call> */
+            const char *name = strstr(f->calls[i], "{\"name\": \"") + 10, *args = strstr(name, "\", \"arguments\": ");
+            const char *args_end = strstr(args, "}\n</tool_call>");
+            buf_printf(&b, "{\"name\": \"%.*s\", \"parameters\": ", (int)(args - name), name);
+            args += strlen("\", \"arguments\": ");
+            if (*args == '"') { /* OpenAI's arguments: a JSON text in a string, which the template takes as the object it holds */
+                JsonCursor j = {args, args_end, NULL};
+                char *text = json_string(&j, "arguments");
+                buf_tojson(&b, text, text + strlen(text));
+                free(text);
+            } else {
+                buf_add(&b, args, (size_t)(args_end - args));
+            }
+            buf_str(&b, "}");
+            roles[n] = strdup(f->roles[i]);
+        } else {
+            b.data = trimmed(f->contents[i] ? f->contents[i] : "");
+            roles[n] = strdup(f->roles[i]);
+        }
+        contents[n++] = b.data;
+    }
+    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); free(f->calls[i]); free(f->call_ids[i]); }
+    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids);
+    f->calls = f->call_ids = NULL;
+    f->roles = roles;
+    f->contents = contents;
+    f->n_messages = n;
+}
+
 /* Rewrites the messages into the plain conversation that the family's
    renderer takes (see 11.1): the tools into the system message (one is
    made when there is none), an assistant message's calls after its
    content (a newline between), and each run of "tool" messages into one
    user message of <tool_response> blocks. */
 static void tool_messages(ServeFields *f, const Tokenizer *tok) {
+    f->tools.llama31 = tok->chat_template == CHAT_LLAMA3 && tok->llama31_tools;
+    if (f->tools.llama31 && f->tools.n > 0) { tool_messages_llama31(f); return; }
     int n = 0, i = 0;
     char **roles = xcalloc((size_t)f->n_messages + 1, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 1, sizeof(char *));
     if (f->tools.n > 0) {
@@ -17178,11 +17303,15 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 
 /* ---- 11.1's answers: a reply's calls ----------------------------------------- */
 
-enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED }; /* how a reply makes its calls (Conn's calls) */
+/* How a reply makes its calls (Conn's calls): none; after the marker, from
+   where the constraint holds; the whole reply, constrained; or, Llama
+   3.1's "auto", a reply that starts with the call, unconstrained. */
+enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING };
 
 static int calls_mode(const ToolSet *ts) {
     if (ts->n == 0 || ts->choice == TOOLS_NONE) return CALLS_NONE;
-    return ts->choice == TOOLS_AUTO ? CALLS_AT_MARKER : CALLS_PREFILLED;
+    if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : CALLS_AT_MARKER;
+    return CALLS_PREFILLED;
 }
 
 /* The schema of the calls a reply may make (see 11.1); NULL with the
@@ -17204,22 +17333,17 @@ static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len
         buf_str(&b, k++ ? "," : "");
         buf_str(&b, "{\"type\":\"object\",\"properties\":{\"name\":{\"const\":");
         buf_json(&b, t->name);
-        buf_printf(&b, "},\"arguments\":%s},\"required\":[\"name\",\"arguments\"],\"additionalProperties\":false}",
-                   t->parameters ? t->parameters : "{\"type\":\"object\"}");
+        const char *key = ts->llama31 ? "parameters" : "arguments"; /* Llama 3.1's name for them */
+        buf_printf(&b, "},\"%s\":%s},\"required\":[\"name\",\"%s\"],\"additionalProperties\":false}", key,
+                   t->parameters ? t->parameters : "{\"type\":\"object\"}", key);
     }
-    if (ts->parallel)
+    if (ts->parallel && !ts->llama31) /* (Llama 3.1's template takes one call a message) */
         buf_printf(&b, "]}},\"anyOf\":[{\"$ref\":\"#/$defs/call\"},{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/call\"},"
                        "\"minItems\":1,\"maxItems\":%d}]}", SERVE_MAX_CALLS);
     else
         buf_str(&b, "]}},\"$ref\":\"#/$defs/call\"}");
     JsonSchema *s = compile_schema(b.data, b.n, err, err_len);
     buf_free(&b);
-    return s;
-}
-
-static char *span_dup(const char *p, size_t n) {
-    char *s = xcalloc(n + 1, 1);
-    memcpy(s, p, n);
     return s;
 }
 
@@ -17244,11 +17368,78 @@ static const char *json_value_end(const char *p) {
     return p;
 }
 
+static void free_calls(ToolCall *calls, int n) {
+    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); }
+}
+
+/* Where a reply in Llama 3.1's "auto" mode (CALLS_LEADING) starts its
+   call, after white space and <|python_tag|>; NULL when it does not start
+   {"name". */
+static const char *leading_call_start(const char *text) {
+    while (isspace((unsigned char)*text)) text++;
+    if (strncmp(text, "<|python_tag|>", 14) == 0) text += 14;
+    return strncmp(text, "{\"name\"", 7) == 0 ? text : NULL;
+}
+
+/* The call that a reply in Llama 3.1's "auto" mode makes with its whole
+   text, written by the model unconstrained (white space anywhere): 1 with
+   its name and its "parameters" (or "arguments") object's text in *c, 0
+   when the text is not one call object, name a string, parameters an object. */
+static int leading_call(const char *text, ToolCall *c) {
+    const char *p = leading_call_start(text);
+    *c = (ToolCall){NULL, NULL};
+    if (!p) return 0;
+    JsonCursor j = {p + 1, p + strlen(p), NULL};
+    jmp_buf trap, *outer = error_trap;
+    error_trap = &trap;
+    if (setjmp(trap)) { /* (json_fail: not a call) */
+        error_trap = outer;
+        free_calls(c, 1);
+        *c = (ToolCall){NULL, NULL};
+        return 0;
+    }
+    json_space(&j);
+    for (int first = 1; json_next_item(&j, '}', &first, "expected ',' or '}'");) {
+        if (j.p >= j.end || *j.p != '"') json_fail(&j, "expected a key");
+        j.p++;
+        char key[16] = "";
+        char *name = json_string(&j, "key");
+        snprintf(key, sizeof(key), "%s", name);
+        free(name);
+        json_space(&j);
+        if (j.p >= j.end || *j.p++ != ':') json_fail(&j, "expected ':'");
+        json_space(&j);
+        const char *start = j.p;
+        if (strcmp(key, "name") == 0 && !c->name && j.p < j.end && *j.p == '"') {
+            j.p++;
+            c->name = json_string(&j, "name");
+        } else if ((strcmp(key, "parameters") == 0 || strcmp(key, "arguments") == 0) && !c->arguments && *start == '{') {
+            json_skip(&j, 0);
+            c->arguments = span_dup(start, (size_t)(j.p - start));
+        } else {
+            json_skip(&j, 0);
+        }
+        json_space(&j);
+    }
+    j.p++;
+    json_space(&j);
+    error_trap = outer;
+    if (c->name && c->arguments && j.p >= j.end) return 1;
+    free_calls(c, 1);
+    *c = (ToolCall){NULL, NULL};
+    return 0;
+}
+
 /* The calls of a reply's text, made as `mode` says: the JSON value after
    the marker (the whole reply, when the prompt ends with the marker), one
    call or a list. Returns their count, 0 when the reply made none whole
    (it is all content); *content_len: the length of the text before them. */
 static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+    if (mode == CALLS_LEADING) {
+        int n = leading_call(text, &calls[0]);
+        *content_len = n ? 0 : strlen(text);
+        return n;
+    }
     const char *at = mode == CALLS_AT_MARKER ? strstr(text, TOOL_MARKER) : text;
     *content_len = strlen(text);
     if (strcmp(h->stop, "json") != 0 || !at) return 0;
@@ -17296,10 +17487,6 @@ static void buf_tool_calls(ByteBuf *b, const char *prefix, const ToolCall *calls
         buf_str(b, "}}");
     }
     buf_str(b, "]");
-}
-
-static void free_calls(ToolCall *calls, int n) {
-    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); }
 }
 
 /* One Server-Sent Event whose delta is `members` (JSON object members). */
@@ -17398,6 +17585,16 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     ByteBuf *all = &c->reply[choice];
     buf_add(all, text, n);
     if (c->calls == CALLS_PREFILLED || !all->data) return;
+    if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
+        const char *p = all->data;
+        while (isspace((unsigned char)*p)) p++;
+        if (strncmp(p, "<|python_tag|>", 14) == 0) p += 14;
+        size_t n_p = strlen(p);
+        if (leading_call_start(all->data) || partial_marker(p, n_p, "<|python_tag|>") == n_p || partial_marker(p, n_p, "{\"name\"") == n_p) return;
+        if (all->n > c->told[choice]) stream_content(srv, c, choice, all->data + c->told[choice], all->n - c->told[choice]);
+        c->told[choice] = all->n;
+        return;
+    }
     const char *at = strstr(all->data, TOOL_MARKER);
     size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, TOOL_MARKER);
     if (safe <= c->told[choice]) return;
@@ -17723,12 +17920,47 @@ static void submit_choices(Server *srv, Conn *c, const ServeFields *f, const Dec
     }
 }
 
+/* The tokens of a conversation in Llama 3.1's tool format, as
+   tool_messages_llama31 left it, in `room` positions: BOS, each message
+   <|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT<|eot_id|> (the
+   content as it is: the template trims only some, done there), then the
+   assistant's header; the last message must be the user's or a result. */
+static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    const char *last = f->roles[f->n_messages - 1];
+    *why = "the last message must be the user's or a tool's";
+    if (strcmp(last, "user") != 0 && strcmp(last, "ipython") != 0) return NULL;
+    int *out = xcalloc((size_t)room + 1, sizeof(int)), n = 0, fits = room >= 1;
+    if (fits) out[n++] = tok->bos;
+    for (int i = 0; fits && i <= f->n_messages; i++) {
+        fits = n + 1 <= room;
+        if (fits) out[n++] = template_token(tok, "<|start_header_id|>");
+        fits = fits && append_text_tokens(tok, i < f->n_messages ? f->roles[i] : "assistant", out, &n, room) && n + 1 <= room;
+        if (fits) out[n++] = template_token(tok, "<|end_header_id|>");
+        char *text = xcalloc(strlen(i < f->n_messages ? f->contents[i] : "") + 3, 1);
+        sprintf(text, "\n\n%s", i < f->n_messages ? f->contents[i] : "");
+        fits = fits && append_text_tokens(tok, text, out, &n, room);
+        free(text);
+        if (fits && i < f->n_messages) {
+            fits = n + 1 <= room;
+            if (fits) out[n++] = template_token(tok, "<|eot_id|>");
+        }
+    }
+    if (!fits) {
+        *why = "the messages do not fit the model's context";
+        free(out);
+        return NULL;
+    }
+    *n_tokens = n;
+    return out;
+}
+
 /* The tokens of a chat's messages (as tool_messages left them) in `room`
    positions: chat_messages_tokens's, and with "required" or a named
    function the marker after them, so that the reply starts with the call
    (11.1). NULL (and *why) as chat_messages_tokens. The server and the
    command line's chats and batch lines (11.2) all prompt with it. */
 static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    if (f->tools.llama31 && f->tools.n > 0) return llama31_prompt_tokens(tok, f, room, n_tokens, why);
     int *tokens = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, room, n_tokens, why);
     if (tokens && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, tokens, n_tokens, room)) {
         *why = "the messages do not fit the model's context";
@@ -17771,6 +18003,11 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
 static const char *tool_constraint(const ToolSet *ts, BatchLine *line, char *err, size_t err_len) {
     if (line->schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
     if (line->o.beams > 0) return "field 'tools' cannot be combined with beam search (num_beams, beams)";
+    if (calls_mode(ts) == CALLS_LEADING) { /* free text, a call or not: the parameters are only checked (see 11.1) */
+        JsonSchema *s = tool_call_schema(ts, err, err_len);
+        free_schema(s);
+        return s ? NULL : err;
+    }
     line->schema = tool_call_schema(ts, err, err_len);
     line->o.schema = line->schema;
     return line->schema ? NULL : err;

@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
         parse_request_body(&f, body, n_body);
         tool_messages(&f, &tok);
         const char *why = NULL;
-        int n = 0, *ids = chat_messages_tokens(&tok, f.roles, f.contents, f.n_messages, 1 << 20, &n, &why);
+        int n = 0, *ids = chat_prompt_tokens(&tok, &f, 1 << 20, &n, &why);
         if (!ids) die(EXIT_USAGE, "%s", why);
         for (int i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
         printf("\n");

