@@ -2840,6 +2840,17 @@ static void test_reply_message(void) {
         {"Hi<tool_call>\n{\"name\":\"f\",\"argu", "length", CALLS_AT_MARKER, 0, "\"content\":\"Hi<tool_call>\\n{\\\"name\\\":\\\"f\\\",\\\"argu\"", "length"},
         {"<think>r</think>\n\nA", "eos", CALLS_NONE, 1, "\"content\":\"A\",\"reasoning_content\":\"r\"", "stop"},
         {"<think>r</think>A", "eos", CALLS_NONE, 0, "\"content\":\"<think>r</think>A\"", "stop"},
+        /* Llama 3.1's "auto": a reply that is one call object, written freely */
+        {"<|python_tag|>{\"name\": \"f\", \"parameters\": {\"a\": [1, 2]}}", "eos", CALLS_LEADING, 0,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+         "\"{\\\"a\\\": [1, 2]}\"}}]", "tool_calls"},
+        {" \n{\"name\":\"g\" ,\n \"parameters\":{} } ", "eos", CALLS_LEADING, 0,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"g\",\"arguments\":\"{}\"}}]",
+         "tool_calls"},
+        {"{\"name\": \"f\", \"parameters\": {}} then", "eos", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"parameters\\\": {}} then\"", "stop"},
+        {"{\"name\": \"f\", \"parameters\": 3}", "eos", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"parameters\\\": 3}\"", "stop"},
+        {"{\"name\": \"f\", \"param", "length", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"param\"", "length"},
+        {"Hello", "eos", CALLS_LEADING, 0, "\"content\":\"Hello\"", "stop"},
     };
     begin("buf_reply_message: a reply's content, reasoning and calls (server, --batch, chat --tools)");
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
@@ -2853,6 +2864,11 @@ static void test_reply_message(void) {
         buf_free(&b);
         free(text);
     }
+    ByteBuf b = {0};
+    buf_tojson_indent(&b, "{\"a\": [], \"b\": {\"c\": [1, 2], \"e\": {}}, \"d\": \"x, y{\\\"\"}");
+    expect(b.data && strcmp(b.data, "{\n    \"a\": [],\n    \"b\": {\n        \"c\": [\n            1,\n            2\n        ],\n        \"e\": {}\n    },\n"
+                                 "    \"d\": \"x, y{\\\"\"\n}") == 0, "tojson(indent=4): %s", b.data);
+    buf_free(&b);
     ToolSet ts = {0};
     set_tool_choice(&ts, "required");
     expect(ts.choice == TOOLS_REQUIRED && calls_mode(&ts) == CALLS_NONE, "required without tools: %d", ts.choice);
