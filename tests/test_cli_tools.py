@@ -17,7 +17,8 @@ typed on stdin give the replies of --tool-results. A batch line without
 "tools" takes --tools, and a named choice with parallel_tool_calls false
 makes one call of that tool.
 On the models of test_serve_tools.py: stories260K with tok512 (MODELS_DIR;
-SKIP when absent), the random Qwen3 and Llama 3 GGUF files, and the model
+SKIP when absent), the random Qwen3 and Llama 3 GGUF files (Llama 3 also
+with Llama 3.1's template: its format, and "auto" free), and the model
 that writes "Hello" and then Qwen's <tool_call> marker itself ("auto": the
 constraint from the model's own marker on).
 Bad input: a tools file that is not a JSON array of tools (not JSON, an
@@ -264,6 +265,8 @@ def main():
     case("cli_tools_results_from_stdin", results_from_stdin)
     case("cli_tools_random_qwen3", lambda: against_server(*st.random_gguf("qwen3"), 200, choices=("required", "get_weather")))
     case("cli_tools_random_llama3", lambda: against_server(*st.random_gguf("llama3"), 200, choices=("required", "calculate")))
+    case("cli_tools_random_llama3_1", lambda: against_server(st.random_gguf("llama3")[0], st.llama31_vocab()[0], 200,
+                                                             choices=("required", "calculate", "auto")))
     return 1 if COUNTS["FAIL"] else 0
 
 
