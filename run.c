@@ -15191,7 +15191,7 @@ static void json_fail(const JsonCursor *j, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(error_text, sizeof(error_text), fmt, ap);
     va_end(ap);
-    if (j->where) fprintf(stderr, "run: %s: %s\n", j->where, error_text);
+    if (j && j->where) fprintf(stderr, "run: %s: %s\n", j->where, error_text);
     leave(EXIT_USAGE);
 }
 
