@@ -174,6 +174,21 @@ static void *xcalloc(size_t count, size_t size) {
     return p;
 }
 
+/* The n bytes at p as a string of their own. */
+static char *span_dup(const char *p, size_t n) {
+    char *s = xcalloc(n + 1, 1);
+    memcpy(s, p, n);
+    return s;
+}
+
+/* A copy of s without white space at either end (the templates' `| trim`). */
+static char *trimmed(const char *s) {
+    while (isspace((unsigned char)*s)) s++;
+    size_t n = strlen(s);
+    while (n > 0 && isspace((unsigned char)s[n - 1])) n--;
+    return span_dup(s, n);
+}
+
 /* A growing byte buffer, NUL-terminated. */
 typedef struct {
     char *data;
@@ -13803,27 +13818,31 @@ static int template_token(const Tokenizer *tok, const char *name) {
 }
 
 /* Appends one Llama 3 message, <|start_header_id|>role<|end_header_id|>\n\n
-   content, and (unless content is NULL: the header that opens the reply)
-   <|eot_id|>. The content is trimmed of white space at both ends, as the
-   template's `| trim` does. */
-static int append_llama3_message(const Tokenizer *tok, const char *role, const char *content, int *out, int *n, int room) {
+   content as it is, and (unless content is NULL: the header that opens the
+   reply) <|eot_id|>. */
+static int append_llama3_header_text(const Tokenizer *tok, const char *role, const char *content, int *out, int *n, int room) {
     if (*n + 2 > room) return 0;
     out[(*n)++] = template_token(tok, "<|start_header_id|>");
     if (!append_text_tokens(tok, role, out, n, room) || *n + 1 > room) return 0;
     out[(*n)++] = template_token(tok, "<|end_header_id|>");
-    const char *start = content ? content : "";
-    size_t len = strlen(start);
-    while (len > 0 && isspace((unsigned char)*start)) { start++; len--; }
-    while (len > 0 && isspace((unsigned char)start[len - 1])) len--;
-    char *text = xcalloc(len + 3, 1);
-    memcpy(text, "\n\n", 2);
-    memcpy(text + 2, start, len);
+    char *text = xcalloc(strlen(content ? content : "") + 3, 1);
+    sprintf(text, "\n\n%s", content ? content : "");
     int fits = append_text_tokens(tok, text, out, n, room);
     free(text);
     if (!fits || !content) return fits;
     if (*n + 1 > room) return 0;
     out[(*n)++] = template_token(tok, "<|eot_id|>");
     return 1;
+}
+
+/* The same with the content trimmed of white space at both ends, as the
+   template's `| trim` does. */
+static int append_llama3_message(const Tokenizer *tok, const char *role, const char *content, int *out, int *n, int room) {
+    if (!content) return append_llama3_header_text(tok, role, NULL, out, n, room);
+    char *text = trimmed(content);
+    int fits = append_llama3_header_text(tok, role, text, out, n, room);
+    free(text);
+    return fits;
 }
 
 /* The Llama 3 template for one user turn, as tokens (its special tokens are
@@ -16535,12 +16554,6 @@ static void buf_tools_system(ByteBuf *b, const ToolSet *ts, const Tokenizer *tok
                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
 }
 
-static char *span_dup(const char *p, size_t n) {
-    char *s = xcalloc(n + 1, 1);
-    memcpy(s, p, n);
-    return s;
-}
-
 /* Appends JSON text that buf_tojson wrote as `tojson(indent=4)` writes it
    (JSON.stringify with 4 spaces): each item of a non-empty list or object
    on a line of its own, indented by its depth; empty ones as [] and {}. */
@@ -16565,14 +16578,6 @@ static void buf_tojson_indent(ByteBuf *b, const char *p) {
             buf_add(b, p, 1);
         }
     }
-}
-
-/* A copy of s without white space at either end (the templates' `| trim`). */
-static char *trimmed(const char *s) {
-    while (isspace((unsigned char)*s)) s++;
-    size_t n = strlen(s);
-    while (n > 0 && isspace((unsigned char)s[n - 1])) n--;
-    return span_dup(s, n);
 }
 
 /* tool_messages for Llama 3.1's format (see 11.1): the messages as its
@@ -17372,13 +17377,17 @@ static void free_calls(ToolCall *calls, int n) {
     for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); }
 }
 
-/* Where a reply in Llama 3.1's "auto" mode (CALLS_LEADING) starts its
-   call, after white space and <|python_tag|>; NULL when it does not start
-   {"name". */
-static const char *leading_call_start(const char *text) {
+/* A reply in Llama 3.1's "auto" mode (CALLS_LEADING) past its leading
+   white space and <|python_tag|>: where its call would start. */
+static const char *past_call_lead(const char *text) {
     while (isspace((unsigned char)*text)) text++;
-    if (strncmp(text, "<|python_tag|>", 14) == 0) text += 14;
-    return strncmp(text, "{\"name\"", 7) == 0 ? text : NULL;
+    return strncmp(text, "<|python_tag|>", 14) == 0 ? text + 14 : text;
+}
+
+/* Where such a reply starts its call; NULL when it does not start {"name". */
+static const char *leading_call_start(const char *text) {
+    const char *p = past_call_lead(text);
+    return strncmp(p, "{\"name\"", 7) == 0 ? p : NULL;
 }
 
 /* The call that a reply in Llama 3.1's "auto" mode makes with its whole
@@ -17586,11 +17595,9 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     buf_add(all, text, n);
     if (c->calls == CALLS_PREFILLED || !all->data) return;
     if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
-        const char *p = all->data;
-        while (isspace((unsigned char)*p)) p++;
-        if (strncmp(p, "<|python_tag|>", 14) == 0) p += 14;
+        const char *p = past_call_lead(all->data);
         size_t n_p = strlen(p);
-        if (leading_call_start(all->data) || partial_marker(p, n_p, "<|python_tag|>") == n_p || partial_marker(p, n_p, "{\"name\"") == n_p) return;
+        if (strncmp(p, "{\"name\"", 7) == 0 || partial_marker(p, n_p, "<|python_tag|>") == n_p || partial_marker(p, n_p, "{\"name\"") == n_p) return;
         if (all->n > c->told[choice]) stream_content(srv, c, choice, all->data + c->told[choice], all->n - c->told[choice]);
         c->told[choice] = all->n;
         return;
@@ -17931,20 +17938,8 @@ static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
     if (strcmp(last, "user") != 0 && strcmp(last, "ipython") != 0) return NULL;
     int *out = xcalloc((size_t)room + 1, sizeof(int)), n = 0, fits = room >= 1;
     if (fits) out[n++] = tok->bos;
-    for (int i = 0; fits && i <= f->n_messages; i++) {
-        fits = n + 1 <= room;
-        if (fits) out[n++] = template_token(tok, "<|start_header_id|>");
-        fits = fits && append_text_tokens(tok, i < f->n_messages ? f->roles[i] : "assistant", out, &n, room) && n + 1 <= room;
-        if (fits) out[n++] = template_token(tok, "<|end_header_id|>");
-        char *text = xcalloc(strlen(i < f->n_messages ? f->contents[i] : "") + 3, 1);
-        sprintf(text, "\n\n%s", i < f->n_messages ? f->contents[i] : "");
-        fits = fits && append_text_tokens(tok, text, out, &n, room);
-        free(text);
-        if (fits && i < f->n_messages) {
-            fits = n + 1 <= room;
-            if (fits) out[n++] = template_token(tok, "<|eot_id|>");
-        }
-    }
+    for (int i = 0; fits && i < f->n_messages; i++) fits = append_llama3_header_text(tok, f->roles[i], f->contents[i], out, &n, room);
+    if (fits) fits = append_llama3_header_text(tok, "assistant", NULL, out, &n, room);
     if (!fits) {
         *why = "the messages do not fit the model's context";
         free(out);

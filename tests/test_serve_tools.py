@@ -240,6 +240,18 @@ def auto_marker():
     print("# auto: %s" % calls, flush=True)
 
 
+def expect_request_tokens(path, models, msgs, text):
+    """The prompt serve makes of a request with these messages and TOOLS
+    (gguf_vocab_dump request, on the vocabulary GGUF path) is the oracle's
+    tokens of the template's rendering text (the tokenizer in models)."""
+    body = os.path.join(TMP, "request.json")
+    json.dump({"messages": msgs, "tools": TOOLS}, open(body, "w"))
+    r = gv.sh([gv.DUMP, "request", path, body])
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    ours, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
+    assert ours == want, "%r: run.c %s, oracle %s" % (text, ours, want)
+
+
 def qwen3_template():
     """serve's prompt for tools, calls and results equals Qwen3's template's."""
     gv.need_dump()
@@ -259,12 +271,7 @@ def qwen3_template():
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     for msgs in (messages, messages[1:], messages[:2]):
         text = cf.render(template, msgs, "", "<|im_end|>", tools=TOOLS)
-        body = os.path.join(TMP, "request.json")
-        json.dump({"messages": msgs, "tools": TOOLS}, open(body, "w"))
-        r = gv.sh([gv.DUMP, "request", path, body])
-        assert r.returncode == 0, r.stderr.decode(errors="replace")
-        ours, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
-        assert ours == want, "%r: run.c %s, oracle %s" % (text, ours, want)
+        expect_request_tokens(path, models, msgs, text)
     print("# qwen3: %r" % text[:200], flush=True)
 
 
@@ -325,12 +332,7 @@ def llama31_template():
                                                                if isinstance(c["function"]["arguments"], str) else c["function"]["arguments"]))
                                      for c in m["tool_calls"]]) if "tool_calls" in m else m for m in msgs]
         text = cf.render(template, jmsgs, "<|begin_of_text|>", "<|eot_id|>", tools=TOOLS)
-        body = os.path.join(TMP, "request.json")
-        json.dump({"messages": msgs, "tools": TOOLS}, open(body, "w"))
-        r = gv.sh([gv.DUMP, "request", path, body])
-        assert r.returncode == 0, r.stderr.decode(errors="replace")
-        ours, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
-        assert ours == want, "%r: run.c %s, oracle %s" % (text, ours, want)
+        expect_request_tokens(path, models, msgs, text)
     print("# llama3.1: %r" % text[-400:], flush=True)
 
 
