@@ -6888,6 +6888,93 @@ KERNEL vfloat head_dot(const float *q, const unsigned char *row, int off, int hs
     return acc;
 }
 
+/* Many query heads to one key head (latent attention: 16 heads of 576
+   values to one) make a lone row's attention a product of matrices, bound
+   by arithmetic rather than memory: reading each row once for every head
+   ran at a third of the tiled path's rate there. So with SHARED_HEADS or
+   more query heads to a key head, and the same query for every key of the
+   block (no --keep ring turned inside it), dot_rows_shared and
+   axpy_rows_shared work in register tiles: 2 keys x 4 heads of scores, each
+   key vector loaded (and converted) once for 4 heads and each query vector
+   once for 2 keys; 4 heads x 2 vectors of outputs, each value vector loaded
+   once for 4 heads. Each (key, head) sum and each output is still what
+   kv_dot and kv_axpy compute, in the same order. */
+#define SHARED_HEADS 4
+static inline int rows_share_heads(const float *const *q, int n, int kv_mul) {
+    if (kv_mul < SHARED_HEADS || kv_mul % SHARED_HEADS != 0) return 0;
+    for (int k = 1; k < n; k++)
+        if (q[k] != q[0]) return 0;
+    return 1;
+}
+
+/* dot_rows for rows_share_heads: the sums of 2 keys x 4 heads at a time
+   wait in `part` until those of SIMD_WIDTH keys are added up at once. */
+KERNEL void dot_rows_shared(const unsigned char *const *keys, int n, const float *q, int n_heads, int kv_mul, int hs, float scale,
+                            float *scores, size_t stride, int kv_dim, const int type, const unsigned char *const *ahead, int n_ahead,
+                            size_t row_bytes) {
+    vfloat part[ATTENTION_ROW_HEADS * SIMD_WIDTH];
+    for (int k = 0; k < n_ahead; k++) prefetch(ahead[k], row_bytes);
+    for (int k0 = 0; k0 < n; k0 += SIMD_WIDTH) {
+        const int k1 = k0 + SIMD_WIDTH < n ? k0 + SIMD_WIDTH : n;
+        for (int h0 = 0; h0 < n_heads; h0 += ATTENTION_ROW_HEADS) {
+            const int h1 = h0 + ATTENTION_ROW_HEADS < n_heads ? h0 + ATTENTION_ROW_HEADS : n_heads;
+            for (int k = k0; k < k1; k += 2) {
+                const unsigned char *key0 = keys[k], *key1 = keys[k + 1 < k1 ? k + 1 : k]; /* an odd last key twice */
+                for (int h = h0; h < h1; h += SHARED_HEADS) {
+                    const int off = h / kv_mul * hs;
+                    const float *qh = q + (size_t)h * hs;
+                    vfloat a0[SHARED_HEADS], a1[SHARED_HEADS];
+                    for (int j = 0; j < SHARED_HEADS; j++) a0[j] = a1[j] = vf_zero();
+                    for (int i = 0; i < hs; i += SIMD_WIDTH) {
+                        const vfloat x0 = kv_vector(key0, off + i, kv_dim, type), x1 = kv_vector(key1, off + i, kv_dim, type);
+                        for (int j = 0; j < SHARED_HEADS; j++) {
+                            const vfloat qi = vf_load(qh + (size_t)j * hs + i);
+                            a0[j] = vf_fma(qi, x0, a0[j]);
+                            a1[j] = vf_fma(qi, x1, a1[j]);
+                        }
+                    }
+                    for (int j = 0; j < SHARED_HEADS; j++) {
+                        part[(h + j - h0) * SIMD_WIDTH + k - k0] = a0[j];
+                        if (k + 1 < k1) part[(h + j - h0) * SIMD_WIDTH + k + 1 - k0] = a1[j];
+                    }
+                }
+            }
+            for (int h = h0; h < h1; h++) {
+                float sums[SIMD_WIDTH];
+                for (int k = k1; k < k0 + SIMD_WIDTH; k++) part[(h - h0) * SIMD_WIDTH + k - k0] = vf_zero(); /* sums unused */
+                vf_store(sums, vf_sums(part + (h - h0) * SIMD_WIDTH));
+                for (int k = k0; k < k1; k++) scores[h * stride + k] = attention_scale(sums[k - k0], scale);
+            }
+        }
+    }
+}
+
+/* axpy_rows for rows_share_heads (hs a multiple of 2 vectors): 4 heads x
+   2 vectors of outputs held in registers across the n rows. */
+KERNEL void axpy_rows_shared(const unsigned char *const *values, int n, const float *w, size_t stride, float *out, int n_heads,
+                             int kv_mul, int hs, int kv_dim, const int type, const unsigned char *const *ahead, int n_ahead,
+                             size_t row_bytes) {
+    for (int k = 0; k < n_ahead; k++) prefetch(ahead[k], row_bytes);
+    for (int h = 0; h < n_heads; h += SHARED_HEADS) {
+        const int off = h / kv_mul * hs;
+        for (int i = 0; i < hs; i += 2 * SIMD_WIDTH) {
+            vfloat acc[SHARED_HEADS][2];
+            for (int j = 0; j < SHARED_HEADS; j++)
+                for (int v = 0; v < 2; v++) acc[j][v] = vf_load(out + (size_t)(h + j) * hs + i + v * SIMD_WIDTH);
+            for (int k = 0; k < n; k++) {
+                const vfloat x0 = kv_vector(values[k], off + i, kv_dim, type), x1 = kv_vector(values[k], off + i + SIMD_WIDTH, kv_dim, type);
+                for (int j = 0; j < SHARED_HEADS; j++) {
+                    const vfloat a = vf_set(w[(size_t)(h + j) * stride + k]);
+                    acc[j][0] = vf_fma(a, x0, acc[j][0]);
+                    acc[j][1] = vf_fma(a, x1, acc[j][1]);
+                }
+            }
+            for (int j = 0; j < SHARED_HEADS; j++)
+                for (int v = 0; v < 2; v++) vf_store(out + (size_t)(h + j) * hs + i + v * SIMD_WIDTH, acc[j][v]);
+        }
+    }
+}
+
 /* scores[h * stride + k] = q_k,h . key_k[kv head of h] * or / scale for every
    query head h (kv_mul query heads to a key head) and the n <= ATTENTION_KEYS
    rows keys[0..n-1] of `type`, query k,h at q[k] + h * hs (each key's query:
@@ -6903,6 +6990,10 @@ KERNEL vfloat head_dot(const float *q, const unsigned char *row, int off, int hs
 KERNEL void dot_rows(const unsigned char *const *keys, int n, const float *const *q, int n_heads, int kv_mul, int hs, float scale,
                      float *scores, size_t stride, int kv_dim, const int type, const unsigned char *const *ahead, int n_ahead,
                      size_t row_bytes) {
+    if (rows_share_heads(q, n, kv_mul)) {
+        dot_rows_shared(keys, n, q[0], n_heads, kv_mul, hs, scale, scores, stride, kv_dim, type, ahead, n_ahead, row_bytes);
+        return;
+    }
     if (type == KV_F16) {
         for (int k = 0; k < n; k++) {
             if (k < n_ahead) prefetch(ahead[k], row_bytes);
@@ -6939,6 +7030,10 @@ KERNEL void dot_rows(const unsigned char *const *keys, int n, const float *const
    dot_rows. */
 KERNEL void axpy_rows(const unsigned char *const *values, int n, const float *w, size_t stride, float *out, int n_heads, int kv_mul, int hs,
                       int kv_dim, const int type, const unsigned char *const *ahead, int n_ahead, size_t row_bytes) {
+    if (kv_mul >= SHARED_HEADS && kv_mul % SHARED_HEADS == 0 && hs % (2 * SIMD_WIDTH) == 0) {
+        axpy_rows_shared(values, n, w, stride, out, n_heads, kv_mul, hs, kv_dim, type, ahead, n_ahead, row_bytes);
+        return;
+    }
     for (int k = 0; k < n; k++) {
         if (k < n_ahead) prefetch(ahead[k], row_bytes);
         for (int h = 0; h < n_heads; h++) {

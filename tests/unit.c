@@ -2222,8 +2222,9 @@ static void fill_cache(KVCache *c, const Config *p, BlockTable *t, int n) {
 static void test_attention_tiles(void) {
     /* dim, n_heads, n_kv_heads: head sizes 64, 32, 16 and 8 (vector and
        plain loads), tiles of 32, 8, 4 and 48 rows (multi-head, grouped
-       query heads, more heads than ATTENTION_SCORES) */
-    const int shapes[][3] = {{256, 4, 4}, {256, 8, 2}, {128, 8, 1}, {64, 8, 8}, {384, 48, 48}};
+       query heads, more heads than ATTENTION_SCORES), and 16 query heads of
+       64 to one key head (latent attention's sharing: dot_rows_shared) */
+    const int shapes[][3] = {{256, 4, 4}, {256, 8, 2}, {128, 8, 1}, {64, 8, 8}, {384, 48, 48}, {1024, 16, 1}};
     const char *type_names[] = {"f32", "f16", "q8_0"};
     for (int type = KV_F32; type <= KV_Q8_0; type++) {
         begin("attention (in tiles for f32): bit-identical to row by row, %s cache, with and without a --keep ring", type_names[type]);
