@@ -3,7 +3,11 @@
 the full-depth Qwen3-30B-A3B shape in Q4_K_M's layout, loaded and decoded,
 with the peak resident memory against the file's size; then the throughput
 of 16 requests at once (--batch) against one, on the 4-layer file of the
-same shape.
+same shape. With --shape deepseek2, the full-depth DeepSeek-V2-Lite shape
+instead (27 layers, the first dense, bench/arch.py's deepseek2 layers in
+its Q4_K file's types: Q4_K, and Q5_0 where rows are not a multiple of 256;
+about 9.4 GB), loaded and decoded with a cache of --ctx-size positions,
+its peak RSS against the file plus 1 GB plus that cache.
 
 The file: 48 layers of dim 2048, 32 query heads of 128, 4 key/value heads,
 128 experts of 768 (top 8), vocabulary 151936, untied classifier, as
@@ -26,7 +30,8 @@ experts a step reads: with uniform routing, 16 rows pick about
 128 x (1 - (120/128)^16) = 82 experts of a layer where one row picks 8.
 
 Environment / options: RUN (default ./runomp); --cache DIR, --threads N,
---runs N, --skip-full (only the throughput).
+--runs N, --skip-full (only the throughput), --shape qwen3moe|deepseek2,
+--ctx-size N (deepseek2's cache; default 4096).
 """
 import argparse
 import json
@@ -118,6 +123,36 @@ def write_full(path):
     write_streamed(path, meta, tensor_list(rng))
 
 
+DEEPSEEK2_LAYERS = 27
+
+
+def write_full_deepseek2(path):
+    """The full-depth DeepSeek-V2-Lite shape: bench/arch.py's deepseek2
+    model of 2 layers (the dense first, one with experts) in its Q4_K file's
+    types, the second layer's blocks written for layers 1..26, and the
+    embedding and classifier at the vocabulary's 102400 rows."""
+    import numpy as np
+    import arch_models
+    from arch import SHAPES, big_vocab, file_types
+    from gguf_ref import random_tensor
+    arch, settings, _, vocab, _ = SHAPES["deepseek2"]
+    wtype, types = file_types("deepseek2", "Q4_K")
+    meta, tensors = arch_models.arch_model(arch, wtype=wtype, vocab=900, seed=1, tied=False, ctx=8192, n_layers=2,
+                                           types=types, **settings)
+    meta["deepseek2.block_count"] = DEEPSEEK2_LAYERS
+    big_vocab(meta, vocab)
+    dim = settings["dim"]
+    rng = np.random.default_rng(2)
+    out = [("token_embd.weight", wtype, [dim, vocab], random_tensor(wtype, vocab * dim, rng, 1.0 / np.sqrt(dim))),
+           ("output.weight", wtype, [dim, vocab], random_tensor(wtype, vocab * dim, rng, arch_models.OUT_GAIN / np.sqrt(dim)))]
+    out += [t for t in tensors if not t[0].startswith("blk.") and t[0] not in ("token_embd.weight", "output.weight")]
+    out += [t for t in tensors if t[0].startswith("blk.0.")]
+    moe = [t for t in tensors if t[0].startswith("blk.1.")]
+    for i in range(1, DEEPSEEK2_LAYERS):
+        out += [("blk.%d.%s" % (i, name[len("blk.1."):]), t, ne, raw) for name, t, ne, raw in moe]
+    write_streamed(path, meta, out)
+
+
 def peak_rss(cmd):
     """(exit status, stdout, stderr, peak VmHWM in bytes) of cmd, polled."""
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
@@ -161,9 +196,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-full", action="store_true")
+    ap.add_argument("--shape", choices=("qwen3moe", "deepseek2"), default="qwen3moe")
+    ap.add_argument("--ctx-size", type=int, default=4096)
     args = ap.parse_args()
     runbin = os.environ.get("RUN", os.path.join(ROOT, "runomp"))
     os.makedirs(args.cache, exist_ok=True)
+    if args.shape == "deepseek2":
+        deepseek2_memory(runbin, args)
+        return
     if not args.skip_full:
         full = os.path.join(args.cache, "qwen3moe-48L.Q4_K_M.gguf")
         if not os.path.exists(full):
@@ -188,6 +228,26 @@ def main():
     one, sixteen = statistics.median(ones), statistics.median(sixteens)
     print("throughput, qwen3moe 4 layers Q4_K: 1 request %.1f tok/s, 16 at once %.1f tok/s (%.2fx)" % (one, sixteen,
                                                                                                       sixteen / one))
+
+
+def deepseek2_memory(runbin, args):
+    """The full-depth DeepSeek-V2-Lite shape: a prompt, then decoding up to
+    --ctx-size positions, peak RSS against the file, 1 GB and the cache
+    (576 float32 values a position and layer: stats: reports its peak)."""
+    full = os.path.join(args.cache, "deepseek2-%dL.Q4_K.gguf" % DEEPSEEK2_LAYERS)
+    if not os.path.exists(full):
+        print("bench: writing %s" % full, file=sys.stderr)
+        write_full_deepseek2(full)
+    size = os.path.getsize(full)
+    cache = 576 * 4 * DEEPSEEK2_LAYERS * args.ctx_size
+    cmd = [runbin, full, "-n", str(args.ctx_size), "-i", "etaoinshrdlcumwfgypb", "-t", "0", "-T", str(args.threads),
+           "--ctx-size", str(args.ctx_size), "--max-new-tokens", "32"]
+    code, _, err, hwm = peak_rss(cmd)
+    if code != 0:
+        sys.exit("bench: the full-depth file did not run: %s" % err.strip().splitlines()[-1:])
+    stats = [line for line in err.splitlines() if line.startswith("stats:")][-1]
+    print("deepseek2 full depth: file %.2f GB, peak RSS %.2f GB (file + %.2f GB; target file + 1 GB + the cache's %.2f GB "
+          "at %d positions); %s" % (size / 1e9, hwm / 1e9, (hwm - size) / 1e9, cache / 1e9, args.ctx_size, stats))
 
 
 if __name__ == "__main__":
