@@ -14344,19 +14344,27 @@ static void render_smollm3(TurnBuilder *b, const char *system_prompt, const char
    channels) and the system prompt as the developer's instructions; a turn
    ends with <|start|>assistant, after which the model names its channel
    (analysis: its reasoning; final: the answer, ended by <|return|>). */
+
+/* Harmony's system message; with tools (11.1), the line that sends their
+   calls to the commentary channel. */
+static void render_harmony_system(TurnBuilder *b, int tools) {
+    char date[32];
+    time_t now = time(NULL);
+    struct tm *tm = localtime(&now);
+    if (!tm || strftime(date, sizeof(date), "%Y-%m-%d", tm) == 0) snprintf(date, sizeof(date), "1970-01-01");
+    turn_token(b, "<|start|>");
+    turn_string(b, "system");
+    turn_token(b, "<|message|>");
+    turn_string(b, "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ");
+    turn_string(b, date);
+    turn_string(b, "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
+    if (tools) turn_string(b, "\nCalls to these tools must go to the commentary channel: 'functions'.");
+    turn_token(b, "<|end|>");
+}
+
 static void render_harmony(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
     if (first) {
-        char date[32];
-        time_t now = time(NULL);
-        struct tm *tm = localtime(&now);
-        if (!tm || strftime(date, sizeof(date), "%Y-%m-%d", tm) == 0) snprintf(date, sizeof(date), "1970-01-01");
-        turn_token(b, "<|start|>");
-        turn_string(b, "system");
-        turn_token(b, "<|message|>");
-        turn_string(b, "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ");
-        turn_string(b, date);
-        turn_string(b, "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
-        turn_token(b, "<|end|>");
+        render_harmony_system(b, 0);
         if (system_prompt && system_prompt[0] != '\0') {
             turn_token(b, "<|start|>");
             turn_string(b, "developer");
@@ -15929,7 +15937,7 @@ static int new_slot(BatchOutput *out) {
     return out->n++;
 }
 
-static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+static void print_chat_hypothesis(const Tokenizer *tok, const Request *r, int rank, const Hypothesis *h,
                                   int calls, const char *prefix); /* 11.2 */
 
 /* A request's JSON lines (its error, or its hypotheses); then it is freed,
@@ -15946,7 +15954,7 @@ static void print_request(BatchOutput *out, const BatchSlot *s) {
         char prefix[32];
         snprintf(prefix, sizeof(prefix), "call_%d", s->line_no);
         for (int i = 0; i < n_show; i++) {
-            if (s->chat) print_chat_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1], s->calls, prefix);
+            if (s->chat) print_chat_hypothesis(out->tok, r, i + 1, &r->hyps[i], s->calls, prefix);
             else print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
         }
     }
@@ -16360,6 +16368,7 @@ typedef struct {
    can switch on at a marker that is the call's own first bytes. */
 
 #define TOOL_MARKER "<tool_call>\n"
+#define HARMONY_CALL_START "to=functions." /* Harmony: a call's recipient, after which comes the function's name */
 #define SERVE_MAX_TOOLS 64 /* tools of one request, at most */
 #define SERVE_MAX_CALLS 4  /* calls of one reply, at most (parallel_tool_calls) */
 
@@ -16411,6 +16420,8 @@ typedef struct ServeFields {
     int n_messages, messages_given;
     ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
     ToolCall call;           /* the call of a message's tool_calls being read */
+    int multi_call;          /* 1 + the first message with more than one call; 0: none */
+    int *rendered, n_rendered; /* Harmony with tools: the whole prompt, rendered by tool_messages (11.1); NULL: not so */
     ByteBuf calls_text;      /* a message's tool_calls rendered so far (freed on any exit, as the call) */
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
@@ -16434,6 +16445,7 @@ static void free_serve_fields(ServeFields *f) {
     free_tools(&f->tools);
     free(f->call.name);
     free(f->call.arguments);
+    free(f->rendered);
     buf_free(&f->calls_text);
     free(f->name);
     free(f->text);
@@ -16690,6 +16702,7 @@ static void parse_message_calls(JsonCursor *j, ServeFields *f) {
         json_space(j);
     }
     j->p++;
+    if (k > 1 && !f->multi_call) f->multi_call = i + 1;
     free(f->calls[i]);
     f->calls[i] = b->data;
     *b = (ByteBuf){NULL, 0, 0};
@@ -16805,6 +16818,290 @@ static void tool_messages_llama31(ServeFields *f) {
     f->n_messages = n;
 }
 
+/* -- Harmony's tools: gpt-oss's template, its TypeScript and its messages -- */
+
+/* The length of UTF-8 text s as JavaScript counts it (UTF-16 units), as
+   @huggingface/jinja's `length` does. */
+static size_t js_length(const char *s) {
+    size_t n = 0;
+    for (; *s; s++)
+        if (((unsigned char)*s & 0xC0) != 0x80) n += 1 + ((unsigned char)*s >= 0xF0);
+    return n;
+}
+
+/* Whether value v (-1: none) is true as Jinja takes it. */
+static int jv_truthy(const SchemaCompiler *c, int v) {
+    if (v < 0) return 0;
+    switch (c->v[v].kind) {
+    case JV_STRING: return jv_str(c, v)[0] != '\0';
+    case JV_ARRAY: case JV_OBJECT: return c->v[v].n > 0;
+    case JV_NUMBER: return strtod(jv_str(c, v), NULL) != 0.0;
+    default: return c->v[v].kind == JV_TRUE;
+    }
+}
+
+static int jv_is(const SchemaCompiler *c, int v, const char *text) {
+    return v >= 0 && c->v[v].kind == JV_STRING && strcmp(jv_str(c, v), text) == 0;
+}
+
+/* Whether list v (-1: none) holds the string `name`. */
+static int jv_lists(const SchemaCompiler *c, int v, const char *name) {
+    for (int m = v >= 0 && c->v[v].kind == JV_ARRAY ? c->v[v].first : -1; m >= 0; m = c->v[m].next)
+        if (jv_is(c, m, name)) return 1;
+    return 0;
+}
+
+/* Whether every number in value v is spelled as JavaScript writes it (an
+   integer of at most 15 digits, not -0), so that `tojson` keeps it. */
+static int jv_plain_numbers(const SchemaCompiler *c, int v) {
+    if (c->v[v].kind == JV_NUMBER) {
+        const char *p = jv_str(c, v), *d = p + (*p == '-');
+        return strspn(d, "0123456789") == strlen(d) && strlen(d) <= 15 && (d[0] != '0' || (d[1] == '\0' && d == p));
+    }
+    for (int m = c->v[v].first; m >= 0; m = c->v[m].next)
+        if (!jv_plain_numbers(c, m)) return 0;
+    return 1;
+}
+
+/* The refusal of tool `tool`'s parameters, a feature the template does not
+   write as run.c does (or cannot write at all). */
+static void harmony_refuse(int tool, const char *what) {
+    json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d].function.parameters': %s cannot be written in gpt-oss's template's "
+              "TypeScript (Harmony); give types, enums of strings, arrays and objects", tool, what);
+}
+
+/* Schema v as the template's render_typescript_type writes it: an array of
+   strings, numbers, integers or booleans as string[] ...; of anything else
+   its items' type and [] (any[] when that is longer than 50 characters);
+   a list of types joined by " | "; a string's enum as "a" | "b"; number
+   (integer too), boolean; an object with properties as {, then each
+   property (? when not required), ": ", the template's line break and
+   indent, its type, ", " between, and }; an object without them as object;
+   anything else any. Keywords whose meaning the TypeScript would lose
+   ("anyOf", "$ref": the template writes any) are refused, as are those
+   6.1 does not take ("oneOf", "nullable"). */
+static void harmony_type(const SchemaCompiler *c, int v, ByteBuf *b, int tool) {
+    static const char *const lost[] = {"anyOf", "$ref", "oneOf", "nullable"};
+    if (c->v[v].kind != JV_OBJECT) harmony_refuse(tool, "a schema that is not an object");
+    for (size_t k = 0; k < sizeof(lost) / sizeof(lost[0]); k++)
+        if (jv_member(c, v, lost[k]) >= 0) {
+            char what[32];
+            snprintf(what, sizeof(what), "'%s'", lost[k]);
+            harmony_refuse(tool, what);
+        }
+    int type = jv_member(c, v, "type");
+    static const char *const plain[][2] = {{"string", "string"}, {"number", "number"}, {"integer", "number"}, {"boolean", "boolean"}};
+    if (jv_is(c, type, "array")) {
+        int items = jv_member(c, v, "items");
+        if (!jv_truthy(c, items)) { buf_str(b, "any[]"); return; }
+        for (int k = 0; k < 4; k++)
+            if (c->v[items].kind == JV_OBJECT && jv_is(c, jv_member(c, items, "type"), plain[k][0])) { buf_printf(b, "%s[]", plain[k][1]); return; }
+        ByteBuf inner = {0};
+        harmony_type(c, items, &inner, tool);
+        if (strcmp(inner.data, "object | object") == 0 || js_length(inner.data) > 50) buf_str(b, "any[]");
+        else buf_printf(b, "%s[]", inner.data);
+        buf_free(&inner);
+    } else if (type >= 0 && c->v[type].kind == JV_ARRAY && c->v[type].n > 0) {
+        for (int m = c->v[type].first; m >= 0; m = c->v[m].next) {
+            if (c->v[m].kind != JV_STRING) harmony_refuse(tool, "a 'type' list of other than names");
+            buf_printf(b, "%s%s", m == c->v[type].first ? "" : " | ", jv_str(c, m));
+        }
+    } else if (jv_is(c, type, "string") && jv_truthy(c, jv_member(c, v, "enum"))) {
+        int list = jv_member(c, v, "enum");
+        if (c->v[list].kind != JV_ARRAY) harmony_refuse(tool, "an 'enum' that is not a list");
+        for (int m = c->v[list].first; m >= 0; m = c->v[m].next) {
+            if (c->v[m].kind != JV_STRING) harmony_refuse(tool, "an 'enum' of a string with other than strings");
+            buf_printf(b, "%s%s", m == c->v[list].first ? "\"" : "\" | \"", jv_str(c, m));
+        }
+        buf_str(b, "\"");
+    } else if (jv_is(c, type, "object") && jv_truthy(c, jv_member(c, v, "properties"))) {
+        int props = jv_member(c, v, "properties"), required = jv_member(c, v, "required");
+        buf_str(b, "{\n");
+        for (int m = c->v[props].first; m >= 0; m = c->v[m].next) {
+            buf_printf(b, "%s%s: \n                ", jv_key(c, m), jv_lists(c, required, jv_key(c, m)) ? "" : "?");
+            harmony_type(c, m, b, tool);
+            if (c->v[m].next >= 0) buf_str(b, ", ");
+        }
+        buf_str(b, "}");
+    } else {
+        const char *name = jv_is(c, type, "object") ? "object" : "any";
+        for (int k = 0; k < 4; k++)
+            if (jv_is(c, type, plain[k][0])) name = plain[k][1];
+        buf_str(b, name);
+    }
+}
+
+/* Function `fn` (a tool's "function" object, tool i) as the template's
+   render_tool_namespace writes it: its description as a comment, then
+   `type NAME = (_: {` and each parameter on a line (its description as a
+   comment line before it; ", // default: " and the default after it),
+   `}) => any;`, or `() => any;` without parameters; a blank line after. */
+static void harmony_function(const SchemaCompiler *c, int fn, const char *name, ByteBuf *b, int tool) {
+    int description = jv_member(c, fn, "description"), params = jv_member(c, fn, "parameters");
+    if (description < 0 || c->v[description].kind != JV_STRING)
+        json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d].function.description': gpt-oss's template needs one (a string)", tool);
+    buf_printf(b, "// %s\ntype %s = ", jv_str(c, description), name);
+    int props = params >= 0 && c->v[params].kind == JV_OBJECT ? jv_member(c, params, "properties") : -1;
+    if (!jv_truthy(c, params) || !jv_truthy(c, props)) { buf_str(b, "() => any;\n\n"); return; }
+    if (c->v[props].kind != JV_OBJECT) harmony_refuse(tool, "'properties' that are not an object");
+    int required = jv_member(c, params, "required");
+    buf_str(b, "(_: {\n");
+    for (int m = c->v[props].first; m >= 0; m = c->v[m].next) {
+        int about = c->v[m].kind == JV_OBJECT ? jv_member(c, m, "description") : -1, def = c->v[m].kind == JV_OBJECT ? jv_member(c, m, "default") : -1;
+        if (about >= 0 && c->v[about].kind != JV_STRING) harmony_refuse(tool, "a 'description' that is not a string");
+        if (jv_truthy(c, about)) buf_printf(b, "// %s\n", jv_str(c, about));
+        buf_printf(b, "%s%s: ", jv_key(c, m), jv_lists(c, required, jv_key(c, m)) ? "" : "?");
+        harmony_type(c, m, b, tool);
+        if (def >= 0 && jv_truthy(c, jv_member(c, m, "enum"))) { /* the default as text */
+            if (c->v[def].kind != JV_STRING) harmony_refuse(tool, "a 'default' of an enum that is not a string");
+            buf_printf(b, ", // default: %s", jv_str(c, def));
+        } else if (def >= 0) { /* as `tojson` writes it */
+            if (!jv_plain_numbers(c, def)) harmony_refuse(tool, "a 'default' with a number other than a plain integer");
+            ByteBuf compact = {0};
+            jv_write(c, def, &compact);
+            buf_str(b, ", // default: ");
+            buf_tojson(b, compact.data, compact.data + compact.n);
+            buf_free(&compact);
+        }
+        buf_str(b, ",\n");
+    }
+    buf_str(b, "}) => any;\n\n");
+}
+
+/* The developer message's tools: `# Tools`, `## functions`, and the
+   functions in `namespace functions { ... }`. Names are letters, digits,
+   '_' and '-' (OpenAI's rule), so that a call's head is read back whole. */
+static void harmony_tools(const ToolSet *ts, ByteBuf *b) {
+    buf_str(b, "# Tools\n\n## functions\n\nnamespace functions {\n\n");
+    for (int i = 0; i < ts->n; i++) {
+        const Tool *t = &ts->tools[i];
+        if (strspn(t->name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") != strlen(t->name))
+            json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+        size_t n = strlen(t->json);
+        SchemaCompiler *c = xcalloc(1, sizeof(SchemaCompiler));
+        char err[160];
+        *c = (SchemaCompiler){.p = t->json, .end = t->json + n, .cap_v = (int)n + 1, .err = err, .err_len = sizeof(err)};
+        c->v = xcalloc(n + 1, sizeof(Jv));
+        c->chars = xcalloc(2 * n + 2, 1);
+        if (setjmp(c->fail) == 0) {
+            int root = jv_value(c, 0), fn = jv_member(c, root, "function");
+            harmony_function(c, fn, t->name, b, i); /* (a refusal leaves c to the exit: the request ends) */
+        } else {
+            json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d]': %s", i, err);
+        }
+        free(c->v);
+        free(c->chars);
+        free(c);
+    }
+    buf_str(b, "} // namespace functions");
+}
+
+/* The first call of assistant message i (parse_message_calls's <tool_call>
+   block: {"name": "NAME", "arguments": ARGS}): its name, and its arguments
+   as `tojson` writes the object they hold into args. */
+static char *harmony_past_call(const ServeFields *f, int i, ByteBuf *args) {
+    const char *block = f->calls[i], *p = block + strlen("<tool_call>\n{\"name\": \"");
+    size_t n = strspn(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-");
+    if (n == 0 || strncmp(p + n, "\", \"arguments\": ", 16) != 0)
+        json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'messages[%d].tool_calls[0].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+    const char *a = p + n + 16, *end = block + strlen(block) - strlen("}\n</tool_call>");
+    JsonCursor j = {a, end, NULL};
+    json_space(&j);
+    if (j.p >= j.end || *j.p != '{') json_fail(&j, "field 'messages[%d].tool_calls[0].function.arguments': must be a JSON object", i);
+    json_skip(&j, 0);
+    json_space(&j);
+    if (j.p != j.end) json_fail(&j, "field 'messages[%d].tool_calls[0].function.arguments': text after the JSON object", i);
+    buf_tojson(args, a, end);
+    return span_dup(p, n);
+}
+
+/* One Harmony message: <|start|>HEAD<|message|>BODY and its end token,
+   where HEAD's <|channel|> (after the role and recipient) is the token. */
+static void harmony_message(TurnBuilder *b, const char *head, const char *channel, const char *body, const char *end) {
+    turn_token(b, "<|start|>");
+    turn_string(b, head);
+    if (channel) {
+        turn_token(b, "<|channel|>");
+        turn_string(b, channel);
+    }
+    turn_token(b, "<|message|>");
+    turn_string(b, body);
+    turn_token(b, end);
+}
+
+/* tool_messages for Harmony (see 11.1): the whole prompt, rendered as
+   gpt-oss's template renders the messages with tools, into f->rendered. */
+static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
+    const JsonCursor none = {NULL, NULL, NULL};
+    if (f->multi_call) json_fail(&none, "field 'messages[%d].tool_calls': gpt-oss's template takes one call a message", f->multi_call - 1);
+    ByteBuf tools = {0}, text = {0};
+    harmony_tools(&f->tools, &tools);
+    size_t total = tools.n + 1024;
+    for (int i = 0; i < f->n_messages; i++) total += (f->contents[i] ? 2 * strlen(f->contents[i]) : 0) + (f->calls[i] ? strlen(f->calls[i]) : 0) + 64;
+    int room = (int)encode_capacity(tok, total);
+    TurnBuilder b = {tok, xcalloc((size_t)room + 1, sizeof(int)), 0, room, 1, {NULL, 0, 0}};
+    render_harmony_system(&b, 1);
+    int i = 0;
+    const char *developer = "";
+    if (f->n_messages > 0 && (strcmp(f->roles[0], "system") == 0 || strcmp(f->roles[0], "developer") == 0))
+        developer = f->contents[i++] ? f->contents[0] : "";
+    if (developer[0]) buf_printf(&text, "# Instructions\n\n%s\n\n", developer);
+    buf_str(&text, tools.data);
+    harmony_message(&b, "developer", NULL, text.data, "<|end|>");
+    char *last = NULL; /* the name of the last call, which names the results after it */
+    for (; i < f->n_messages; i++) {
+        const char *role = f->roles[i], *content = f->contents[i] ? f->contents[i] : "";
+        text.n = 0;
+        if (strcmp(role, "assistant") == 0 && f->calls[i]) {
+            int answered = 0; /* a later answer drops this message's reasoning, as the template does */
+            for (int k = i + 1; k < f->n_messages; k++) answered |= strcmp(f->roles[k], "assistant") == 0 && !f->calls[k];
+            if (content[0] && !answered) harmony_message(&b, "assistant", "analysis", content, "<|end|>");
+            ByteBuf args = {0};
+            free(last);
+            last = harmony_past_call(f, i, &args);
+            buf_printf(&text, "assistant to=functions.%s", last);
+            harmony_message(&b, text.data, "commentary json", args.data, "<|call|>");
+            buf_free(&args);
+        } else if (strcmp(role, "assistant") == 0) {
+            harmony_message(&b, "assistant", "final", content, "<|end|>");
+            free(last);
+            last = NULL;
+        } else if (strcmp(role, "tool") == 0) {
+            if (!last) json_fail(&none, "field 'messages[%d]': a tool message needs an assistant's call before it (gpt-oss's template names the result by it)", i);
+            buf_printf(&text, "functions.%s to=assistant", last);
+            ByteBuf result = {0};
+            buf_json(&result, content);
+            harmony_message(&b, text.data, "commentary", result.data, "<|end|>");
+            buf_free(&result);
+        } else if (strcmp(role, "user") == 0) {
+            harmony_message(&b, "user", NULL, content, "<|end|>");
+        } else {
+            json_fail(&none, "field 'messages[%d].role': '%s' cannot come here in gpt-oss's template (a system or developer message comes first only)", i, role);
+        }
+    }
+    turn_token(&b, "<|start|>");
+    turn_string(&b, "assistant");
+    if (f->tools.choice == TOOLS_REQUIRED || f->tools.choice == TOOLS_NAMED) { /* the call's head, as the model writes it */
+        turn_token(&b, "<|channel|>");
+        turn_string(&b, "commentary " HARMONY_CALL_START);
+    }
+    if (f->tools.choice == TOOLS_NAMED) {
+        turn_string(&b, f->tools.named);
+        turn_string(&b, " ");
+        turn_token(&b, "<|constrain|>");
+        turn_string(&b, "json");
+        turn_token(&b, "<|message|>");
+    }
+    turn_flush(&b);
+    free(last);
+    buf_free(&tools);
+    buf_free(&text);
+    free(b.text.data);
+    if (!b.fits) json_fail(&none, "field 'messages': too long to render");
+    f->rendered = b.out;
+    f->n_rendered = b.n;
+}
+
 /* Rewrites the messages into the plain conversation that the family's
    renderer takes (see 11.1): the tools into the system message (one is
    made when there is none), an assistant message's calls after its
@@ -16812,7 +17109,9 @@ static void tool_messages_llama31(ServeFields *f) {
    user message of <tool_response> blocks. */
 static void tool_messages(ServeFields *f, const Tokenizer *tok) {
     f->tools.llama31 = tok->chat_template == CHAT_LLAMA3 && tok->llama31_tools;
+    f->tools.harmony = tok->chat_template == CHAT_HARMONY && f->tools.n > 0;
     if (f->tools.llama31 && f->tools.n > 0) { tool_messages_llama31(f); return; }
+    if (f->tools.harmony) { tool_messages_harmony(f, tok); return; }
     int n = 0, i = 0;
     char **roles = xcalloc((size_t)f->n_messages + 1, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 1, sizeof(char *));
     if (f->tools.n > 0) {
@@ -17473,13 +17772,64 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 
 /* How a reply makes its calls (Conn's calls): none; after the marker, from
    where the constraint holds; the whole reply, constrained; or, Llama
-   3.1's "auto", a reply that starts with the call, unconstrained. */
-enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING };
+   3.1's "auto", a reply that starts with the call, unconstrained;
+   Harmony's, the prompt ending with the call's head or its start, or
+   ("auto") the call after HARMONY_CALL_START, where call heads hold. */
+enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING, CALLS_HARMONY, CALLS_HARMONY_AUTO };
 
 static int calls_mode(const ToolSet *ts) {
     if (ts->n == 0 || ts->choice == TOOLS_NONE) return CALLS_NONE;
-    if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : CALLS_AT_MARKER;
-    return CALLS_PREFILLED;
+    if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : ts->harmony ? CALLS_HARMONY_AUTO : CALLS_AT_MARKER;
+    return ts->harmony ? CALLS_HARMONY : CALLS_PREFILLED;
+}
+
+/* What the prompt writes of a Harmony reply's call (see 11.1): its text
+   after the last <|start|>assistant, the call's head or its start ("" for
+   "auto"); NULL for the other formats. The caller frees it. */
+static char *call_lead(const Tokenizer *tok, const Request *r, int mode) {
+    if (mode != CALLS_HARMONY && mode != CALLS_HARMONY_AUTO) return NULL;
+    int start = lookup_special(tok, "<|start|>"), i = r->n_prompt;
+    while (i > 0 && r->prompt[i - 1] != start) i--;
+    char *text = decode_text(tok, start, r->prompt + i, r->n_prompt - i);
+    if (strncmp(text, "assistant", 9) == 0) memmove(text, text + 9, strlen(text + 9) + 1);
+    return text;
+}
+
+/* Where the Harmony message that holds a call starting at `at` in text
+   opens: at its <|start|> when its header is not yet closed by <|message|>
+   there, at the text's start when the reply's first header is, else at
+   `at` itself. */
+static size_t harmony_header_start(const char *text, size_t at) {
+    const char *msg = strstr(text, "<|message|>");
+    if (!msg || (size_t)(msg - text) >= at) return 0;
+    size_t start = at;
+    for (const char *p = strstr(text, "<|start|>"); p && (size_t)(p - text) < at; p = strstr(p + 1, "<|start|>")) start = (size_t)(p - text);
+    if (start == at) return at;
+    msg = strstr(text + start, "<|message|>");
+    return msg && (size_t)(msg - text) < at ? at : start;
+}
+
+/* A Harmony reply's call (see 11.1): in lead and text, after the first
+   HARMONY_CALL_START, the function's name and, after <|message|>, its
+   arguments, which end the reply when the constraint completed them (stop
+   "json"). Returns 1 with the call, 0 when the reply made none whole;
+   *content_len: the text before the call's message. */
+static int harmony_reply_call(const char *lead, const char *text, const Hypothesis *h, ToolCall *c, size_t *content_len) {
+    *content_len = strlen(text);
+    size_t n_lead = strlen(lead);
+    char *all = xcalloc(n_lead + *content_len + 1, 1);
+    strcat(strcpy(all, lead), text);
+    const char *at = strstr(all, HARMONY_CALL_START), *msg = at ? strstr(at, "<|message|>") : NULL;
+    int found = strcmp(h->stop, "json") == 0 && msg;
+    if (found) {
+        size_t start = harmony_header_start(all, (size_t)(at - all));
+        *content_len = start > n_lead ? start - n_lead : 0;
+        const char *name = at + strlen(HARMONY_CALL_START);
+        c->name = span_dup(name, strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"));
+        c->arguments = strdup(msg + strlen("<|message|>"));
+    }
+    free(all);
+    return found;
 }
 
 /* A function's parameters, compiled (NULL: none given, any object); NULL
@@ -17641,9 +17991,10 @@ static int leading_call(const char *text, ToolCall *c) {
 
 /* The calls of a reply's text, made as `mode` says: the JSON value after
    the marker (the whole reply, when the prompt ends with the marker), one
-   call or a list. Returns their count, 0 when the reply made none whole
+   call or a list; Harmony's after the lead (call_lead). Returns their count, 0 when the reply made none whole
    (it is all content); *content_len: the length of the text before them. */
-static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+static int reply_calls(const char *text, const char *lead, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+    if (mode == CALLS_HARMONY || mode == CALLS_HARMONY_AUTO) return harmony_reply_call(lead, text, h, &calls[0], content_len);
     if (mode == CALLS_LEADING) {
         int n = leading_call(text, &calls[0]);
         *content_len = n ? 0 : strlen(text);
@@ -17793,7 +18144,7 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     if (c->calls == CALLS_NONE) { stream_content(srv, c, choice, text, n); return; }
     ByteBuf *all = &c->reply[choice];
     buf_add(all, text, n);
-    if (c->calls == CALLS_PREFILLED || !all->data) return;
+    if (c->calls == CALLS_PREFILLED || c->calls == CALLS_HARMONY || !all->data) return;
     if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
         const char *p = past_call_lead(all->data);
         size_t n_p = strlen(p);
@@ -17802,8 +18153,9 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
         c->told[choice] = all->n;
         return;
     }
-    const char *at = strstr(all->data, TOOL_MARKER);
-    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, TOOL_MARKER);
+    const char *marker = c->calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : TOOL_MARKER, *at = strstr(all->data, marker);
+    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, marker);
+    if (c->calls == CALLS_HARMONY_AUTO) safe = harmony_header_start(all->data, safe); /* the header of the call's message too */
     if (safe <= c->told[choice]) return;
     stream_content(srv, c, choice, all->data + c->told[choice], safe - c->told[choice]);
     c->told[choice] = safe;
@@ -17836,11 +18188,13 @@ static const char *finish_reason(const Hypothesis *h) { return strcmp(h->stop, "
    empty); "reasoning_content" when `thinks` (serve_thinks) and the reply
    reasoned; "tool_calls" when it made calls (mode: CALLS_*), their ids
    prefix_K. text is the reply's whole text (cut at its calls here); *n_calls
-   gets their count. Returns the finish reason: "tool_calls" with calls. */
-static const char *buf_reply_message(ByteBuf *b, char *text, const Hypothesis *h, int mode, int thinks, const char *prefix, int *n_calls) {
+   gets their count; lead: call_lead's. Returns the finish reason:
+   "tool_calls" with calls. */
+static const char *buf_reply_message(ByteBuf *b, char *text, const char *lead, const Hypothesis *h, int mode, int thinks, const char *prefix,
+                                     int *n_calls) {
     ToolCall calls[SERVE_MAX_CALLS];
     size_t content_len;
-    int n = mode != CALLS_NONE ? reply_calls(text, h, mode, calls, &content_len) : 0;
+    int n = mode != CALLS_NONE ? reply_calls(text, lead, h, mode, calls, &content_len) : 0;
     if (n > 0) text[content_len] = '\0'; /* the content: the text before the calls */
     ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
     if (thinks) {
@@ -17982,7 +18336,9 @@ static void answer_choices(Server *srv, Conn *c) {
             char prefix[64];
             call_id_prefix(prefix, sizeof(prefix), c, i);
             buf_str(&b, "\"message\":{\"role\":\"assistant\",");
-            finish = buf_reply_message(&b, text, h, c->calls, serve_thinks(srv, c), prefix, NULL);
+            char *lead = call_lead(srv->tok, r, c->calls);
+            finish = buf_reply_message(&b, text, lead, h, c->calls, serve_thinks(srv, c), prefix, NULL);
+            free(lead);
             buf_str(&b, "},\"logprobs\":");
             if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
@@ -18036,9 +18392,10 @@ static void serve_on_done(Request *r, void *user) {
         ToolCall calls[SERVE_MAX_CALLS];
         int n_calls = 0;
         if (c->calls != CALLS_NONE) { /* the text held back: content up to the calls, then the calls */
-            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]), *lead = call_lead(srv->tok, r, c->calls);
             size_t content_len;
-            n_calls = reply_calls(text, h, c->calls, calls, &content_len);
+            n_calls = reply_calls(text, lead, h, c->calls, calls, &content_len);
+            free(lead);
             if (content_len > c->told[choice]) stream_content(srv, c, choice, text + c->told[choice], content_len - c->told[choice]);
             free(text);
         }
@@ -18155,6 +18512,14 @@ static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
    (11.1). NULL (and *why) as chat_messages_tokens. The server and the
    command line's chats and batch lines (11.2) all prompt with it. */
 static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    if (f->rendered) {
+        *why = "the messages do not fit the model's context";
+        if (f->n_rendered > room) return NULL;
+        int *tokens = xcalloc((size_t)f->n_rendered, sizeof(int));
+        memcpy(tokens, f->rendered, (size_t)f->n_rendered * sizeof(int));
+        *n_tokens = f->n_rendered;
+        return tokens;
+    }
     if (f->tools.llama31 && f->tools.n > 0) return llama31_prompt_tokens(tok, f, room, n_tokens, why);
     int *tokens = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, room, n_tokens, why);
     if (tokens && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, tokens, n_tokens, room)) {
@@ -18254,7 +18619,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
-    d.constrain_after = calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL;
+    d.constrain_after = calls_marker(calls);
     submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
     for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
         c->echo[k] = echo[k / f->n] && k % f->n != 0 ? strdup(echo[k / f->n]) : echo[k / f->n];
@@ -18777,20 +19142,22 @@ static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, i
 
 /* The text after which a reply's calls are constrained (Decoding's
    constrain_after), for calls made as `calls` says. */
-static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL; }
+static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : NULL; }
 
 /* A chat's JSON line for a reply: print_json_hypothesis's, then the
    server's "message" and "finish_reason" (calls named prefix_K). */
-static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+static void print_chat_hypothesis(const Tokenizer *tok, const Request *r, int rank, const Hypothesis *h,
                                   int calls, const char *prefix) {
-    char *text = hypothesis_text(tok, h, last_prompt_token);
+    const int last_prompt_token = r->prompt[r->n_prompt - 1];
+    char *text = hypothesis_text(tok, h, last_prompt_token), *lead = call_lead(tok, r, calls);
     ByteBuf b = {0};
     buf_str(&b, "\"message\":{\"role\":\"assistant\",");
-    const char *finish = buf_reply_message(&b, text, h, calls, reasoning_splits(tok), prefix, NULL);
+    const char *finish = buf_reply_message(&b, text, lead, h, calls, reasoning_splits(tok), prefix, NULL);
     buf_printf(&b, "},\"finish_reason\":\"%s\"", finish);
-    print_json_hypothesis_with(tok, id, rank, h, last_prompt_token, b.data);
+    print_json_hypothesis_with(tok, r->id, rank, h, last_prompt_token, b.data);
     buf_free(&b);
     free(text);
+    free(lead);
 }
 
 /* -- -m chat --tools -- */
@@ -18853,10 +19220,10 @@ static ServeFields *chat_tools_request(const ByteBuf *msgs, const Options *o, co
 
 /* Prints a reply with calls in text mode: its content (the text before
    the calls), then each call as one JSON line. */
-static void print_calls_text(const char *text, const Hypothesis *h, int mode, const char *prefix) {
+static void print_calls_text(const char *text, const char *lead, const Hypothesis *h, int mode, const char *prefix) {
     ToolCall calls[SERVE_MAX_CALLS];
     size_t content_len;
-    int n = reply_calls(text, h, mode, calls, &content_len);
+    int n = reply_calls(text, lead, h, mode, calls, &content_len);
     printf("%.*s\n", (int)content_len, text);
     for (int k = 0; k < n; k++) {
         ByteBuf b = {0};
@@ -18920,14 +19287,14 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         turn_decoding.seed = r->sampler.rng_state;
         const Hypothesis *h = &r->hyps[0];
         int last = r->prompt[r->n_prompt - 1], n_calls = 0;
-        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text);
+        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text), *lead = call_lead(tok, r, calls);
         snprintf(prefix, sizeof(prefix), "call_%d", ++replies);
         ByteBuf m = {0}; /* the reply's message, as the server answers it and its client sends it back */
         buf_str(&m, "{\"role\":\"assistant\",");
-        const char *finish = buf_reply_message(&m, cut, h, calls, reasoning_splits(tok), prefix, &n_calls);
+        const char *finish = buf_reply_message(&m, cut, lead, h, calls, reasoning_splits(tok), prefix, &n_calls);
         buf_str(&m, "}");
         ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
-        if (text_mode && n_calls > 0) print_calls_text(text, h, calls, prefix);
+        if (text_mode && n_calls > 0) print_calls_text(text, lead, h, calls, prefix);
         else if (text_mode && hides_reasoning(tok)) print_answer_of(tok, h, last, 0, &split);
         else if (text_mode) printf("%s\n", text);
         else {
@@ -18940,6 +19307,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         buf_printf(&msgs, ",%s", m.data);
         free(text);
         free(cut);
+        free(lead);
         buf_free(&m);
         request_free(r);
         free_serve_fields(f); /* (its schema, the request's constraint, with it) */

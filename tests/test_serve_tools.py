@@ -240,12 +240,12 @@ def auto_marker():
     print("# auto: %s" % calls, flush=True)
 
 
-def expect_request_tokens(path, models, msgs, text):
-    """The prompt serve makes of a request with these messages and TOOLS
+def expect_request_tokens(path, models, msgs, text, tools=TOOLS, extra=None):
+    """The prompt serve makes of a request with these messages and tools
     (gguf_vocab_dump request, on the vocabulary GGUF path) is the oracle's
     tokens of the template's rendering text (the tokenizer in models)."""
     body = os.path.join(TMP, "request.json")
-    json.dump({"messages": msgs, "tools": TOOLS}, open(body, "w"))
+    json.dump(dict({"messages": msgs, "tools": tools}, **(extra or {})), open(body, "w"))
     r = gv.sh([gv.DUMP, "request", path, body])
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     ours, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
@@ -367,6 +367,73 @@ def llama31_required():
         ts.MODEL, ts.TOK = STORIES, TOK512
 
 
+H_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city's name", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7, "default": 1, "description": "Days ahead"},
+        "hourly": {"type": "boolean"}},
+        "required": ["city"], "additionalProperties": False}}}
+H_ROUTE = {"type": "function", "function": {
+    "name": "plan_route", "description": "A route through places",
+    "parameters": {"type": "object", "properties": {
+        "stops": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3, "description": "Places on the way"},
+        "origin": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                                                    "lon": {"type": "integer", "minimum": -180, "maximum": 180},
+                                                    "label": {"type": "string", "maxLength": 8}},
+                   "required": ["lat", "lon"], "additionalProperties": False},
+        "legs": {"type": "array", "items": {"type": "object", "properties": {"km": {"type": "integer", "minimum": 0, "maximum": 999}},
+                                            "required": ["km"], "additionalProperties": False}, "maxItems": 2},
+        "mode": {"type": ["string", "null"], "maxLength": 5}},
+        "required": ["stops", "origin"], "additionalProperties": False}}}
+H_TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+H_TOOLS = [H_WEATHER, H_ROUTE, H_TIME]
+
+
+def harmony_messages():
+    weather = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]
+    route = [{"id": "call_2", "type": "function", "function": {"name": "plan_route",
+                                                               "arguments": {"stops": ["Lyon"], "origin": {"lat": 48, "lon": 2}}}}]
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": USER},
+            {"role": "assistant", "content": "The user asks for the weather.", "tool_calls": weather},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear\\n"}'},
+            {"role": "assistant", "content": None, "tool_calls": route},
+            {"role": "tool", "tool_call_id": "call_2", "content": "Lyon, 465 km"},
+            {"role": "assistant", "content": "It is 21 degrees; the route is 465 km."},
+            {"role": "user", "content": "And in Rome?"}]
+
+
+def harmony_template():
+    """serve's prompt for tools, calls and results equals gpt-oss's template's
+    (the tools as TypeScript in the developer message: nested objects,
+    optional properties, enums, defaults, arrays, a list of types; a past
+    call's analysis kept until a final answer follows; results as tojson
+    writes them), and with "required" and a named function it ends with the
+    call's head, as the template's messages would go on."""
+    gv.need_dump()
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    path, models, template = cf.harmony_gguf()
+    messages = harmony_messages()
+    text = None
+    for msgs in (messages, messages[:4], messages[1:6], messages[1:2]):
+        jmsgs = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.loads(c["function"]["arguments"])
+                                                               if isinstance(c["function"]["arguments"], str) else c["function"]["arguments"]))
+                                     for c in m["tool_calls"]]) if "tool_calls" in m else m for m in msgs]
+        jmsgs = [{k: v for k, v in m.items() if v is not None} for m in jmsgs]  # (the template cannot take a null content)
+        text = cf.render(template, jmsgs, "<|startoftext|>", "<|return|>", tools=H_TOOLS)
+        expect_request_tokens(path, models, msgs, text, H_TOOLS)
+    # "required" and a named function: the call's head after the generation prompt
+    user = messages[1:2]
+    base = cf.render(template, user, "<|startoftext|>", "<|return|>", tools=H_TOOLS)
+    expect_request_tokens(path, models, user, base + "<|channel|>commentary to=functions.", H_TOOLS, {"tool_choice": "required"})
+    expect_request_tokens(path, models, user, base + "<|channel|>commentary to=functions.plan_route <|constrain|>json<|message|>", H_TOOLS,
+                          {"tool_choice": {"type": "function", "function": {"name": "plan_route"}}})
+    print("# harmony: %r" % text[text.index("<|start|>developer"):][:900], flush=True)
+
+
 def need_stories(f):
     def run():
         if not (os.path.exists(STORIES) and os.path.exists(TOK512)):
@@ -384,6 +451,7 @@ def main():
     case("serve_tools_random_llama3", lambda: gguf_client("llama3"))
     case("serve_tools_template_llama3_1", llama31_template)
     case("serve_tools_random_llama3_1", llama31_required)
+    case("serve_tools_template_harmony", harmony_template)
     return 1 if COUNTS["FAIL"] else 0
 
 

@@ -2858,9 +2858,35 @@ static void test_reply_message(void) {
         char *text = strdup(cases[k].text);
         ByteBuf b = {0};
         int n = -1;
-        const char *finish = buf_reply_message(&b, text, &h, cases[k].mode, cases[k].thinks, "call_7", &n);
+        const char *finish = buf_reply_message(&b, text, "", &h, cases[k].mode, cases[k].thinks, "call_7", &n);
         expect(strcmp(b.data, cases[k].want) == 0 && strcmp(finish, cases[k].finish) == 0 && (n > 0) == (strcmp(finish, "tool_calls") == 0),
                "case %zu: %s (%s, %d calls), not %s (%s)", k, b.data, finish, n, cases[k].want, cases[k].finish);
+        buf_free(&b);
+        free(text);
+    }
+    /* Harmony's (11.1): the call after the lead the prompt wrote (call_lead), its message's header and the reasoning before it apart */
+    static const struct { const char *lead, *text, *stop; int mode; const char *want, *finish; } harmony[] = {
+        {"", "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\"}",
+         "json", CALLS_HARMONY_AUTO, "\"content\":null,\"reasoning_content\":\"think\",\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":"
+         "{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}}]", "tool_calls"},
+        {"", "<|channel|>commentary to=functions.f<|channel|>commentary json<|message|>{}", "json", CALLS_HARMONY_AUTO,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]", "tool_calls"},
+        {"<|channel|>commentary to=functions.", "get_time <|constrain|>json<|message|>{}", "json", CALLS_HARMONY,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"get_time\",\"arguments\":\"{}\"}}]", "tool_calls"},
+        {"<|channel|>commentary to=functions.f <|constrain|>json<|message|>", "{\"a\":1}", "json", CALLS_HARMONY,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\":1}\"}}]", "tool_calls"},
+        {"", "<|channel|>analysis<|message|>t<|end|><|start|>assistant<|channel|>final<|message|>Hi", "eos", CALLS_HARMONY_AUTO,
+         "\"content\":\"Hi\",\"reasoning_content\":\"t\"", "stop"},
+        {"<|channel|>commentary to=functions.", "get_ti", "length", CALLS_HARMONY, "\"content\":\"get_ti\"", "length"},
+    };
+    for (size_t k = 0; k < sizeof(harmony) / sizeof(harmony[0]); k++) {
+        Hypothesis h = {NULL, 0, 0.0, harmony[k].stop, NULL};
+        char *text = strdup(harmony[k].text);
+        ByteBuf b = {0};
+        int n = -1;
+        const char *finish = buf_reply_message(&b, text, harmony[k].lead, &h, harmony[k].mode, 1, "call_7", &n);
+        expect(strcmp(b.data, harmony[k].want) == 0 && strcmp(finish, harmony[k].finish) == 0, "harmony case %zu: %s (%s), not %s (%s)", k,
+               b.data, finish, harmony[k].want, harmony[k].finish);
         buf_free(&b);
         free(text);
     }
