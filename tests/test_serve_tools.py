@@ -74,11 +74,11 @@ def jsonschema():
     return js
 
 
-def check_calls(name, reply, only=None):
+def check_calls(name, reply, only=None, tools=TOOLS):
     """Each call of `reply` names a tool (`only`, when given) and its
     arguments validate against that tool's parameters."""
     js = jsonschema()
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     ids = [c["id"] for c in reply["calls"]]
     assert len(set(ids)) == len(ids), "%s: call ids repeat: %s" % (name, ids)
     for c in reply["calls"]:
@@ -89,13 +89,13 @@ def check_calls(name, reply, only=None):
         assert reply["finish"] == "tool_calls", "%s: calls with finish_reason %r" % (name, reply["finish"])
 
 
-def client_cases(model_name, max_tokens, history):
+def client_cases(model_name, max_tokens, history, tool_list=TOOLS):
     """Runs the client on the server ts.Server starts (ts.MODEL, ts.TOK);
     checks every case."""
     so.install()
     os.makedirs(TMP, exist_ok=True)
     tools = os.path.join(TMP, "tools.json")
-    json.dump(TOOLS, open(tools, "w"))
+    json.dump(tool_list, open(tools, "w"))
     srv = ts.Server()
     try:
         p = subprocess.run(["node", os.path.join(HERE, "serve_tools_client.mjs"), "http://127.0.0.1:%d/v1" % srv.port, model_name, tools,
@@ -105,23 +105,23 @@ def client_cases(model_name, max_tokens, history):
     finally:
         code = srv.stop()
     assert code == 0, "the server exited with %r" % code
+    named = [("named_" + t["function"]["name"], t["function"]["name"]) for t in tool_list]
     for tag in ("", "_streamed"):
-        for name, only in [("required_one", None), ("required_parallel", None), ("named_get_weather", "get_weather"),
-                           ("named_calculate", "calculate"), ("auto", None)]:
+        for name, only in [("required_one", None), ("required_parallel", None)] + named + [("auto", None)]:
             reply = got[name + tag]
-            check_calls(name + tag, reply, only)
+            check_calls(name + tag, reply, only, tool_list)
             if name != "auto":
                 assert reply["finish"] == "tool_calls" and reply["calls"], "%s: no call: %s" % (name + tag, reply)
                 assert not reply["content"], "%s: content %r with the calls" % (name + tag, reply["content"])
         assert len(got["required_one" + tag]["calls"]) == 1, got["required_one" + tag]
-    for name in ("required_one", "required_parallel", "named_get_weather", "named_calculate", "auto"):
+    for name in ["required_one", "required_parallel"] + [n for n, _ in named] + ["auto"]:
         whole, streamed = got[name], got[name + "_streamed"]
         strip = lambda r: [(c["name"], c["arguments"]) for c in r["calls"]]  # noqa: E731
         assert strip(whole) == strip(streamed) and whole["finish"] == streamed["finish"], "%s: streamed %s, whole %s" % (name, streamed, whole)
     assert got["final"]["finish"] in ("stop", "length", "tool_calls"), got["final"]
-    check_calls("after_results", got["after_results"])
+    check_calls("after_results", got["after_results"], None, tool_list)
     assert got["after_results"]["finish"] == "tool_calls", got["after_results"]
-    counts = [len(got[n]["calls"]) for n in ("required_parallel", "named_get_weather", "named_calculate")]
+    counts = [len(got[n]["calls"]) for n in ["required_parallel"] + [n for n, _ in named]]
     print("# %s: calls per parallel reply %s; the final answer %r" % (model_name, counts, (got["final"]["content"] or "")[:40]), flush=True)
 
 
@@ -434,6 +434,56 @@ def harmony_template():
     print("# harmony: %r" % text[text.index("<|start|>developer"):][:900], flush=True)
 
 
+def harmony_random_gguf():
+    """A random model of gpt-oss's layout (tests/arch_models.py) with the
+    o200k_harmony vocabulary's size (its tokens: cf.harmony_gguf, with -z)."""
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    vocab, _, _ = cf.harmony_gguf()
+    model = os.path.join(TMP, "gpt-oss-random.gguf")
+    if not os.path.isfile(model):
+        n = len(read_gguf(vocab).metadata["tokenizer.ggml.tokens"])
+        meta, tensors = am.arch_model("gpt-oss", vocab=n, vocab_meta=False, ctx=2048, tied=True, wtype="F16")
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model
+
+
+def harmony_random():
+    """Required, named and auto calls through the openai client on a random
+    model of gpt-oss's layout (tests/arch_models.py) with the o200k_harmony
+    vocabulary and gpt-oss's template: each call valid against its
+    function's parameters, streamed and not; Harmony makes one call a
+    reply, its raw reply the call's head and arguments after the prompt's."""
+    model, vocab = harmony_random_gguf(), cf.harmony_gguf()[0]
+    ts.MODEL, ts.TOK = model, vocab
+    try:
+        client_cases(os.path.basename(model), 300, "required_one", H_TOOLS)
+        got = harmony_raw_replies()
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+    print("# harmony: %s" % got, flush=True)
+
+
+def harmony_raw_replies():
+    """The reply's own tokens under "required": a function's name, its
+    head's end (<|constrain|>json<|message|>) and the arguments given back."""
+    srv = ts.Server()
+    try:
+        status, answer = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": USER}], "tools": H_TOOLS,
+                                                           "tool_choice": "required", "logprobs": True, "max_tokens": 300, "seed": 5})
+    finally:
+        code = srv.stop()
+    assert code == 0 and status == 200, (code, status, answer)
+    choice = answer["choices"][0]
+    raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert raw == call["name"] + " <|constrain|>json<|message|>" + call["arguments"], (raw, call)
+    return raw
+
+
 def need_stories(f):
     def run():
         if not (os.path.exists(STORIES) and os.path.exists(TOK512)):
@@ -452,6 +502,7 @@ def main():
     case("serve_tools_template_llama3_1", llama31_template)
     case("serve_tools_random_llama3_1", llama31_required)
     case("serve_tools_template_harmony", harmony_template)
+    case("serve_tools_random_harmony", harmony_random)
     return 1 if COUNTS["FAIL"] else 0
 
 
