@@ -16864,10 +16864,10 @@ static int jv_plain_numbers(const SchemaCompiler *c, int v) {
 }
 
 /* The refusal of tool `tool`'s parameters, a feature the template does not
-   write as run.c does (or cannot write at all). */
-static void harmony_refuse(int tool, const char *what) {
-    json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d].function.parameters': %s cannot be written in gpt-oss's template's "
-              "TypeScript (Harmony); give types, enums of strings, arrays and objects", tool, what);
+   write as run.c does (or cannot write at all); to harmony_tools's trap. */
+static void harmony_refuse(SchemaCompiler *c, int tool, const char *what) {
+    schema_fail(c, "field 'tools[%d].function.parameters': %s cannot be written in gpt-oss's template's "
+                   "TypeScript (Harmony); give types, enums of strings, arrays and objects", tool, what);
 }
 
 /* Schema v as the template's render_typescript_type writes it: an array of
@@ -16880,14 +16880,14 @@ static void harmony_refuse(int tool, const char *what) {
    anything else any. Keywords whose meaning the TypeScript would lose
    ("anyOf", "$ref": the template writes any) are refused, as are those
    6.1 does not take ("oneOf", "nullable"). */
-static void harmony_type(const SchemaCompiler *c, int v, ByteBuf *b, int tool) {
+static void harmony_type(SchemaCompiler *c, int v, ByteBuf *b, int tool) {
     static const char *const lost[] = {"anyOf", "$ref", "oneOf", "nullable"};
-    if (c->v[v].kind != JV_OBJECT) harmony_refuse(tool, "a schema that is not an object");
+    if (c->v[v].kind != JV_OBJECT) harmony_refuse(c, tool, "a schema that is not an object");
     for (size_t k = 0; k < sizeof(lost) / sizeof(lost[0]); k++)
         if (jv_member(c, v, lost[k]) >= 0) {
             char what[32];
             snprintf(what, sizeof(what), "'%s'", lost[k]);
-            harmony_refuse(tool, what);
+            harmony_refuse(c, tool, what);
         }
     int type = jv_member(c, v, "type");
     static const char *const plain[][2] = {{"string", "string"}, {"number", "number"}, {"integer", "number"}, {"boolean", "boolean"}};
@@ -16896,21 +16896,24 @@ static void harmony_type(const SchemaCompiler *c, int v, ByteBuf *b, int tool) {
         if (!jv_truthy(c, items)) { buf_str(b, "any[]"); return; }
         for (int k = 0; k < 4; k++)
             if (c->v[items].kind == JV_OBJECT && jv_is(c, jv_member(c, items, "type"), plain[k][0])) { buf_printf(b, "%s[]", plain[k][1]); return; }
-        ByteBuf inner = {0};
-        harmony_type(c, items, &inner, tool);
-        if (strcmp(inner.data, "object | object") == 0 || js_length(inner.data) > 50) buf_str(b, "any[]");
-        else buf_printf(b, "%s[]", inner.data);
-        buf_free(&inner);
+        size_t from = b->n; /* the items' type, then [] after it, or any[] instead */
+        harmony_type(c, items, b, tool);
+        if (strcmp(b->data + from, "object | object") == 0 || js_length(b->data + from) > 50) {
+            b->n = from;
+            buf_str(b, "any[]");
+        } else {
+            buf_str(b, "[]");
+        }
     } else if (type >= 0 && c->v[type].kind == JV_ARRAY && c->v[type].n > 0) {
         for (int m = c->v[type].first; m >= 0; m = c->v[m].next) {
-            if (c->v[m].kind != JV_STRING) harmony_refuse(tool, "a 'type' list of other than names");
+            if (c->v[m].kind != JV_STRING) harmony_refuse(c, tool, "a 'type' list of other than names");
             buf_printf(b, "%s%s", m == c->v[type].first ? "" : " | ", jv_str(c, m));
         }
     } else if (jv_is(c, type, "string") && jv_truthy(c, jv_member(c, v, "enum"))) {
         int list = jv_member(c, v, "enum");
-        if (c->v[list].kind != JV_ARRAY) harmony_refuse(tool, "an 'enum' that is not a list");
+        if (c->v[list].kind != JV_ARRAY) harmony_refuse(c, tool, "an 'enum' that is not a list");
         for (int m = c->v[list].first; m >= 0; m = c->v[m].next) {
-            if (c->v[m].kind != JV_STRING) harmony_refuse(tool, "an 'enum' of a string with other than strings");
+            if (c->v[m].kind != JV_STRING) harmony_refuse(c, tool, "an 'enum' of a string with other than strings");
             buf_printf(b, "%s%s", m == c->v[list].first ? "\"" : "\" | \"", jv_str(c, m));
         }
         buf_str(b, "\"");
@@ -16936,27 +16939,27 @@ static void harmony_type(const SchemaCompiler *c, int v, ByteBuf *b, int tool) {
    `type NAME = (_: {` and each parameter on a line (its description as a
    comment line before it; ", // default: " and the default after it),
    `}) => any;`, or `() => any;` without parameters; a blank line after. */
-static void harmony_function(const SchemaCompiler *c, int fn, const char *name, ByteBuf *b, int tool) {
+static void harmony_function(SchemaCompiler *c, int fn, const char *name, ByteBuf *b, int tool) {
     int description = jv_member(c, fn, "description"), params = jv_member(c, fn, "parameters");
     if (description < 0 || c->v[description].kind != JV_STRING)
-        json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d].function.description': gpt-oss's template needs one (a string)", tool);
+        schema_fail(c, "field 'tools[%d].function.description': gpt-oss's template needs one (a string)", tool);
     buf_printf(b, "// %s\ntype %s = ", jv_str(c, description), name);
     int props = params >= 0 && c->v[params].kind == JV_OBJECT ? jv_member(c, params, "properties") : -1;
     if (!jv_truthy(c, params) || !jv_truthy(c, props)) { buf_str(b, "() => any;\n\n"); return; }
-    if (c->v[props].kind != JV_OBJECT) harmony_refuse(tool, "'properties' that are not an object");
+    if (c->v[props].kind != JV_OBJECT) harmony_refuse(c, tool, "'properties' that are not an object");
     int required = jv_member(c, params, "required");
     buf_str(b, "(_: {\n");
     for (int m = c->v[props].first; m >= 0; m = c->v[m].next) {
         int about = c->v[m].kind == JV_OBJECT ? jv_member(c, m, "description") : -1, def = c->v[m].kind == JV_OBJECT ? jv_member(c, m, "default") : -1;
-        if (about >= 0 && c->v[about].kind != JV_STRING) harmony_refuse(tool, "a 'description' that is not a string");
+        if (about >= 0 && c->v[about].kind != JV_STRING) harmony_refuse(c, tool, "a 'description' that is not a string");
         if (jv_truthy(c, about)) buf_printf(b, "// %s\n", jv_str(c, about));
         buf_printf(b, "%s%s: ", jv_key(c, m), jv_lists(c, required, jv_key(c, m)) ? "" : "?");
         harmony_type(c, m, b, tool);
         if (def >= 0 && jv_truthy(c, jv_member(c, m, "enum"))) { /* the default as text */
-            if (c->v[def].kind != JV_STRING) harmony_refuse(tool, "a 'default' of an enum that is not a string");
+            if (c->v[def].kind != JV_STRING) harmony_refuse(c, tool, "a 'default' of an enum that is not a string");
             buf_printf(b, ", // default: %s", jv_str(c, def));
         } else if (def >= 0) { /* as `tojson` writes it */
-            if (!jv_plain_numbers(c, def)) harmony_refuse(tool, "a 'default' with a number other than a plain integer");
+            if (!jv_plain_numbers(c, def)) harmony_refuse(c, tool, "a 'default' with a number other than a plain integer");
             ByteBuf compact = {0};
             jv_write(c, def, &compact);
             buf_str(b, ", // default: ");
@@ -16968,51 +16971,74 @@ static void harmony_function(const SchemaCompiler *c, int fn, const char *name, 
     buf_str(b, "}) => any;\n\n");
 }
 
+#define FUNCTION_NAME_CHARS "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"
+
 /* The developer message's tools: `# Tools`, `## functions`, and the
-   functions in `namespace functions { ... }`. Names are letters, digits,
-   '_' and '-' (OpenAI's rule), so that a call's head is read back whole. */
+   functions in `namespace functions { ... }`, into b (freed on a refusal,
+   which fails the request). Names are letters, digits, '_' and '-'
+   (OpenAI's rule), so that a call's head is read back whole. */
 static void harmony_tools(const ToolSet *ts, ByteBuf *b) {
+    char err[320] = "";
     buf_str(b, "# Tools\n\n## functions\n\nnamespace functions {\n\n");
-    for (int i = 0; i < ts->n; i++) {
+    for (int i = 0; i < ts->n && !err[0]; i++) {
         const Tool *t = &ts->tools[i];
-        if (strspn(t->name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") != strlen(t->name))
-            json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+        if (strspn(t->name, FUNCTION_NAME_CHARS) != strlen(t->name)) {
+            snprintf(err, sizeof(err), "field 'tools[%d].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+            break;
+        }
         size_t n = strlen(t->json);
         SchemaCompiler *c = xcalloc(1, sizeof(SchemaCompiler));
-        char err[160];
         *c = (SchemaCompiler){.p = t->json, .end = t->json + n, .cap_v = (int)n + 1, .err = err, .err_len = sizeof(err)};
         c->v = xcalloc(n + 1, sizeof(Jv));
         c->chars = xcalloc(2 * n + 2, 1);
-        if (setjmp(c->fail) == 0) {
-            int root = jv_value(c, 0), fn = jv_member(c, root, "function");
-            harmony_function(c, fn, t->name, b, i); /* (a refusal leaves c to the exit: the request ends) */
-        } else {
-            json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'tools[%d]': %s", i, err);
-        }
+        if (setjmp(c->fail) == 0) harmony_function(c, jv_member(c, jv_value(c, 0), "function"), t->name, b, i);
         free(c->v);
         free(c->chars);
         free(c);
     }
+    if (err[0]) {
+        buf_free(b);
+        json_fail(&(JsonCursor){NULL, NULL, NULL}, "%s", err);
+    }
     buf_str(b, "} // namespace functions");
 }
 
-/* The first call of assistant message i (parse_message_calls's <tool_call>
-   block: {"name": "NAME", "arguments": ARGS}): its name, and its arguments
-   as `tojson` writes the object they hold into args. */
-static char *harmony_past_call(const ServeFields *f, int i, ByteBuf *args) {
+/* The call of assistant message i (parse_message_calls's <tool_call>
+   block: {"name": "NAME", "arguments": ARGS}), checked: its name (the
+   length; it starts at *name) and its arguments [*args, *args_end), a
+   JSON object. */
+static size_t harmony_past_call(const ServeFields *f, int i, const char **name, const char **args, const char **args_end) {
     const char *block = f->calls[i], *p = block + strlen("<tool_call>\n{\"name\": \"");
-    size_t n = strspn(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-");
+    size_t n = strspn(p, FUNCTION_NAME_CHARS);
     if (n == 0 || strncmp(p + n, "\", \"arguments\": ", 16) != 0)
-        json_fail(&(JsonCursor){NULL, NULL, NULL}, "field 'messages[%d].tool_calls[0].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
-    const char *a = p + n + 16, *end = block + strlen(block) - strlen("}\n</tool_call>");
-    JsonCursor j = {a, end, NULL};
+        json_fail(NULL, "field 'messages[%d].tool_calls[0].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+    *name = p;
+    *args = p + n + 16;
+    *args_end = block + strlen(block) - strlen("}\n</tool_call>");
+    JsonCursor j = {*args, *args_end, NULL};
     json_space(&j);
-    if (j.p >= j.end || *j.p != '{') json_fail(&j, "field 'messages[%d].tool_calls[0].function.arguments': must be a JSON object", i);
+    if (j.p >= j.end || *j.p != '{') json_fail(NULL, "field 'messages[%d].tool_calls[0].function.arguments': must be a JSON object", i);
     json_skip(&j, 0);
     json_space(&j);
-    if (j.p != j.end) json_fail(&j, "field 'messages[%d].tool_calls[0].function.arguments': text after the JSON object", i);
-    buf_tojson(args, a, end);
-    return span_dup(p, n);
+    if (j.p != j.end) json_fail(NULL, "field 'messages[%d].tool_calls[0].function.arguments': text after the JSON object", i);
+    return n;
+}
+
+/* Checks the messages as gpt-oss's template takes them (see
+   tool_messages_harmony): one call a message, a result after a call, no
+   system or developer message but the first. */
+static void harmony_check_messages(const ServeFields *f) {
+    const char *name, *args, *args_end;
+    if (f->multi_call) json_fail(NULL, "field 'messages[%d].tool_calls': gpt-oss's template takes one call a message", f->multi_call - 1);
+    int called = 0;
+    for (int i = 0; i < f->n_messages; i++) {
+        const char *role = f->roles[i];
+        if (strcmp(role, "assistant") == 0) called = f->calls[i] && harmony_past_call(f, i, &name, &args, &args_end);
+        else if (strcmp(role, "tool") == 0 && !called)
+            json_fail(NULL, "field 'messages[%d]': a tool message needs an assistant's call before it (gpt-oss's template names the result by it)", i);
+        else if (strcmp(role, "user") != 0 && strcmp(role, "tool") != 0 && (i > 0 || (strcmp(role, "system") != 0 && strcmp(role, "developer") != 0)))
+            json_fail(NULL, "field 'messages[%d].role': '%s' cannot come here in gpt-oss's template (a system or developer message comes first only)", i, role);
+    }
 }
 
 /* One Harmony message: <|start|>HEAD<|message|>BODY and its end token,
@@ -17032,8 +17058,7 @@ static void harmony_message(TurnBuilder *b, const char *head, const char *channe
 /* tool_messages for Harmony (see 11.1): the whole prompt, rendered as
    gpt-oss's template renders the messages with tools, into f->rendered. */
 static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
-    const JsonCursor none = {NULL, NULL, NULL};
-    if (f->multi_call) json_fail(&none, "field 'messages[%d].tool_calls': gpt-oss's template takes one call a message", f->multi_call - 1);
+    harmony_check_messages(f); /* (refusals before anything is made) */
     ByteBuf tools = {0}, text = {0};
     harmony_tools(&f->tools, &tools);
     size_t total = tools.n + 1024;
@@ -17048,7 +17073,8 @@ static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
     if (developer[0]) buf_printf(&text, "# Instructions\n\n%s\n\n", developer);
     buf_str(&text, tools.data);
     harmony_message(&b, "developer", NULL, text.data, "<|end|>");
-    char *last = NULL; /* the name of the last call, which names the results after it */
+    const char *last = NULL, *args, *args_end; /* the name of the last call, which names the results after it */
+    size_t n_last = 0;
     for (; i < f->n_messages; i++) {
         const char *role = f->roles[i], *content = f->contents[i] ? f->contents[i] : "";
         text.n = 0;
@@ -17056,27 +17082,22 @@ static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
             int answered = 0; /* a later answer drops this message's reasoning, as the template does */
             for (int k = i + 1; k < f->n_messages; k++) answered |= strcmp(f->roles[k], "assistant") == 0 && !f->calls[k];
             if (content[0] && !answered) harmony_message(&b, "assistant", "analysis", content, "<|end|>");
-            ByteBuf args = {0};
-            free(last);
-            last = harmony_past_call(f, i, &args);
-            buf_printf(&text, "assistant to=functions.%s", last);
-            harmony_message(&b, text.data, "commentary json", args.data, "<|call|>");
-            buf_free(&args);
+            n_last = harmony_past_call(f, i, &last, &args, &args_end);
+            ByteBuf object = {0}; /* the arguments as `tojson` writes the object they hold */
+            buf_tojson(&object, args, args_end);
+            buf_printf(&text, "assistant to=functions.%.*s", (int)n_last, last);
+            harmony_message(&b, text.data, "commentary json", object.data, "<|call|>");
+            buf_free(&object);
         } else if (strcmp(role, "assistant") == 0) {
             harmony_message(&b, "assistant", "final", content, "<|end|>");
-            free(last);
-            last = NULL;
         } else if (strcmp(role, "tool") == 0) {
-            if (!last) json_fail(&none, "field 'messages[%d]': a tool message needs an assistant's call before it (gpt-oss's template names the result by it)", i);
-            buf_printf(&text, "functions.%s to=assistant", last);
+            buf_printf(&text, "functions.%.*s to=assistant", (int)n_last, last);
             ByteBuf result = {0};
             buf_json(&result, content);
             harmony_message(&b, text.data, "commentary", result.data, "<|end|>");
             buf_free(&result);
-        } else if (strcmp(role, "user") == 0) {
-            harmony_message(&b, "user", NULL, content, "<|end|>");
         } else {
-            json_fail(&none, "field 'messages[%d].role': '%s' cannot come here in gpt-oss's template (a system or developer message comes first only)", i, role);
+            harmony_message(&b, "user", NULL, content, "<|end|>");
         }
     }
     turn_token(&b, "<|start|>");
@@ -17093,11 +17114,13 @@ static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
         turn_token(&b, "<|message|>");
     }
     turn_flush(&b);
-    free(last);
     buf_free(&tools);
     buf_free(&text);
     free(b.text.data);
-    if (!b.fits) json_fail(&none, "field 'messages': too long to render");
+    if (!b.fits) { /* (not expected: room is a bound) */
+        free(b.out);
+        json_fail(NULL, "field 'messages': too long to render");
+    }
     f->rendered = b.out;
     f->n_rendered = b.n;
 }

@@ -484,6 +484,116 @@ def harmony_raw_replies():
     return raw
 
 
+def harmony_marker_model():
+    """(model, vocabulary): a random model with the o200k_harmony vocabulary
+    that writes, after the prompt's <|start|>assistant, <|channel|>commentary
+    to=functions. itself (a bigram model, as marker_model's: each token of
+    the chain points at the embedding of the one before it)."""
+    import numpy as np
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    vocab, _, _ = cf.harmony_gguf()
+    model = os.path.join(TMP, "harmony-marker.gguf")
+    if not os.path.isfile(model):
+        os.makedirs(TMP, exist_ok=True)
+        tokens = read_gguf(vocab).metadata["tokenizer.ggml.tokens"]
+        chain = [tokens.index(t) for t in ("assistant", "<|channel|>", "comment", "ary", "\u0120to", "=", "functions", ".")]
+        meta, tensors = am.arch_model("llama", vocab=len(tokens), vocab_meta=False, ctx=2048, wtype="F32")
+        t = {name: i for i, (name, _, _, _) in enumerate(tensors)}
+        for name, i in t.items():
+            if name.endswith("attn_output.weight") or name.endswith("ffn_down.weight"):
+                tensors[i] = tensors[i][:3] + (bytes(len(tensors[i][3])),)
+        embd = np.frombuffer(tensors[t["token_embd.weight"]][3], "<f4").reshape(len(tokens), -1)
+        out = np.frombuffer(tensors[t["output.weight"]][3], "<f4").reshape(len(tokens), -1).copy()
+        for before, after in zip(chain, chain[1:]):
+            out[after] = 30 * embd[before] / np.linalg.norm(embd[before])
+        tensors[t["output.weight"]] = tensors[t["output.weight"]][:3] + (out.astype("<f4").tobytes(),)
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model, vocab
+
+
+def harmony_auto_marker():
+    """"auto": the model writes the call's start itself; the call heads
+    then hold it to a function's name and head, and that function's
+    parameters: a valid call, no content, streamed (the call's header held
+    back) and not; with tool_choice "none" the same start is text."""
+    ts.MODEL, ts.TOK = harmony_marker_model()
+    try:
+        srv = ts.Server()
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+    try:
+        body = {"messages": [{"role": "user", "content": USER}], "tools": H_TOOLS, "max_tokens": 300, "seed": 3}
+        status, answer = srv.post("/v1/chat/completions", dict(body, logprobs=True))
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        msg = choice["message"]
+        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        assert choice["finish_reason"] == "tool_calls" and not msg["content"] and msg["tool_calls"], answer
+        assert raw.startswith("<|channel|>commentary to=functions." + msg["tool_calls"][0]["function"]["name"]), raw
+        calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]]
+        check_calls("harmony_auto_marker", {"finish": "tool_calls", "calls": calls}, None, H_TOOLS)
+        events, done = srv.stream("/v1/chat/completions", dict(body, stream=True))
+        assert done
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert not "".join(d.get("content") or "" for d in deltas), deltas
+        streamed = {}
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                streamed.setdefault(c["index"], {"name": c.get("function", {}).get("name"), "arguments": ""})
+                streamed[c["index"]]["arguments"] += c["function"].get("arguments", "")
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(c["name"], c["arguments"]) for c in calls], (streamed, calls)
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls", events[-1]
+        status, answer = srv.post("/v1/chat/completions", dict(body, tool_choice="none", max_tokens=12))
+        assert status == 200 and "tool_calls" not in answer["choices"][0]["message"], answer
+        assert answer["choices"][0]["message"]["content"].startswith("<|channel|>commentary to=functions."), answer
+    finally:
+        code = srv.stop()
+    assert code == 0, "the server exited with %r" % code
+    print("# harmony auto: %r" % raw, flush=True)
+
+
+def harmony_bad_input():
+    """400 naming what gpt-oss's template cannot take or its TypeScript
+    cannot write: anyOf and $ref (the template writes any), a tool without
+    a description, a name other than letters, digits, _ and -, an enum's
+    default that is not a string, a number default JavaScript would
+    respell, two calls in one message, a result before any call."""
+    ts.MODEL, ts.TOK = harmony_random_gguf(), cf.harmony_gguf()[0]
+    try:
+        srv = ts.Server()
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+    user = [{"role": "user", "content": USER}]
+    fn = lambda params, **kw: [{"type": "function", "function": dict({"name": "f", "description": "F", "parameters": params}, **kw)}]  # noqa: E731
+    obj = lambda **props: {"type": "object", "properties": props}  # noqa: E731
+    calls = [{"id": "c%d" % k, "type": "function", "function": {"name": "get_time", "arguments": "{}"}} for k in range(2)]
+    cases = [
+        ({"tools": fn(obj(x={"anyOf": [{"type": "string"}, {"type": "integer"}]}))}, "'anyOf'"),
+        ({"tools": fn(obj(x={"type": "array", "items": {"$ref": "#"}}))}, "'$ref'"),
+        ({"tools": fn(obj(x={"type": "string"}), description=None)}, "tools[0].function.description"),
+        ({"tools": [{"type": "function", "function": {"name": "no.dots", "description": "D"}}]}, "tools[0].function.name"),
+        ({"tools": fn(obj(x={"type": "integer", "enum": [1, 2], "default": 1}))}, "'default'"),
+        ({"tools": fn(obj(x={"type": "number", "default": 2.50}))}, "'default'"),
+        ({"tools": H_TOOLS, "messages": user + [{"role": "assistant", "content": None, "tool_calls": calls}]}, "messages[1].tool_calls"),
+        ({"tools": H_TOOLS, "messages": user + [{"role": "tool", "tool_call_id": "c0", "content": "5"}]}, "messages[1]"),
+    ]
+    try:
+        for body, field in cases:
+            body = dict({"messages": user, "max_tokens": 5}, **body)
+            if body["tools"][0]["function"].get("description", "") is None:
+                del body["tools"][0]["function"]["description"]
+            for choice in ("auto", "none"):
+                status, answer = srv.post("/v1/chat/completions", dict(body, tool_choice=choice))
+                assert status == 400, "%s: %s %s" % (field, status, answer)
+                assert field in answer["error"]["message"], "%s not named: %s" % (field, answer["error"]["message"])
+        print("# harmony: %s" % answer["error"]["message"], flush=True)
+    finally:
+        code = srv.stop()
+    assert code == 0, "the server exited with %r" % code
+
+
 def need_stories(f):
     def run():
         if not (os.path.exists(STORIES) and os.path.exists(TOK512)):
@@ -503,6 +613,8 @@ def main():
     case("serve_tools_random_llama3_1", llama31_required)
     case("serve_tools_template_harmony", harmony_template)
     case("serve_tools_random_harmony", harmony_random)
+    case("serve_tools_bad_input_harmony", harmony_bad_input)
+    case("serve_tools_auto_marker_harmony", harmony_auto_marker)
     return 1 if COUNTS["FAIL"] else 0
 
 
