@@ -30,7 +30,8 @@
      6. samplers: greedy, temperature, top-p; the generation controls
         (logits processors, top-k, min-p, stop strings); beam search;
         6.1 JSON constraints (a JSON-schema subset compiled to an automaton
-        that masks the tokens an answer cannot take)
+        that masks the tokens an answer cannot take; call heads: one of a
+        few literal texts first, then that one's schema)
      7. the engine: requests served together (continuous batching);
         speculative decoding (drafts verified in one pass)
      8. drivers: generate, tokenize, chat; perplexity of a text
@@ -16365,7 +16366,31 @@ typedef struct {
    constrain the whole reply to the call (no marker: the call is the
    reply), and with "auto" the reply is free, a call when it starts with
    {"name" (after <|python_tag|>, when the model writes it): no constraint
-   can switch on at a marker that is the call's own first bytes. */
+   can switch on at a marker that is the call's own first bytes.
+   gpt-oss's (Harmony, CHAT_HARMONY: ToolSet's harmony) is rendered whole
+   as its template renders it (tool_messages_harmony): the system message
+   sends calls to the commentary channel; the developer message gives the
+   functions as the template's TypeScript (harmony_type: string, number,
+   boolean, string enums, arrays, a list of types, nested objects, ? for
+   optional properties, descriptions and defaults as comments; anyOf and
+   $ref, which it would write as `any`, are refused by name, as is what
+   JavaScript would spell otherwise); a past call is <|start|>assistant
+   to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>, its
+   message's text an analysis message before it until a later answer
+   drops it, and a result <|start|>functions.NAME to=assistant
+   <|channel|>commentary<|message|>, its text as `tojson` writes it,
+   <|end|>. The model names the function before the arguments, so its
+   calls are held by call heads (6.1): "required" ends the prompt with
+   <|start|>assistant<|channel|>commentary to=functions. and the heads
+   `NAME <|constrain|>json<|message|>`, each followed by its function's
+   parameters; a named function ends it with the whole head, and the reply
+   is the arguments; "auto" leaves the reply free (its analysis channel is
+   the reasoning) until the model writes to=functions. (constrain_after),
+   where the heads take over, in the model's form or the template's
+   (NAME<|channel|>commentary json<|message|>). The call is read back
+   after what the prompt wrote of it (call_lead). The template renders one
+   call a message, so a reply makes one (parallel_tool_calls is ignored)
+   and a message with more is refused. */
 
 #define TOOL_MARKER "<tool_call>\n"
 #define HARMONY_CALL_START "to=functions." /* Harmony: a call's recipient, after which comes the function's name */

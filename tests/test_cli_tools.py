@@ -18,7 +18,9 @@ typed on stdin give the replies of --tool-results. A batch line without
 makes one call of that tool.
 On the models of test_serve_tools.py: stories260K with tok512 (MODELS_DIR;
 SKIP when absent), the random Qwen3 and Llama 3 GGUF files (Llama 3 also
-with Llama 3.1's template: its format, and "auto" free), and the model
+with Llama 3.1's template: its format, and "auto" free), the random
+gpt-oss-layout model with gpt-oss's Harmony template and its own tools
+(test_serve_tools.H_TOOLS), and the model
 that writes "Hello" and then Qwen's <tool_call> marker itself ("auto": the
 constraint from the model's own marker on).
 Bad input: a tools file that is not a JSON array of tools (not JSON, an

@@ -32,6 +32,17 @@ results in ipython messages).
 Bad input gets 400 naming the field: a tool without a name, parameters not
 an object, tool_choice naming no given tool, a tool message without
 tool_call_id, a schema keyword 6.1 does not take.
+gpt-oss's Harmony format (o200k_harmony vocabulary and gpt-oss.jinja, from
+test_chat_families.harmony_gguf): serve's prompt for tools with nested,
+optional, enum, array and defaulted parameters, past calls and results
+equals the template's token for token (four conversations), and with
+"required" and a named function ends with the call's head or its start;
+on a random model of gpt-oss's layout the client's required, named and
+auto calls, streamed and not, validate against their functions (one call
+a reply); a bigram model that writes <|channel|>commentary to=functions.
+itself gets a valid "auto" call (the call heads, then the parameters);
+what the template's TypeScript cannot write (anyOf, $ref, ...) and what
+the template refuses get 400 naming it.
 
 Env: RUN, PYTHON, MODELS_DIR, TEST_TMP, EXPORT_PY. Prints PASS/FAIL/SKIP lines."""
 
