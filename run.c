@@ -30,7 +30,8 @@
      6. samplers: greedy, temperature, top-p; the generation controls
         (logits processors, top-k, min-p, stop strings); beam search;
         6.1 JSON constraints (a JSON-schema subset compiled to an automaton
-        that masks the tokens an answer cannot take)
+        that masks the tokens an answer cannot take; call heads: one of a
+        few literal texts first, then that one's schema)
      7. the engine: requests served together (continuous batching);
         speculative decoding (drafts verified in one pass)
      8. drivers: generate, tokenize, chat; perplexity of a text
@@ -10718,10 +10719,18 @@ typedef struct {
 typedef struct JsonSchema {
     SchemaNode *nodes;        /* (n_nodes) */
     int n_nodes, cap_nodes;
+    /* a schema of call heads (see "Call heads" below): no nodes, the texts
+       and the schema of what follows each */
+    char **heads;             /* (n_heads) NULL: a plain schema */
+    struct JsonSchema **after; /* (n_heads) owned */
+    int n_heads;
 } JsonSchema;
 
 static void free_schema(JsonSchema *s) {
     if (!s) return;
+    for (int i = 0; i < s->n_heads; i++) { free(s->heads[i]); free_schema(s->after[i]); }
+    free(s->heads);
+    free(s->after);
     for (int i = 0; i < s->n_nodes; i++) {
         SchemaNode *n = &s->nodes[i];
         for (int k = 0; k < n->n_props; k++) free(n->props[k].name);
@@ -12166,6 +12175,113 @@ static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
     return 1;
 }
 
+/* -- Call heads: one of several literal texts, then that one's schema --
+   A tool call in some formats names its function in the model's own words
+   before its arguments (Harmony's `to=functions.NAME <|constrain|>json
+   <|message|>`, 11.1). A schema of call heads holds the answer to one of a
+   set of literal texts, the heads, each with a schema of its own for the
+   value that follows it: while a head is being written, a token is allowed
+   only when its bytes keep the text a prefix of some head; once one is
+   complete the answer is read under that head's schema as any other
+   (JsonMatch). A head's special tokens (a <|...|> of its text that the
+   vocabulary has as a special token) must come as those tokens: no plain
+   token may spell one or run into one. No token runs past a head's end
+   either, so a head should end with a special token (then none can).
+   Made with call_heads_new and call_heads_add; a request under it takes
+   it as its Decoding's schema, from the start or after constrain_after. */
+
+static JsonSchema *call_heads_new(void) { return xcalloc(1, sizeof(JsonSchema)); }
+
+/* Adds a head: its text, and the schema of the value after it (taken). */
+static void call_heads_add(JsonSchema *s, const char *text, JsonSchema *after) {
+    s->heads = realloc(s->heads, (size_t)(s->n_heads + 1) * sizeof(char *));
+    s->after = realloc(s->after, (size_t)(s->n_heads + 1) * sizeof(JsonSchema *));
+    if (!s->heads || !s->after) die(EXIT_BAD_FILE, "out of memory (call heads)");
+    s->heads[s->n_heads] = strdup(text);
+    s->after[s->n_heads++] = after;
+}
+
+/* A request's reading of a head. */
+typedef struct {
+    const JsonSchema *s;      /* the schema of call heads */
+    int at;                   /* bytes of the head written so far */
+    unsigned char *alive;     /* (s->n_heads) the heads the text so far begins */
+    int **special;            /* (s->n_heads) per head, per byte: the special token that starts there, -1: none */
+    int **plain;              /* (s->n_heads) per head, per byte: the plain bytes from there to the next special token or the end */
+} HeadMatch;
+
+static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
+    HeadMatch *m = xcalloc(1, sizeof(HeadMatch));
+    m->s = s;
+    m->alive = xcalloc((size_t)s->n_heads, 1);
+    m->special = xcalloc((size_t)s->n_heads, sizeof(int *));
+    m->plain = xcalloc((size_t)s->n_heads, sizeof(int *));
+    for (int h = 0; h < s->n_heads; h++) {
+        const char *text = s->heads[h];
+        int len = (int)strlen(text);
+        m->alive[h] = 1;
+        m->special[h] = xcalloc((size_t)len + 1, sizeof(int));
+        m->plain[h] = xcalloc((size_t)len + 1, sizeof(int));
+        for (int p = 0; p < len; p++) {
+            m->special[h][p] = -1;
+            const char *close = strncmp(text + p, "<|", 2) == 0 ? strstr(text + p + 2, "|>") : NULL;
+            if (close && tok->special) {
+                char *name = span_dup(text + p, (size_t)(close + 2 - (text + p)));
+                m->special[h][p] = lookup_special(tok, name);
+                free(name);
+            }
+        }
+        for (int p = len - 1; p >= 0; p--) m->plain[h][p] = m->special[h][p] >= 0 ? 0 : 1 + m->plain[h][p + 1];
+    }
+    return m;
+}
+
+static void head_match_free(HeadMatch *m) {
+    if (!m) return;
+    for (int h = 0; h < m->s->n_heads; h++) { free(m->special[h]); free(m->plain[h]); }
+    free(m->special); free(m->plain); free(m->alive);
+    free(m);
+}
+
+/* Whether `token` (plain: bytes, n of them, from the trie; special: its id
+   and no bytes) goes on with head h from m->at. */
+static int head_allows(const HeadMatch *m, int h, int token, const char *bytes, int n) {
+    if (!m->alive[h]) return 0;
+    if (!bytes) return m->special[h][m->at] == token;
+    return n <= m->plain[h][m->at] && memcmp(m->s->heads[h] + m->at, bytes, (size_t)n) == 0;
+}
+
+/* Sets to -inf the logits of the tokens that go on with no head; returns
+   how many stay allowed. */
+static int head_mask(const HeadMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
+    int n_allowed = 0;
+    for (int i = 0; i < tok->vocab_size; i++) {
+        int special = tok->special && tok->special[i], ok = 0;
+        if (special || t->bytes[i])
+            for (int h = 0; h < m->s->n_heads && !ok; h++) ok = head_allows(m, h, i, special ? NULL : t->bytes[i], special ? 0 : t->len[i]);
+        if (ok) n_allowed++;
+        else logits[i] = -INFINITY;
+    }
+    return n_allowed;
+}
+
+/* Reads a token (bytes: its plain bytes, n of them; NULL: the special
+   token `token`): returns the head it completes, -1 when none is complete
+   yet, -2 when it goes on with no head. */
+static int head_take(HeadMatch *m, int token, const char *bytes, int n) {
+    int first = -1;
+    for (int h = 0; h < m->s->n_heads; h++) {
+        m->alive[h] = (unsigned char)head_allows(m, h, token, bytes, n);
+        if (m->alive[h] && first < 0) first = h;
+    }
+    if (first < 0) return -2;
+    const char *at = m->s->heads[first] + m->at;
+    m->at += bytes ? n : (int)(strstr(at + 2, "|>") + 2 - at); /* a special token: its spelling, to its closing |> */
+    for (int h = 0; h < m->s->n_heads; h++)
+        if (m->alive[h] && m->s->heads[h][m->at] == '\0') return h;
+    return -1;
+}
+
 /* ------------------------------------------------------------------------ */
 /* 7. The engine: requests served together (continuous batching)           */
 /* ------------------------------------------------------------------------ */
@@ -12371,6 +12487,7 @@ struct Request {
     float *raw;             /* (vocab) sampling with a score: the logits before sampling */
     BeamState *beam;        /* NULL when sampling */
     JsonMatch *json;        /* under d.schema: the answer read so far (beam search: the scratch of each beam's mask); NULL: unconstrained */
+    HeadMatch *head;        /* under a schema of call heads (6.1): the head being written; then `json` reads what follows it */
     Hypothesis *hyps;       /* (max(1, B)) the result, best first */
     int n_hyps;
     int logit_at;           /* this step: the first of its rows in the logits, -1 if none */
@@ -12549,6 +12666,8 @@ static void request_finish(Engine *e, Request *r) {
     r->raw = NULL;
     json_match_free(r->json);
     r->json = NULL;
+    head_match_free(r->head);
+    r->head = NULL;
     free_sampler(&r->sampler);
     free_stop_matcher(&r->stops);
     r->stops.held = NULL;
@@ -12598,8 +12717,9 @@ static int choose_token(const Engine *e, Request *r, float *logits) {
     const Controls *ctl = &r->d.controls;
     const Sequence *s = &r->seqs[0];
     if (r->json && json_mask(r->json, e->trie, e->tok, logits) == 0) return -1;
+    if (r->head && head_mask(r->head, e->trie, e->tok, logits) == 0) return -1;
     process_logits(ctl, e->tok, s->tokens, s->n_tokens, r->hyps[0].n_tokens, logits);
-    if (r->json && !(logits[sample_argmax(logits, vocab)] > -INFINITY)) return -1; /* the controls banned every allowed token */
+    if ((r->json || r->head) && !(logits[sample_argmax(logits, vocab)] > -INFINITY)) return -1; /* the controls banned every allowed token */
     if (r->raw) memcpy(r->raw, logits, (size_t)vocab * sizeof(float));
     int next = sample_with_controls(&r->sampler, ctl, logits);
     if (r->raw) r->hyps[0].score += log_prob(r->raw, vocab, next);
@@ -12625,25 +12745,67 @@ static void finish_interrupted(Engine *e, Request *r) {
     request_finish(e, r);
 }
 
+/* Starts a request's constraint, d.schema: a JsonMatch, or for call
+   heads a HeadMatch. */
+static void constraint_start(Engine *e, Request *r) {
+    if (r->d.schema->heads) r->head = head_match_new(r->d.schema, e->tok);
+    else r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
+}
+
+/* A head is complete (head k): what follows it is read under its schema. */
+static void head_done(Engine *e, Request *r, int k) {
+    r->json = json_match_new(r->head->s->after[k], e->trie, e->t->config.vocab_size);
+    head_match_free(r->head);
+    r->head = NULL;
+}
+
+/* Reads the text p under the constraint just started (the rest of the
+   token that completed the marker); 0 when it breaks it. */
+static int constraint_feed_text(Engine *e, Request *r, const char *p) {
+    for (; *p && r->head; p++) {
+        int k = head_take(r->head, -1, p, 1);
+        if (k == -2) return 0;
+        if (k >= 0) head_done(e, r, k);
+    }
+    for (; *p; p++) {
+        JsonState next;
+        json_feed(r->json->schema, &r->json->state, (unsigned char)*p, &next);
+        if (next.n == 0) return 0;
+        r->json->state = next;
+    }
+    return 1;
+}
+
+/* The bytes of `marker` that a text ends with, after one more byte ch,
+   when it ended with `seen` of them: the longest start of the marker that
+   the seen bytes and ch end with. */
+static int marker_step(const char *marker, int seen, char ch) {
+    for (int k = seen + 1; k > 0; k--)
+        if (marker[k - 1] == ch && memcmp(marker, marker + seen - (k - 1), (size_t)(k - 1)) == 0) return k;
+    return 0;
+}
+
 /* Reads a reply's next text for d.constrain_after: once the reply has
    written the marker, the schema's constraint starts, with the bytes of the
    text after the marker read. Returns 0 when those bytes already break it. */
 static int constrain_from_marker(Engine *e, Request *r, const char *text) {
     const char *marker = r->d.constrain_after;
-    for (const char *p = text; *p && !r->json; p++) {
-        if (*p != marker[r->marker_seen]) r->marker_seen = 0; /* (the marker's first byte comes nowhere else in it) */
-        if (*p == marker[r->marker_seen] && marker[++r->marker_seen] == '\0')
-            r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
-        if (!r->json) continue;
-        for (p++; *p; p++) {
-            JsonState next;
-            json_feed(r->json->schema, &r->json->state, (unsigned char)*p, &next);
-            if (next.n == 0) return 0;
-            r->json->state = next;
-        }
-        break;
+    for (const char *p = text; *p; p++) {
+        r->marker_seen = marker_step(marker, r->marker_seen, *p);
+        if (marker[r->marker_seen] != '\0') continue;
+        constraint_start(e, r);
+        return constraint_feed_text(e, r, p + 1);
     }
     return 1;
+}
+
+/* Reads a token of a head being written (r->head); 0 when it goes on with
+   no head (the mask let none such through). */
+static int head_step(Engine *e, Request *r, int token) {
+    const int special = e->tok->special && e->tok->special[token];
+    int k = head_take(r->head, token, special ? NULL : e->trie->bytes[token], special ? 0 : e->trie->len[token]);
+    if (k >= 0) head_done(e, r, k);
+    return k != -2;
 }
 
 /* The second half: takes the chosen token (see sample_step). */
@@ -12661,15 +12823,16 @@ static void take_token(Engine *e, Request *r, int next) {
             const char *safe = stop_feed(&r->stops, piece, &n_safe);
             if (r->on_text) r->on_text(r, safe, n_safe);
         }
-        int before_marker = !r->json && r->d.constrain_after && piece_is_printable(e->tok, piece);
-        if (before_marker && !constrain_from_marker(e, r, piece)) {
+        int before_marker = !r->json && !r->head && r->d.constrain_after && piece_is_printable(e->tok, piece);
+        int in_head = r->head != NULL; /* (before the marker, none) */
+        if ((before_marker && !constrain_from_marker(e, r, piece)) || (in_head && !head_step(e, r, next))) {
             h->stop = "constraint";
             ended = 1;
         } else if (r->stops.matched) {
             h->stop = "string";
             h->stop_string = r->stops.matched;
             ended = 1;
-        } else if (r->json && !before_marker && json_take(r->json, e->trie, next)) {
+        } else if (r->json && !before_marker && !in_head && json_take(r->json, e->trie, next)) {
             h->stop = "json";
             ended = 1;
         } else if (h->n_tokens == r->max_new) {
@@ -12996,7 +13159,7 @@ static void speculate(Engine *e) {
         Sequence *s = &r->seqs[0];
         r->n_draft = -1;
         if (!sp || r->d.beam.beams > 0 || s->n_tokens - s->n_cached != 1) continue;
-        if (r->json || r->d.constrain_after) { /* drafts are not checked against the schema: this request goes a token at a time */
+        if (r->json || r->head || r->d.constrain_after) { /* drafts are not checked against the schema: this request goes a token at a time */
             static int noted;
             if (!noted) fprintf(stderr, "run: note: speculative decoding is off for answers under a JSON schema\n");
             noted = 1;
@@ -13223,7 +13386,7 @@ static int engine_start(Engine *e, Request *r) {
     free(matched);
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
     if (r->d.schema && !e->trie) e->trie = token_trie_new(e->tok);
-    if (r->d.schema && !r->d.constrain_after) r->json = json_match_new(r->d.schema, e->trie, t->config.vocab_size);
+    if (r->d.schema && !r->d.constrain_after) constraint_start(e, r);
     r->stops = stop_matcher(&r->d.controls);
     if (r->d.beam.beams == 0 && (r->d.format == FORMAT_JSON || r->lp)) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
     if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
@@ -14277,19 +14440,27 @@ static void render_smollm3(TurnBuilder *b, const char *system_prompt, const char
    channels) and the system prompt as the developer's instructions; a turn
    ends with <|start|>assistant, after which the model names its channel
    (analysis: its reasoning; final: the answer, ended by <|return|>). */
+
+/* Harmony's system message; with tools (11.1), the line that sends their
+   calls to the commentary channel. */
+static void render_harmony_system(TurnBuilder *b, int tools) {
+    char date[32];
+    time_t now = time(NULL);
+    struct tm *tm = localtime(&now);
+    if (!tm || strftime(date, sizeof(date), "%Y-%m-%d", tm) == 0) snprintf(date, sizeof(date), "1970-01-01");
+    turn_token(b, "<|start|>");
+    turn_string(b, "system");
+    turn_token(b, "<|message|>");
+    turn_string(b, "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ");
+    turn_string(b, date);
+    turn_string(b, "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
+    if (tools) turn_string(b, "\nCalls to these tools must go to the commentary channel: 'functions'.");
+    turn_token(b, "<|end|>");
+}
+
 static void render_harmony(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
     if (first) {
-        char date[32];
-        time_t now = time(NULL);
-        struct tm *tm = localtime(&now);
-        if (!tm || strftime(date, sizeof(date), "%Y-%m-%d", tm) == 0) snprintf(date, sizeof(date), "1970-01-01");
-        turn_token(b, "<|start|>");
-        turn_string(b, "system");
-        turn_token(b, "<|message|>");
-        turn_string(b, "You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ");
-        turn_string(b, date);
-        turn_string(b, "\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
-        turn_token(b, "<|end|>");
+        render_harmony_system(b, 0);
         if (system_prompt && system_prompt[0] != '\0') {
             turn_token(b, "<|start|>");
             turn_string(b, "developer");
@@ -15862,7 +16033,7 @@ static int new_slot(BatchOutput *out) {
     return out->n++;
 }
 
-static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+static void print_chat_hypothesis(const Tokenizer *tok, const Request *r, int rank, const Hypothesis *h,
                                   int calls, const char *prefix); /* 11.2 */
 
 /* A request's JSON lines (its error, or its hypotheses); then it is freed,
@@ -15879,7 +16050,7 @@ static void print_request(BatchOutput *out, const BatchSlot *s) {
         char prefix[32];
         snprintf(prefix, sizeof(prefix), "call_%d", s->line_no);
         for (int i = 0; i < n_show; i++) {
-            if (s->chat) print_chat_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1], s->calls, prefix);
+            if (s->chat) print_chat_hypothesis(out->tok, r, i + 1, &r->hyps[i], s->calls, prefix);
             else print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
         }
     }
@@ -16290,9 +16461,34 @@ typedef struct {
    constrain the whole reply to the call (no marker: the call is the
    reply), and with "auto" the reply is free, a call when it starts with
    {"name" (after <|python_tag|>, when the model writes it): no constraint
-   can switch on at a marker that is the call's own first bytes. */
+   can switch on at a marker that is the call's own first bytes.
+   gpt-oss's (Harmony, CHAT_HARMONY: ToolSet's harmony) is rendered whole
+   as its template renders it (tool_messages_harmony): the system message
+   sends calls to the commentary channel; the developer message gives the
+   functions as the template's TypeScript (harmony_type: string, number,
+   boolean, string enums, arrays, a list of types, nested objects, ? for
+   optional properties, descriptions and defaults as comments; anyOf and
+   $ref, which it would write as `any`, are refused by name, as is what
+   JavaScript would spell otherwise); a past call is <|start|>assistant
+   to=functions.NAME<|channel|>commentary json<|message|>ARGS<|call|>, its
+   message's text an analysis message before it until a later answer
+   drops it, and a result <|start|>functions.NAME to=assistant
+   <|channel|>commentary<|message|>, its text as `tojson` writes it,
+   <|end|>. The model names the function before the arguments, so its
+   calls are held by call heads (6.1): "required" ends the prompt with
+   <|start|>assistant<|channel|>commentary to=functions. and the heads
+   `NAME <|constrain|>json<|message|>`, each followed by its function's
+   parameters; a named function ends it with the whole head, and the reply
+   is the arguments; "auto" leaves the reply free (its analysis channel is
+   the reasoning) until the model writes to=functions. (constrain_after),
+   where the heads take over, in the model's form or the template's
+   (NAME<|channel|>commentary json<|message|>). The call is read back
+   after what the prompt wrote of it (call_lead). The template renders one
+   call a message, so a reply makes one (parallel_tool_calls is ignored)
+   and a message with more is refused. */
 
 #define TOOL_MARKER "<tool_call>\n"
+#define HARMONY_CALL_START "to=functions." /* Harmony: a call's recipient, after which comes the function's name */
 #define SERVE_MAX_TOOLS 64 /* tools of one request, at most */
 #define SERVE_MAX_CALLS 4  /* calls of one reply, at most (parallel_tool_calls) */
 
@@ -16311,6 +16507,7 @@ typedef struct {
     char *named;  /* TOOLS_NAMED: the function's name */
     int parallel; /* parallel_tool_calls */
     int llama31;  /* Llama 3.1's format (see above; tool_messages sets it) */
+    int harmony;  /* Harmony's (the same) */
 } ToolSet;
 
 /* One call of a reply. */
@@ -16343,6 +16540,8 @@ typedef struct ServeFields {
     int n_messages, messages_given;
     ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
     ToolCall call;           /* the call of a message's tool_calls being read */
+    int multi_call;          /* 1 + the first message with more than one call; 0: none */
+    int *rendered, n_rendered; /* Harmony with tools: the whole prompt, rendered by tool_messages (11.1); NULL: not so */
     ByteBuf calls_text;      /* a message's tool_calls rendered so far (freed on any exit, as the call) */
     char *name, *text;       /* the field being read (freed on any exit) */
     char *member;            /* the name of the message field being read (the same) */
@@ -16366,6 +16565,7 @@ static void free_serve_fields(ServeFields *f) {
     free_tools(&f->tools);
     free(f->call.name);
     free(f->call.arguments);
+    free(f->rendered);
     buf_free(&f->calls_text);
     free(f->name);
     free(f->text);
@@ -16622,6 +16822,7 @@ static void parse_message_calls(JsonCursor *j, ServeFields *f) {
         json_space(j);
     }
     j->p++;
+    if (k > 1 && !f->multi_call) f->multi_call = i + 1;
     free(f->calls[i]);
     f->calls[i] = b->data;
     *b = (ByteBuf){NULL, 0, 0};
@@ -16737,6 +16938,313 @@ static void tool_messages_llama31(ServeFields *f) {
     f->n_messages = n;
 }
 
+/* -- Harmony's tools: gpt-oss's template, its TypeScript and its messages -- */
+
+/* The length of UTF-8 text s as JavaScript counts it (UTF-16 units), as
+   @huggingface/jinja's `length` does. */
+static size_t js_length(const char *s) {
+    size_t n = 0;
+    for (; *s; s++)
+        if (((unsigned char)*s & 0xC0) != 0x80) n += 1 + ((unsigned char)*s >= 0xF0);
+    return n;
+}
+
+/* Whether value v (-1: none) is true as Jinja takes it. */
+static int jv_truthy(const SchemaCompiler *c, int v) {
+    if (v < 0) return 0;
+    switch (c->v[v].kind) {
+    case JV_STRING: return jv_str(c, v)[0] != '\0';
+    case JV_ARRAY: case JV_OBJECT: return c->v[v].n > 0;
+    case JV_NUMBER: return strtod(jv_str(c, v), NULL) != 0.0;
+    default: return c->v[v].kind == JV_TRUE;
+    }
+}
+
+static int jv_is(const SchemaCompiler *c, int v, const char *text) {
+    return v >= 0 && c->v[v].kind == JV_STRING && strcmp(jv_str(c, v), text) == 0;
+}
+
+/* Whether list v (-1: none) holds the string `name`. */
+static int jv_lists(const SchemaCompiler *c, int v, const char *name) {
+    for (int m = v >= 0 && c->v[v].kind == JV_ARRAY ? c->v[v].first : -1; m >= 0; m = c->v[m].next)
+        if (jv_is(c, m, name)) return 1;
+    return 0;
+}
+
+/* Whether every number in value v is spelled as JavaScript writes it (an
+   integer of at most 15 digits, not -0), so that `tojson` keeps it. */
+static int jv_plain_numbers(const SchemaCompiler *c, int v) {
+    if (c->v[v].kind == JV_NUMBER) {
+        const char *p = jv_str(c, v), *d = p + (*p == '-');
+        return strspn(d, "0123456789") == strlen(d) && strlen(d) <= 15 && (d[0] != '0' || (d[1] == '\0' && d == p));
+    }
+    for (int m = c->v[v].first; m >= 0; m = c->v[m].next)
+        if (!jv_plain_numbers(c, m)) return 0;
+    return 1;
+}
+
+/* The refusal of tool `tool`'s parameters, a feature the template does not
+   write as run.c does (or cannot write at all); to harmony_tools's trap. */
+static void harmony_refuse(SchemaCompiler *c, int tool, const char *what) {
+    schema_fail(c, "field 'tools[%d].function.parameters': %s cannot be written in gpt-oss's template's "
+                   "TypeScript (Harmony); give types, enums of strings, arrays and objects", tool, what);
+}
+
+/* Schema v as the template's render_typescript_type writes it: an array of
+   strings, numbers, integers or booleans as string[] ...; of anything else
+   its items' type and [] (any[] when that is longer than 50 characters);
+   a list of types joined by " | "; a string's enum as "a" | "b"; number
+   (integer too), boolean; an object with properties as {, then each
+   property (? when not required), ": ", the template's line break and
+   indent, its type, ", " between, and }; an object without them as object;
+   anything else any. Keywords whose meaning the TypeScript would lose
+   ("anyOf", "$ref": the template writes any) are refused, as are those
+   6.1 does not take ("oneOf", "nullable"). */
+static void harmony_type(SchemaCompiler *c, int v, ByteBuf *b, int tool) {
+    static const char *const lost[] = {"anyOf", "$ref", "oneOf", "nullable"};
+    if (c->v[v].kind != JV_OBJECT) harmony_refuse(c, tool, "a schema that is not an object");
+    for (size_t k = 0; k < sizeof(lost) / sizeof(lost[0]); k++)
+        if (jv_member(c, v, lost[k]) >= 0) {
+            char what[32];
+            snprintf(what, sizeof(what), "'%s'", lost[k]);
+            harmony_refuse(c, tool, what);
+        }
+    int type = jv_member(c, v, "type");
+    static const char *const plain[][2] = {{"string", "string"}, {"number", "number"}, {"integer", "number"}, {"boolean", "boolean"}};
+    if (jv_is(c, type, "array")) {
+        int items = jv_member(c, v, "items");
+        if (!jv_truthy(c, items)) { buf_str(b, "any[]"); return; }
+        for (int k = 0; k < 4; k++)
+            if (c->v[items].kind == JV_OBJECT && jv_is(c, jv_member(c, items, "type"), plain[k][0])) { buf_printf(b, "%s[]", plain[k][1]); return; }
+        size_t from = b->n; /* the items' type, then [] after it, or any[] instead */
+        harmony_type(c, items, b, tool);
+        if (strcmp(b->data + from, "object | object") == 0 || js_length(b->data + from) > 50) {
+            b->n = from;
+            buf_str(b, "any[]");
+        } else {
+            buf_str(b, "[]");
+        }
+    } else if (type >= 0 && c->v[type].kind == JV_ARRAY && c->v[type].n > 0) {
+        for (int m = c->v[type].first; m >= 0; m = c->v[m].next) {
+            if (c->v[m].kind != JV_STRING) harmony_refuse(c, tool, "a 'type' list of other than names");
+            buf_printf(b, "%s%s", m == c->v[type].first ? "" : " | ", jv_str(c, m));
+        }
+    } else if (jv_is(c, type, "string") && jv_truthy(c, jv_member(c, v, "enum"))) {
+        int list = jv_member(c, v, "enum");
+        if (c->v[list].kind != JV_ARRAY) harmony_refuse(c, tool, "an 'enum' that is not a list");
+        for (int m = c->v[list].first; m >= 0; m = c->v[m].next) {
+            if (c->v[m].kind != JV_STRING) harmony_refuse(c, tool, "an 'enum' of a string with other than strings");
+            buf_printf(b, "%s%s", m == c->v[list].first ? "\"" : "\" | \"", jv_str(c, m));
+        }
+        buf_str(b, "\"");
+    } else if (jv_is(c, type, "object") && jv_truthy(c, jv_member(c, v, "properties"))) {
+        int props = jv_member(c, v, "properties"), required = jv_member(c, v, "required");
+        buf_str(b, "{\n");
+        for (int m = c->v[props].first; m >= 0; m = c->v[m].next) {
+            buf_printf(b, "%s%s: \n                ", jv_key(c, m), jv_lists(c, required, jv_key(c, m)) ? "" : "?");
+            harmony_type(c, m, b, tool);
+            if (c->v[m].next >= 0) buf_str(b, ", ");
+        }
+        buf_str(b, "}");
+    } else {
+        const char *name = jv_is(c, type, "object") ? "object" : "any";
+        for (int k = 0; k < 4; k++)
+            if (jv_is(c, type, plain[k][0])) name = plain[k][1];
+        buf_str(b, name);
+    }
+}
+
+/* Function `fn` (a tool's "function" object, tool i) as the template's
+   render_tool_namespace writes it: its description as a comment, then
+   `type NAME = (_: {` and each parameter on a line (its description as a
+   comment line before it; ", // default: " and the default after it),
+   `}) => any;`, or `() => any;` without parameters; a blank line after. */
+static void harmony_function(SchemaCompiler *c, int fn, const char *name, ByteBuf *b, int tool) {
+    int description = jv_member(c, fn, "description"), params = jv_member(c, fn, "parameters");
+    if (description < 0 || c->v[description].kind != JV_STRING)
+        schema_fail(c, "field 'tools[%d].function.description': gpt-oss's template needs one (a string)", tool);
+    buf_printf(b, "// %s\ntype %s = ", jv_str(c, description), name);
+    int props = params >= 0 && c->v[params].kind == JV_OBJECT ? jv_member(c, params, "properties") : -1;
+    if (!jv_truthy(c, params) || !jv_truthy(c, props)) { buf_str(b, "() => any;\n\n"); return; }
+    if (c->v[props].kind != JV_OBJECT) harmony_refuse(c, tool, "'properties' that are not an object");
+    int required = jv_member(c, params, "required");
+    buf_str(b, "(_: {\n");
+    for (int m = c->v[props].first; m >= 0; m = c->v[m].next) {
+        int about = c->v[m].kind == JV_OBJECT ? jv_member(c, m, "description") : -1, def = c->v[m].kind == JV_OBJECT ? jv_member(c, m, "default") : -1;
+        if (about >= 0 && c->v[about].kind != JV_STRING) harmony_refuse(c, tool, "a 'description' that is not a string");
+        if (jv_truthy(c, about)) buf_printf(b, "// %s\n", jv_str(c, about));
+        buf_printf(b, "%s%s: ", jv_key(c, m), jv_lists(c, required, jv_key(c, m)) ? "" : "?");
+        harmony_type(c, m, b, tool);
+        if (def >= 0 && jv_truthy(c, jv_member(c, m, "enum"))) { /* the default as text */
+            if (c->v[def].kind != JV_STRING) harmony_refuse(c, tool, "a 'default' of an enum that is not a string");
+            buf_printf(b, ", // default: %s", jv_str(c, def));
+        } else if (def >= 0) { /* as `tojson` writes it */
+            if (!jv_plain_numbers(c, def)) harmony_refuse(c, tool, "a 'default' with a number other than a plain integer");
+            ByteBuf compact = {0};
+            jv_write(c, def, &compact);
+            buf_str(b, ", // default: ");
+            buf_tojson(b, compact.data, compact.data + compact.n);
+            buf_free(&compact);
+        }
+        buf_str(b, ",\n");
+    }
+    buf_str(b, "}) => any;\n\n");
+}
+
+#define FUNCTION_NAME_CHARS "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"
+
+/* The developer message's tools: `# Tools`, `## functions`, and the
+   functions in `namespace functions { ... }`, into b (freed on a refusal,
+   which fails the request). Names are letters, digits, '_' and '-'
+   (OpenAI's rule), so that a call's head is read back whole. */
+static void harmony_tools(const ToolSet *ts, ByteBuf *b) {
+    char err[320] = "";
+    buf_str(b, "# Tools\n\n## functions\n\nnamespace functions {\n\n");
+    for (int i = 0; i < ts->n && !err[0]; i++) {
+        const Tool *t = &ts->tools[i];
+        if (strspn(t->name, FUNCTION_NAME_CHARS) != strlen(t->name)) {
+            snprintf(err, sizeof(err), "field 'tools[%d].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+            break;
+        }
+        size_t n = strlen(t->json);
+        SchemaCompiler *c = xcalloc(1, sizeof(SchemaCompiler));
+        *c = (SchemaCompiler){.p = t->json, .end = t->json + n, .cap_v = (int)n + 1, .err = err, .err_len = sizeof(err)};
+        c->v = xcalloc(n + 1, sizeof(Jv));
+        c->chars = xcalloc(2 * n + 2, 1);
+        if (setjmp(c->fail) == 0) harmony_function(c, jv_member(c, jv_value(c, 0), "function"), t->name, b, i);
+        free(c->v);
+        free(c->chars);
+        free(c);
+    }
+    if (err[0]) {
+        buf_free(b);
+        json_fail(&(JsonCursor){NULL, NULL, NULL}, "%s", err);
+    }
+    buf_str(b, "} // namespace functions");
+}
+
+/* The call of assistant message i (parse_message_calls's <tool_call>
+   block: {"name": "NAME", "arguments": ARGS}), checked: its name (the
+   length; it starts at *name) and its arguments [*args, *args_end), a
+   JSON object. */
+static size_t harmony_past_call(const ServeFields *f, int i, const char **name, const char **args, const char **args_end) {
+    const char *block = f->calls[i], *p = block + strlen("<tool_call>\n{\"name\": \"");
+    size_t n = strspn(p, FUNCTION_NAME_CHARS);
+    if (n == 0 || strncmp(p + n, "\", \"arguments\": ", 16) != 0)
+        json_fail(NULL, "field 'messages[%d].tool_calls[0].function.name': Harmony's calls take names of letters, digits, '_' and '-'", i);
+    *name = p;
+    *args = p + n + 16;
+    *args_end = block + strlen(block) - strlen("}\n</tool_call>");
+    JsonCursor j = {*args, *args_end, NULL};
+    json_space(&j);
+    if (j.p >= j.end || *j.p != '{') json_fail(NULL, "field 'messages[%d].tool_calls[0].function.arguments': must be a JSON object", i);
+    json_skip(&j, 0);
+    json_space(&j);
+    if (j.p != j.end) json_fail(NULL, "field 'messages[%d].tool_calls[0].function.arguments': text after the JSON object", i);
+    return n;
+}
+
+/* Checks the messages as gpt-oss's template takes them (see
+   tool_messages_harmony): one call a message, a result after a call, no
+   system or developer message but the first. */
+static void harmony_check_messages(const ServeFields *f) {
+    const char *name, *args, *args_end;
+    if (f->multi_call) json_fail(NULL, "field 'messages[%d].tool_calls': gpt-oss's template takes one call a message", f->multi_call - 1);
+    int called = 0;
+    for (int i = 0; i < f->n_messages; i++) {
+        const char *role = f->roles[i];
+        if (strcmp(role, "assistant") == 0) called = f->calls[i] && harmony_past_call(f, i, &name, &args, &args_end);
+        else if (strcmp(role, "tool") == 0 && !called)
+            json_fail(NULL, "field 'messages[%d]': a tool message needs an assistant's call before it (gpt-oss's template names the result by it)", i);
+        else if (strcmp(role, "user") != 0 && strcmp(role, "tool") != 0 && (i > 0 || (strcmp(role, "system") != 0 && strcmp(role, "developer") != 0)))
+            json_fail(NULL, "field 'messages[%d].role': '%s' cannot come here in gpt-oss's template (a system or developer message comes first only)", i, role);
+    }
+}
+
+/* One Harmony message: <|start|>HEAD<|message|>BODY and its end token,
+   where HEAD's <|channel|> (after the role and recipient) is the token. */
+static void harmony_message(TurnBuilder *b, const char *head, const char *channel, const char *body, const char *end) {
+    turn_token(b, "<|start|>");
+    turn_string(b, head);
+    if (channel) {
+        turn_token(b, "<|channel|>");
+        turn_string(b, channel);
+    }
+    turn_token(b, "<|message|>");
+    turn_string(b, body);
+    turn_token(b, end);
+}
+
+/* tool_messages for Harmony (see 11.1): the whole prompt, rendered as
+   gpt-oss's template renders the messages with tools, into f->rendered. */
+static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
+    harmony_check_messages(f); /* (refusals before anything is made) */
+    ByteBuf tools = {0}, text = {0};
+    harmony_tools(&f->tools, &tools);
+    size_t total = tools.n + 1024;
+    for (int i = 0; i < f->n_messages; i++) total += (f->contents[i] ? 2 * strlen(f->contents[i]) : 0) + (f->calls[i] ? strlen(f->calls[i]) : 0) + 64;
+    int room = (int)encode_capacity(tok, total);
+    TurnBuilder b = {tok, xcalloc((size_t)room + 1, sizeof(int)), 0, room, 1, {NULL, 0, 0}};
+    render_harmony_system(&b, 1);
+    int i = 0;
+    const char *developer = "";
+    if (f->n_messages > 0 && (strcmp(f->roles[0], "system") == 0 || strcmp(f->roles[0], "developer") == 0))
+        developer = f->contents[i++] ? f->contents[0] : "";
+    if (developer[0]) buf_printf(&text, "# Instructions\n\n%s\n\n", developer);
+    buf_str(&text, tools.data);
+    harmony_message(&b, "developer", NULL, text.data, "<|end|>");
+    const char *last = NULL, *args, *args_end; /* the name of the last call, which names the results after it */
+    size_t n_last = 0;
+    for (; i < f->n_messages; i++) {
+        const char *role = f->roles[i], *content = f->contents[i] ? f->contents[i] : "";
+        text.n = 0;
+        if (strcmp(role, "assistant") == 0 && f->calls[i]) {
+            int answered = 0; /* a later answer drops this message's reasoning, as the template does */
+            for (int k = i + 1; k < f->n_messages; k++) answered |= strcmp(f->roles[k], "assistant") == 0 && !f->calls[k];
+            if (content[0] && !answered) harmony_message(&b, "assistant", "analysis", content, "<|end|>");
+            n_last = harmony_past_call(f, i, &last, &args, &args_end);
+            ByteBuf object = {0}; /* the arguments as `tojson` writes the object they hold */
+            buf_tojson(&object, args, args_end);
+            buf_printf(&text, "assistant to=functions.%.*s", (int)n_last, last);
+            harmony_message(&b, text.data, "commentary json", object.data, "<|call|>");
+            buf_free(&object);
+        } else if (strcmp(role, "assistant") == 0) {
+            harmony_message(&b, "assistant", "final", content, "<|end|>");
+        } else if (strcmp(role, "tool") == 0) {
+            buf_printf(&text, "functions.%.*s to=assistant", (int)n_last, last);
+            ByteBuf result = {0};
+            buf_json(&result, content);
+            harmony_message(&b, text.data, "commentary", result.data, "<|end|>");
+            buf_free(&result);
+        } else {
+            harmony_message(&b, "user", NULL, content, "<|end|>");
+        }
+    }
+    turn_token(&b, "<|start|>");
+    turn_string(&b, "assistant");
+    if (f->tools.choice == TOOLS_REQUIRED || f->tools.choice == TOOLS_NAMED) { /* the call's head, as the model writes it */
+        turn_token(&b, "<|channel|>");
+        turn_string(&b, "commentary " HARMONY_CALL_START);
+    }
+    if (f->tools.choice == TOOLS_NAMED) {
+        turn_string(&b, f->tools.named);
+        turn_string(&b, " ");
+        turn_token(&b, "<|constrain|>");
+        turn_string(&b, "json");
+        turn_token(&b, "<|message|>");
+    }
+    turn_flush(&b);
+    buf_free(&tools);
+    buf_free(&text);
+    free(b.text.data);
+    if (!b.fits) { /* (not expected: room is a bound) */
+        free(b.out);
+        json_fail(NULL, "field 'messages': too long to render");
+    }
+    f->rendered = b.out;
+    f->n_rendered = b.n;
+}
+
 /* Rewrites the messages into the plain conversation that the family's
    renderer takes (see 11.1): the tools into the system message (one is
    made when there is none), an assistant message's calls after its
@@ -16744,7 +17252,9 @@ static void tool_messages_llama31(ServeFields *f) {
    user message of <tool_response> blocks. */
 static void tool_messages(ServeFields *f, const Tokenizer *tok) {
     f->tools.llama31 = tok->chat_template == CHAT_LLAMA3 && tok->llama31_tools;
+    f->tools.harmony = tok->chat_template == CHAT_HARMONY && f->tools.n > 0;
     if (f->tools.llama31 && f->tools.n > 0) { tool_messages_llama31(f); return; }
+    if (f->tools.harmony) { tool_messages_harmony(f, tok); return; }
     int n = 0, i = 0;
     char **roles = xcalloc((size_t)f->n_messages + 1, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 1, sizeof(char *));
     if (f->tools.n > 0) {
@@ -17405,18 +17915,106 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 
 /* How a reply makes its calls (Conn's calls): none; after the marker, from
    where the constraint holds; the whole reply, constrained; or, Llama
-   3.1's "auto", a reply that starts with the call, unconstrained. */
-enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING };
+   3.1's "auto", a reply that starts with the call, unconstrained;
+   Harmony's, the prompt ending with the call's head or its start, or
+   ("auto") the call after HARMONY_CALL_START, where call heads hold. */
+enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING, CALLS_HARMONY, CALLS_HARMONY_AUTO };
 
 static int calls_mode(const ToolSet *ts) {
     if (ts->n == 0 || ts->choice == TOOLS_NONE) return CALLS_NONE;
-    if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : CALLS_AT_MARKER;
-    return CALLS_PREFILLED;
+    if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : ts->harmony ? CALLS_HARMONY_AUTO : CALLS_AT_MARKER;
+    return ts->harmony ? CALLS_HARMONY : CALLS_PREFILLED;
+}
+
+/* What the prompt writes of a Harmony reply's call (see 11.1): its text
+   after the last <|start|>assistant, the call's head or its start ("" for
+   "auto"); NULL for the other formats. The caller frees it. */
+static char *call_lead(const Tokenizer *tok, const Request *r, int mode) {
+    if (mode != CALLS_HARMONY && mode != CALLS_HARMONY_AUTO) return NULL;
+    int start = lookup_special(tok, "<|start|>"), i = r->n_prompt;
+    while (i > 0 && r->prompt[i - 1] != start) i--;
+    char *text = decode_text(tok, start, r->prompt + i, r->n_prompt - i);
+    if (strncmp(text, "assistant", 9) == 0) memmove(text, text + 9, strlen(text + 9) + 1);
+    return text;
+}
+
+/* Where the Harmony message that holds a call starting at `at` in text
+   opens: at its <|start|> when its header is not yet closed by <|message|>
+   there, at the text's start when the reply's first header is, else at
+   `at` itself. */
+static size_t harmony_header_start(const char *text, size_t at) {
+    const char *msg = strstr(text, "<|message|>");
+    if (!msg || (size_t)(msg - text) >= at) return 0;
+    size_t start = at;
+    for (const char *p = strstr(text, "<|start|>"); p && (size_t)(p - text) < at; p = strstr(p + 1, "<|start|>")) start = (size_t)(p - text);
+    if (start == at) return at;
+    msg = strstr(text + start, "<|message|>");
+    return msg && (size_t)(msg - text) < at ? at : start;
+}
+
+/* A Harmony reply's call (see 11.1): in lead and text, after the first
+   HARMONY_CALL_START, the function's name and, after <|message|>, its
+   arguments, which end the reply when the constraint completed them (stop
+   "json"). Returns 1 with the call, 0 when the reply made none whole;
+   *content_len: the text before the call's message. */
+static int harmony_reply_call(const char *lead, const char *text, const Hypothesis *h, ToolCall *c, size_t *content_len) {
+    *content_len = strlen(text);
+    size_t n_lead = strlen(lead);
+    char *all = xcalloc(n_lead + *content_len + 1, 1);
+    strcat(strcpy(all, lead), text);
+    const char *at = strstr(all, HARMONY_CALL_START), *msg = at ? strstr(at, "<|message|>") : NULL;
+    int found = strcmp(h->stop, "json") == 0 && msg;
+    if (found) {
+        size_t start = harmony_header_start(all, (size_t)(at - all));
+        *content_len = start > n_lead ? start - n_lead : 0;
+        const char *name = at + strlen(HARMONY_CALL_START);
+        c->name = span_dup(name, strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"));
+        c->arguments = strdup(msg + strlen("<|message|>"));
+    }
+    free(all);
+    return found;
+}
+
+/* A function's parameters, compiled (NULL: none given, any object); NULL
+   with the refusal in err. */
+static JsonSchema *tool_parameters_schema(const ToolSet *ts, int i, char *err, size_t err_len) {
+    const char *text = ts->tools[i].parameters ? ts->tools[i].parameters : "{\"type\":\"object\"}";
+    char why[256];
+    JsonSchema *s = compile_schema(text, strlen(text), why, sizeof(why));
+    if (!s) snprintf(err, err_len, "field 'tools[%d].function.parameters': %s", i, why);
+    return s;
+}
+
+/* Harmony's calls (see 11.1): with a named function, the reply is its
+   arguments (the prompt ends with the call's head); else call heads, a
+   head for each function after `to=functions.`, then its parameters: as
+   the model writes it after <|channel|>commentary, and (auto) also as the
+   template writes a past call's head, the channel after the recipient. */
+static JsonSchema *harmony_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    static const char *const forms[] = {" <|constrain|>json<|message|>", "<|channel|>commentary <|constrain|>json<|message|>",
+                                        "<|channel|>commentary json<|message|>"};
+    JsonSchema *heads = ts->choice == TOOLS_NAMED ? NULL : call_heads_new();
+    for (int i = 0; i < ts->n; i++) {
+        if (ts->choice == TOOLS_NAMED && strcmp(ts->tools[i].name, ts->named) != 0) continue;
+        for (int k = 0; k < (ts->choice == TOOLS_AUTO ? 3 : 1); k++) {
+            JsonSchema *after = tool_parameters_schema(ts, i, err, err_len);
+            if (!after || !heads) {
+                free_schema(heads);
+                return after;
+            }
+            char *text = xcalloc(strlen(ts->tools[i].name) + strlen(forms[k]) + 1, 1);
+            sprintf(text, "%s%s", ts->tools[i].name, forms[k]);
+            call_heads_add(heads, text, after);
+            free(text);
+        }
+    }
+    return heads;
 }
 
 /* The schema of the calls a reply may make (see 11.1); NULL with the
    refusal in err: a function's parameters that 6.1 does not take. */
 static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    if (ts->harmony) return harmony_call_schema(ts, err, err_len);
     ByteBuf b = {0};
     buf_str(&b, "{\"$defs\":{\"call\":{\"anyOf\":[");
     for (int i = 0, k = 0; i < ts->n; i++) {
@@ -17536,9 +18134,10 @@ static int leading_call(const char *text, ToolCall *c) {
 
 /* The calls of a reply's text, made as `mode` says: the JSON value after
    the marker (the whole reply, when the prompt ends with the marker), one
-   call or a list. Returns their count, 0 when the reply made none whole
+   call or a list; Harmony's after the lead (call_lead). Returns their count, 0 when the reply made none whole
    (it is all content); *content_len: the length of the text before them. */
-static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+static int reply_calls(const char *text, const char *lead, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+    if (mode == CALLS_HARMONY || mode == CALLS_HARMONY_AUTO) return harmony_reply_call(lead, text, h, &calls[0], content_len);
     if (mode == CALLS_LEADING) {
         int n = leading_call(text, &calls[0]);
         *content_len = n ? 0 : strlen(text);
@@ -17688,7 +18287,7 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     if (c->calls == CALLS_NONE) { stream_content(srv, c, choice, text, n); return; }
     ByteBuf *all = &c->reply[choice];
     buf_add(all, text, n);
-    if (c->calls == CALLS_PREFILLED || !all->data) return;
+    if (c->calls == CALLS_PREFILLED || c->calls == CALLS_HARMONY || !all->data) return;
     if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
         const char *p = past_call_lead(all->data);
         size_t n_p = strlen(p);
@@ -17697,8 +18296,9 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
         c->told[choice] = all->n;
         return;
     }
-    const char *at = strstr(all->data, TOOL_MARKER);
-    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, TOOL_MARKER);
+    const char *marker = c->calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : TOOL_MARKER, *at = strstr(all->data, marker);
+    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, marker);
+    if (c->calls == CALLS_HARMONY_AUTO) safe = harmony_header_start(all->data, safe); /* the header of the call's message too */
     if (safe <= c->told[choice]) return;
     stream_content(srv, c, choice, all->data + c->told[choice], safe - c->told[choice]);
     c->told[choice] = safe;
@@ -17731,11 +18331,13 @@ static const char *finish_reason(const Hypothesis *h) { return strcmp(h->stop, "
    empty); "reasoning_content" when `thinks` (serve_thinks) and the reply
    reasoned; "tool_calls" when it made calls (mode: CALLS_*), their ids
    prefix_K. text is the reply's whole text (cut at its calls here); *n_calls
-   gets their count. Returns the finish reason: "tool_calls" with calls. */
-static const char *buf_reply_message(ByteBuf *b, char *text, const Hypothesis *h, int mode, int thinks, const char *prefix, int *n_calls) {
+   gets their count; lead: call_lead's. Returns the finish reason:
+   "tool_calls" with calls. */
+static const char *buf_reply_message(ByteBuf *b, char *text, const char *lead, const Hypothesis *h, int mode, int thinks, const char *prefix,
+                                     int *n_calls) {
     ToolCall calls[SERVE_MAX_CALLS];
     size_t content_len;
-    int n = mode != CALLS_NONE ? reply_calls(text, h, mode, calls, &content_len) : 0;
+    int n = mode != CALLS_NONE ? reply_calls(text, lead, h, mode, calls, &content_len) : 0;
     if (n > 0) text[content_len] = '\0'; /* the content: the text before the calls */
     ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
     if (thinks) {
@@ -17877,7 +18479,9 @@ static void answer_choices(Server *srv, Conn *c) {
             char prefix[64];
             call_id_prefix(prefix, sizeof(prefix), c, i);
             buf_str(&b, "\"message\":{\"role\":\"assistant\",");
-            finish = buf_reply_message(&b, text, h, c->calls, serve_thinks(srv, c), prefix, NULL);
+            char *lead = call_lead(srv->tok, r, c->calls);
+            finish = buf_reply_message(&b, text, lead, h, c->calls, serve_thinks(srv, c), prefix, NULL);
+            free(lead);
             buf_str(&b, "},\"logprobs\":");
             if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
@@ -17931,9 +18535,10 @@ static void serve_on_done(Request *r, void *user) {
         ToolCall calls[SERVE_MAX_CALLS];
         int n_calls = 0;
         if (c->calls != CALLS_NONE) { /* the text held back: content up to the calls, then the calls */
-            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]), *lead = call_lead(srv->tok, r, c->calls);
             size_t content_len;
-            n_calls = reply_calls(text, h, c->calls, calls, &content_len);
+            n_calls = reply_calls(text, lead, h, c->calls, calls, &content_len);
+            free(lead);
             if (content_len > c->told[choice]) stream_content(srv, c, choice, text + c->told[choice], content_len - c->told[choice]);
             free(text);
         }
@@ -18050,6 +18655,14 @@ static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
    (11.1). NULL (and *why) as chat_messages_tokens. The server and the
    command line's chats and batch lines (11.2) all prompt with it. */
 static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    if (f->rendered) {
+        *why = "the messages do not fit the model's context";
+        if (f->n_rendered > room) return NULL;
+        int *tokens = xcalloc((size_t)f->n_rendered, sizeof(int));
+        memcpy(tokens, f->rendered, (size_t)f->n_rendered * sizeof(int));
+        *n_tokens = f->n_rendered;
+        return tokens;
+    }
     if (f->tools.llama31 && f->tools.n > 0) return llama31_prompt_tokens(tok, f, room, n_tokens, why);
     int *tokens = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, room, n_tokens, why);
     if (tokens && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, tokens, n_tokens, room)) {
@@ -18149,7 +18762,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
-    d.constrain_after = calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL;
+    d.constrain_after = calls_marker(calls);
     submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
     for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
         c->echo[k] = echo[k / f->n] && k % f->n != 0 ? strdup(echo[k / f->n]) : echo[k / f->n];
@@ -18672,20 +19285,22 @@ static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, i
 
 /* The text after which a reply's calls are constrained (Decoding's
    constrain_after), for calls made as `calls` says. */
-static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL; }
+static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : NULL; }
 
 /* A chat's JSON line for a reply: print_json_hypothesis's, then the
    server's "message" and "finish_reason" (calls named prefix_K). */
-static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+static void print_chat_hypothesis(const Tokenizer *tok, const Request *r, int rank, const Hypothesis *h,
                                   int calls, const char *prefix) {
-    char *text = hypothesis_text(tok, h, last_prompt_token);
+    const int last_prompt_token = r->prompt[r->n_prompt - 1];
+    char *text = hypothesis_text(tok, h, last_prompt_token), *lead = call_lead(tok, r, calls);
     ByteBuf b = {0};
     buf_str(&b, "\"message\":{\"role\":\"assistant\",");
-    const char *finish = buf_reply_message(&b, text, h, calls, reasoning_splits(tok), prefix, NULL);
+    const char *finish = buf_reply_message(&b, text, lead, h, calls, reasoning_splits(tok), prefix, NULL);
     buf_printf(&b, "},\"finish_reason\":\"%s\"", finish);
-    print_json_hypothesis_with(tok, id, rank, h, last_prompt_token, b.data);
+    print_json_hypothesis_with(tok, r->id, rank, h, last_prompt_token, b.data);
     buf_free(&b);
     free(text);
+    free(lead);
 }
 
 /* -- -m chat --tools -- */
@@ -18748,10 +19363,10 @@ static ServeFields *chat_tools_request(const ByteBuf *msgs, const Options *o, co
 
 /* Prints a reply with calls in text mode: its content (the text before
    the calls), then each call as one JSON line. */
-static void print_calls_text(const char *text, const Hypothesis *h, int mode, const char *prefix) {
+static void print_calls_text(const char *text, const char *lead, const Hypothesis *h, int mode, const char *prefix) {
     ToolCall calls[SERVE_MAX_CALLS];
     size_t content_len;
-    int n = reply_calls(text, h, mode, calls, &content_len);
+    int n = reply_calls(text, lead, h, mode, calls, &content_len);
     printf("%.*s\n", (int)content_len, text);
     for (int k = 0; k < n; k++) {
         ByteBuf b = {0};
@@ -18815,14 +19430,14 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         turn_decoding.seed = r->sampler.rng_state;
         const Hypothesis *h = &r->hyps[0];
         int last = r->prompt[r->n_prompt - 1], n_calls = 0;
-        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text);
+        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text), *lead = call_lead(tok, r, calls);
         snprintf(prefix, sizeof(prefix), "call_%d", ++replies);
         ByteBuf m = {0}; /* the reply's message, as the server answers it and its client sends it back */
         buf_str(&m, "{\"role\":\"assistant\",");
-        const char *finish = buf_reply_message(&m, cut, h, calls, reasoning_splits(tok), prefix, &n_calls);
+        const char *finish = buf_reply_message(&m, cut, lead, h, calls, reasoning_splits(tok), prefix, &n_calls);
         buf_str(&m, "}");
         ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
-        if (text_mode && n_calls > 0) print_calls_text(text, h, calls, prefix);
+        if (text_mode && n_calls > 0) print_calls_text(text, lead, h, calls, prefix);
         else if (text_mode && hides_reasoning(tok)) print_answer_of(tok, h, last, 0, &split);
         else if (text_mode) printf("%s\n", text);
         else {
@@ -18835,6 +19450,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         buf_printf(&msgs, ",%s", m.data);
         free(text);
         free(cut);
+        free(lead);
         buf_free(&m);
         request_free(r);
         free_serve_fields(f); /* (its schema, the request's constraint, with it) */

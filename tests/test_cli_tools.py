@@ -18,7 +18,9 @@ typed on stdin give the replies of --tool-results. A batch line without
 makes one call of that tool.
 On the models of test_serve_tools.py: stories260K with tok512 (MODELS_DIR;
 SKIP when absent), the random Qwen3 and Llama 3 GGUF files (Llama 3 also
-with Llama 3.1's template: its format, and "auto" free), and the model
+with Llama 3.1's template: its format, and "auto" free), the random
+gpt-oss-layout model with gpt-oss's Harmony template and its own tools
+(test_serve_tools.H_TOOLS), and the model
 that writes "Hello" and then Qwen's <tool_call> marker itself ("auto": the
 constraint from the model's own marker on).
 Bad input: a tools file that is not a JSON array of tools (not JSON, an
@@ -50,10 +52,10 @@ TOOLS, USER = st.TOOLS, st.USER
 RESULTS = ['{"temperature": 21}', "5", "6", "7"]  # one a call: 4 at most a reply
 
 
-def files():
+def files(tool_list=TOOLS):
     os.makedirs(TMP, exist_ok=True)
     tools, results = os.path.join(TMP, "tools.json"), os.path.join(TMP, "results.txt")
-    json.dump(TOOLS, open(tools, "w"))
+    json.dump(tool_list, open(tools, "w"))
     open(results, "w").write("\n".join(RESULTS) + "\n")
     return tools, results
 
@@ -68,19 +70,19 @@ def shape(message, finish):
     return {"content": message.get("content"), "calls": calls, "finish": finish}
 
 
-def validated(name, message, only=None):
+def validated(name, message, only=None, tool_list=TOOLS):
     """Checks the calls of `message` as test_serve_tools.check_calls does."""
     calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message.get("tool_calls") or []]
-    st.check_calls(name, {"calls": calls, "finish": "tool_calls" if calls else None}, only)
+    st.check_calls(name, {"calls": calls, "finish": "tool_calls" if calls else None}, only, tool_list)
     for c in message.get("tool_calls") or []:
         assert c["type"] == "function", c
     return len(calls)
 
 
-def server_turns(srv, choice, max_tokens, parallel=True):
+def server_turns(srv, choice, max_tokens, parallel=True, tool_list=TOOLS):
     """The server's first reply to USER and, when it called, its reply to
     RESULTS (asked with "auto", as the command line asks it): [(message, finish)], and the second request's messages."""
-    body = {"messages": [{"role": "user", "content": USER}], "tools": TOOLS, "tool_choice": choice, "max_tokens": max_tokens,
+    body = {"messages": [{"role": "user", "content": USER}], "tools": tool_list, "tool_choice": choice, "max_tokens": max_tokens,
             "temperature": 0, "parallel_tool_calls": parallel}
     status, answer = srv.post("/v1/chat/completions", body)
     assert status == 200, answer
@@ -99,17 +101,19 @@ def server_turns(srv, choice, max_tokens, parallel=True):
     return turns, history
 
 
-def cli_chat(model, tok, choice, max_tokens, fmt="json"):
-    tools, results = files()
+def cli_chat(model, tok, choice, max_tokens, fmt="json", tool_list=TOOLS):
+    tools, results = files(tool_list)
     p = run([model, "-z", tok, "-m", "chat", "-f", fmt, "-y", "", "-i", USER, "--tools", tools, "--tool-choice", choice, "-t", "0",
              "--max-new-tokens", str(max_tokens), "--tool-results", results])
     assert p.returncode == 0, p.stderr.decode(errors="replace")[-600:]
     return p.stdout.decode(), p.stderr.decode()
 
 
-def against_server(model, tok, max_tokens, choices=("required", "get_weather", "calculate")):
-    """-m chat and --batch against the server, for each choice."""
-    tools, _ = files()
+def against_server(model, tok, max_tokens, choices=("required", "get_weather", "calculate"), tool_list=TOOLS):
+    """-m chat and --batch against the server, for each choice (the last
+    tool of tool_list also named with one call)."""
+    tools, _ = files(tool_list)
+    single = tool_list[-1]["function"]["name"]
     ts.MODEL, ts.TOK = model, tok
     try:
         srv = ts.Server()
@@ -119,11 +123,11 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
     try:
         for choice in choices:
             api_choice = choice if choice in ("auto", "none", "required") else {"type": "function", "function": {"name": choice}}
-            turns, history = server_turns(srv, api_choice, max_tokens)
+            turns, history = server_turns(srv, api_choice, max_tokens, tool_list=tool_list)
             only = None if choice in ("auto", "required") else choice
-            n = validated("server " + choice, turns[0][0], only)
+            n = validated("server " + choice, turns[0][0], only, tool_list)
             assert choice == "auto" or n > 0, "server %s: no call: %s" % (choice, turns[0])
-            out, err = cli_chat(model, tok, choice, max_tokens)
+            out, err = cli_chat(model, tok, choice, max_tokens, tool_list=tool_list)
             got = [json.loads(line) for line in out.splitlines()]
             chat_lines.append(got[0])
             replies = [t for t in turns if t is not None]
@@ -131,7 +135,7 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
                 assert "do not fit the model's context" in err and "the chat ends" in err, err
             assert len(got) == len(replies), "chat %s: %d replies, the server %d: %s" % (choice, len(got), len(replies), got)
             for k, (g, (message, finish)) in enumerate(zip(got, replies)):
-                validated("chat %s reply %d" % (choice, k), g["message"], only if k == 0 else None)
+                validated("chat %s reply %d" % (choice, k), g["message"], only if k == 0 else None, tool_list)
                 assert shape(g["message"], g["finish_reason"]) == shape(message, finish), \
                     "chat %s reply %d: run -m chat %s, the server %s" % (choice, k, shape(g["message"], g["finish_reason"]), shape(message, finish))
             # the same requests as --batch lines (the first without "tools": --tools stands for them)
@@ -139,15 +143,15 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
             lines.append(dict(base, id="%s-1" % choice, messages=[{"role": "user", "content": USER}]))
             expected.append(turns[0])
             if history:
-                lines.append(dict(base, id="%s-2" % choice, messages=history, tools=TOOLS, tool_choice="auto"))
+                lines.append(dict(base, id="%s-2" % choice, messages=history, tools=tool_list, tool_choice="auto"))
                 expected.append(turns[1])
             report.append("%s: %d calls, then %s" % (choice, n, repr((turns[1][0].get("content") or "")[:30]) if len(turns) > 1 and turns[1]
                                                       else "no room for the answer"))
         # a named tool, one call (not a list)
-        turns, _ = server_turns(srv, {"type": "function", "function": {"name": "calculate"}}, max_tokens, parallel=False)
+        turns, _ = server_turns(srv, {"type": "function", "function": {"name": single}}, max_tokens, parallel=False, tool_list=tool_list)
         assert len(turns[0][0].get("tool_calls") or []) == 1, turns[0]
-        lines.append({"id": "single", "messages": [{"role": "user", "content": USER}], "tools": TOOLS, "parallel_tool_calls": False,
-                      "tool_choice": {"type": "function", "function": {"name": "calculate"}}, "temperature": 0, "max_new_tokens": max_tokens})
+        lines.append({"id": "single", "messages": [{"role": "user", "content": USER}], "tools": tool_list, "parallel_tool_calls": False,
+                      "tool_choice": {"type": "function", "function": {"name": single}}, "temperature": 0, "max_new_tokens": max_tokens})
         expected.append(turns[0])
     finally:
         code = srv.stop()
@@ -163,13 +167,13 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
             assert "do not fit" in g.get("error", ""), g
             continue
         message, finish = want
-        validated("batch " + line["id"], g["message"])
+        validated("batch " + line["id"], g["message"], None, tool_list)
         assert shape(g["message"], g["finish_reason"]) == shape(message, finish), \
             "batch %s: run %s, the server %s" % (line["id"], shape(g["message"], g["finish_reason"]), shape(message, finish))
         assert all(c["id"].startswith("call_%d_" % (lines.index(line) + 1)) for c in g["message"].get("tool_calls") or []), g
     # line 1 is the chat's first reply, whose calls are named call_1_K too: the same line, with the batch's "id"
     assert dict(got[0], id=None) == dict(chat_lines[0], id=None), "batch line 1 %s, -m chat -f json %s" % (got[0], chat_lines[0])
-    assert len(got[-1]["message"]["tool_calls"]) == 1 and got[-1]["message"]["tool_calls"][0]["function"]["name"] == "calculate", got[-1]
+    assert len(got[-1]["message"]["tool_calls"]) == 1 and got[-1]["message"]["tool_calls"][0]["function"]["name"] == single, got[-1]
     print("# %s: %s" % (os.path.basename(model), "; ".join(report)), flush=True)
 
 
@@ -267,6 +271,8 @@ def main():
     case("cli_tools_random_llama3", lambda: against_server(*st.random_gguf("llama3"), 200, choices=("required", "calculate")))
     case("cli_tools_random_llama3_1", lambda: against_server(st.random_gguf("llama3")[0], st.llama31_vocab()[0], 200,
                                                              choices=("required", "calculate", "auto")))
+    case("cli_tools_random_harmony", lambda: against_server(st.harmony_random_gguf(), st.cf.harmony_gguf()[0], 200,
+                                                            choices=("required", "plan_route", "auto"), tool_list=st.H_TOOLS))
     return 1 if COUNTS["FAIL"] else 0
 
 

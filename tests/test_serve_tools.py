@@ -32,6 +32,17 @@ results in ipython messages).
 Bad input gets 400 naming the field: a tool without a name, parameters not
 an object, tool_choice naming no given tool, a tool message without
 tool_call_id, a schema keyword 6.1 does not take.
+gpt-oss's Harmony format (o200k_harmony vocabulary and gpt-oss.jinja, from
+test_chat_families.harmony_gguf): serve's prompt for tools with nested,
+optional, enum, array and defaulted parameters, past calls and results
+equals the template's token for token (four conversations), and with
+"required" and a named function ends with the call's head or its start;
+on a random model of gpt-oss's layout the client's required, named and
+auto calls, streamed and not, validate against their functions (one call
+a reply); a bigram model that writes <|channel|>commentary to=functions.
+itself gets a valid "auto" call (the call heads, then the parameters);
+what the template's TypeScript cannot write (anyOf, $ref, ...) and what
+the template refuses get 400 naming it.
 
 Env: RUN, PYTHON, MODELS_DIR, TEST_TMP, EXPORT_PY. Prints PASS/FAIL/SKIP lines."""
 
@@ -74,11 +85,11 @@ def jsonschema():
     return js
 
 
-def check_calls(name, reply, only=None):
+def check_calls(name, reply, only=None, tools=TOOLS):
     """Each call of `reply` names a tool (`only`, when given) and its
     arguments validate against that tool's parameters."""
     js = jsonschema()
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     ids = [c["id"] for c in reply["calls"]]
     assert len(set(ids)) == len(ids), "%s: call ids repeat: %s" % (name, ids)
     for c in reply["calls"]:
@@ -89,13 +100,13 @@ def check_calls(name, reply, only=None):
         assert reply["finish"] == "tool_calls", "%s: calls with finish_reason %r" % (name, reply["finish"])
 
 
-def client_cases(model_name, max_tokens, history):
+def client_cases(model_name, max_tokens, history, tool_list=TOOLS):
     """Runs the client on the server ts.Server starts (ts.MODEL, ts.TOK);
     checks every case."""
     so.install()
     os.makedirs(TMP, exist_ok=True)
     tools = os.path.join(TMP, "tools.json")
-    json.dump(TOOLS, open(tools, "w"))
+    json.dump(tool_list, open(tools, "w"))
     srv = ts.Server()
     try:
         p = subprocess.run(["node", os.path.join(HERE, "serve_tools_client.mjs"), "http://127.0.0.1:%d/v1" % srv.port, model_name, tools,
@@ -105,23 +116,23 @@ def client_cases(model_name, max_tokens, history):
     finally:
         code = srv.stop()
     assert code == 0, "the server exited with %r" % code
+    named = [("named_" + t["function"]["name"], t["function"]["name"]) for t in tool_list]
     for tag in ("", "_streamed"):
-        for name, only in [("required_one", None), ("required_parallel", None), ("named_get_weather", "get_weather"),
-                           ("named_calculate", "calculate"), ("auto", None)]:
+        for name, only in [("required_one", None), ("required_parallel", None)] + named + [("auto", None)]:
             reply = got[name + tag]
-            check_calls(name + tag, reply, only)
+            check_calls(name + tag, reply, only, tool_list)
             if name != "auto":
                 assert reply["finish"] == "tool_calls" and reply["calls"], "%s: no call: %s" % (name + tag, reply)
                 assert not reply["content"], "%s: content %r with the calls" % (name + tag, reply["content"])
         assert len(got["required_one" + tag]["calls"]) == 1, got["required_one" + tag]
-    for name in ("required_one", "required_parallel", "named_get_weather", "named_calculate", "auto"):
+    for name in ["required_one", "required_parallel"] + [n for n, _ in named] + ["auto"]:
         whole, streamed = got[name], got[name + "_streamed"]
         strip = lambda r: [(c["name"], c["arguments"]) for c in r["calls"]]  # noqa: E731
         assert strip(whole) == strip(streamed) and whole["finish"] == streamed["finish"], "%s: streamed %s, whole %s" % (name, streamed, whole)
     assert got["final"]["finish"] in ("stop", "length", "tool_calls"), got["final"]
-    check_calls("after_results", got["after_results"])
+    check_calls("after_results", got["after_results"], None, tool_list)
     assert got["after_results"]["finish"] == "tool_calls", got["after_results"]
-    counts = [len(got[n]["calls"]) for n in ("required_parallel", "named_get_weather", "named_calculate")]
+    counts = [len(got[n]["calls"]) for n in ["required_parallel"] + [n for n, _ in named]]
     print("# %s: calls per parallel reply %s; the final answer %r" % (model_name, counts, (got["final"]["content"] or "")[:40]), flush=True)
 
 
@@ -240,12 +251,12 @@ def auto_marker():
     print("# auto: %s" % calls, flush=True)
 
 
-def expect_request_tokens(path, models, msgs, text):
-    """The prompt serve makes of a request with these messages and TOOLS
+def expect_request_tokens(path, models, msgs, text, tools=TOOLS, extra=None):
+    """The prompt serve makes of a request with these messages and tools
     (gguf_vocab_dump request, on the vocabulary GGUF path) is the oracle's
     tokens of the template's rendering text (the tokenizer in models)."""
     body = os.path.join(TMP, "request.json")
-    json.dump({"messages": msgs, "tools": TOOLS}, open(body, "w"))
+    json.dump(dict({"messages": msgs, "tools": tools}, **(extra or {})), open(body, "w"))
     r = gv.sh([gv.DUMP, "request", path, body])
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     ours, want = [int(x) for x in r.stdout.decode().split()], pt.oracle(models, [text])[0]
@@ -367,6 +378,233 @@ def llama31_required():
         ts.MODEL, ts.TOK = STORIES, TOK512
 
 
+H_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city's name", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7, "default": 1, "description": "Days ahead"},
+        "hourly": {"type": "boolean"}},
+        "required": ["city"], "additionalProperties": False}}}
+H_ROUTE = {"type": "function", "function": {
+    "name": "plan_route", "description": "A route through places",
+    "parameters": {"type": "object", "properties": {
+        "stops": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3, "description": "Places on the way"},
+        "origin": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                                                    "lon": {"type": "integer", "minimum": -180, "maximum": 180},
+                                                    "label": {"type": "string", "maxLength": 8}},
+                   "required": ["lat", "lon"], "additionalProperties": False},
+        "legs": {"type": "array", "items": {"type": "object", "properties": {"km": {"type": "integer", "minimum": 0, "maximum": 999}},
+                                            "required": ["km"], "additionalProperties": False}, "maxItems": 2},
+        "mode": {"type": ["string", "null"], "maxLength": 5}},
+        "required": ["stops", "origin"], "additionalProperties": False}}}
+H_TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+H_TOOLS = [H_WEATHER, H_ROUTE, H_TIME]
+
+
+def harmony_messages():
+    weather = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]
+    route = [{"id": "call_2", "type": "function", "function": {"name": "plan_route",
+                                                               "arguments": {"stops": ["Lyon"], "origin": {"lat": 48, "lon": 2}}}}]
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": USER},
+            {"role": "assistant", "content": "The user asks for the weather.", "tool_calls": weather},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear\\n"}'},
+            {"role": "assistant", "content": None, "tool_calls": route},
+            {"role": "tool", "tool_call_id": "call_2", "content": "Lyon, 465 km"},
+            {"role": "assistant", "content": "It is 21 degrees; the route is 465 km."},
+            {"role": "user", "content": "And in Rome?"}]
+
+
+def harmony_template():
+    """serve's prompt for tools, calls and results equals gpt-oss's template's
+    (the tools as TypeScript in the developer message: nested objects,
+    optional properties, enums, defaults, arrays, a list of types; a past
+    call's analysis kept until a final answer follows; results as tojson
+    writes them), and with "required" and a named function it ends with the
+    call's head, as the template's messages would go on."""
+    gv.need_dump()
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    path, models, template = cf.harmony_gguf()
+    messages = harmony_messages()
+    text = None
+    for msgs in (messages, messages[:4], messages[1:6], messages[1:2]):
+        jmsgs = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.loads(c["function"]["arguments"])
+                                                               if isinstance(c["function"]["arguments"], str) else c["function"]["arguments"]))
+                                     for c in m["tool_calls"]]) if "tool_calls" in m else m for m in msgs]
+        jmsgs = [{k: v for k, v in m.items() if v is not None} for m in jmsgs]  # (the template cannot take a null content)
+        text = cf.render(template, jmsgs, "<|startoftext|>", "<|return|>", tools=H_TOOLS)
+        expect_request_tokens(path, models, msgs, text, H_TOOLS)
+    # "required" and a named function: the call's head after the generation prompt
+    user = messages[1:2]
+    base = cf.render(template, user, "<|startoftext|>", "<|return|>", tools=H_TOOLS)
+    expect_request_tokens(path, models, user, base + "<|channel|>commentary to=functions.", H_TOOLS, {"tool_choice": "required"})
+    expect_request_tokens(path, models, user, base + "<|channel|>commentary to=functions.plan_route <|constrain|>json<|message|>", H_TOOLS,
+                          {"tool_choice": {"type": "function", "function": {"name": "plan_route"}}})
+    print("# harmony: %r" % text[text.index("<|start|>developer"):][:900], flush=True)
+
+
+def harmony_random_gguf():
+    """A random model of gpt-oss's layout (tests/arch_models.py) with the
+    o200k_harmony vocabulary's size (its tokens: cf.harmony_gguf, with -z)."""
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    vocab, _, _ = cf.harmony_gguf()
+    model = os.path.join(TMP, "gpt-oss-random.gguf")
+    if not os.path.isfile(model):
+        n = len(read_gguf(vocab).metadata["tokenizer.ggml.tokens"])
+        meta, tensors = am.arch_model("gpt-oss", vocab=n, vocab_meta=False, ctx=2048, tied=True, wtype="F16")
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model
+
+
+def harmony_random():
+    """Required, named and auto calls through the openai client on a random
+    model of gpt-oss's layout (tests/arch_models.py) with the o200k_harmony
+    vocabulary and gpt-oss's template: each call valid against its
+    function's parameters, streamed and not; Harmony makes one call a
+    reply, its raw reply the call's head and arguments after the prompt's."""
+    model, vocab = harmony_random_gguf(), cf.harmony_gguf()[0]
+    ts.MODEL, ts.TOK = model, vocab
+    try:
+        client_cases(os.path.basename(model), 300, "required_one", H_TOOLS)
+        got = harmony_raw_replies()
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+    print("# harmony: %s" % got, flush=True)
+
+
+def harmony_raw_replies():
+    """The reply's own tokens under "required": a function's name, its
+    head's end (<|constrain|>json<|message|>) and the arguments given back."""
+    srv = ts.Server()
+    try:
+        status, answer = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": USER}], "tools": H_TOOLS,
+                                                           "tool_choice": "required", "logprobs": True, "max_tokens": 300, "seed": 5})
+    finally:
+        code = srv.stop()
+    assert code == 0 and status == 200, (code, status, answer)
+    choice = answer["choices"][0]
+    raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert raw == call["name"] + " <|constrain|>json<|message|>" + call["arguments"], (raw, call)
+    return raw
+
+
+def harmony_marker_model():
+    """(model, vocabulary): a random model with the o200k_harmony vocabulary
+    that writes, after the prompt's <|start|>assistant, <|channel|>commentary
+    to=functions. itself (a bigram model, as marker_model's: each token of
+    the chain points at the embedding of the one before it)."""
+    import numpy as np
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    vocab, _, _ = cf.harmony_gguf()
+    model = os.path.join(TMP, "harmony-marker.gguf")
+    if not os.path.isfile(model):
+        os.makedirs(TMP, exist_ok=True)
+        tokens = read_gguf(vocab).metadata["tokenizer.ggml.tokens"]
+        chain = [tokens.index(t) for t in ("assistant", "<|channel|>", "comment", "ary", "\u0120to", "=", "functions", ".")]
+        meta, tensors = am.arch_model("llama", vocab=len(tokens), vocab_meta=False, ctx=2048, wtype="F32")
+        t = {name: i for i, (name, _, _, _) in enumerate(tensors)}
+        for name, i in t.items():
+            if name.endswith("attn_output.weight") or name.endswith("ffn_down.weight"):
+                tensors[i] = tensors[i][:3] + (bytes(len(tensors[i][3])),)
+        embd = np.frombuffer(tensors[t["token_embd.weight"]][3], "<f4").reshape(len(tokens), -1)
+        out = np.frombuffer(tensors[t["output.weight"]][3], "<f4").reshape(len(tokens), -1).copy()
+        for before, after in zip(chain, chain[1:]):
+            out[after] = 30 * embd[before] / np.linalg.norm(embd[before])
+        tensors[t["output.weight"]] = tensors[t["output.weight"]][:3] + (out.astype("<f4").tobytes(),)
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model, vocab
+
+
+def harmony_auto_marker():
+    """"auto": the model writes the call's start itself; the call heads
+    then hold it to a function's name and head, and that function's
+    parameters: a valid call, no content, streamed (the call's header held
+    back) and not; with tool_choice "none" the same start is text."""
+    ts.MODEL, ts.TOK = harmony_marker_model()
+    try:
+        srv = ts.Server()
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+    try:
+        body = {"messages": [{"role": "user", "content": USER}], "tools": H_TOOLS, "max_tokens": 300, "seed": 3}
+        status, answer = srv.post("/v1/chat/completions", dict(body, logprobs=True))
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        msg = choice["message"]
+        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        assert choice["finish_reason"] == "tool_calls" and not msg["content"] and msg["tool_calls"], answer
+        assert raw.startswith("<|channel|>commentary to=functions." + msg["tool_calls"][0]["function"]["name"]), raw
+        calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]]
+        check_calls("harmony_auto_marker", {"finish": "tool_calls", "calls": calls}, None, H_TOOLS)
+        events, done = srv.stream("/v1/chat/completions", dict(body, stream=True))
+        assert done
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert not "".join(d.get("content") or "" for d in deltas), deltas
+        streamed = {}
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                streamed.setdefault(c["index"], {"name": c.get("function", {}).get("name"), "arguments": ""})
+                streamed[c["index"]]["arguments"] += c["function"].get("arguments", "")
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(c["name"], c["arguments"]) for c in calls], (streamed, calls)
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls", events[-1]
+        status, answer = srv.post("/v1/chat/completions", dict(body, tool_choice="none", max_tokens=12))
+        assert status == 200 and "tool_calls" not in answer["choices"][0]["message"], answer
+        assert answer["choices"][0]["message"]["content"].startswith("<|channel|>commentary to=functions."), answer
+    finally:
+        code = srv.stop()
+    assert code == 0, "the server exited with %r" % code
+    print("# harmony auto: %r" % raw, flush=True)
+
+
+def harmony_bad_input():
+    """400 naming what gpt-oss's template cannot take or its TypeScript
+    cannot write: anyOf and $ref (the template writes any), a tool without
+    a description, a name other than letters, digits, _ and -, an enum's
+    default that is not a string, a number default JavaScript would
+    respell, two calls in one message, a result before any call."""
+    ts.MODEL, ts.TOK = harmony_random_gguf(), cf.harmony_gguf()[0]
+    try:
+        srv = ts.Server()
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+    user = [{"role": "user", "content": USER}]
+    fn = lambda params, **kw: [{"type": "function", "function": dict({"name": "f", "description": "F", "parameters": params}, **kw)}]  # noqa: E731
+    obj = lambda **props: {"type": "object", "properties": props}  # noqa: E731
+    calls = [{"id": "c%d" % k, "type": "function", "function": {"name": "get_time", "arguments": "{}"}} for k in range(2)]
+    cases = [
+        ({"tools": fn(obj(x={"anyOf": [{"type": "string"}, {"type": "integer"}]}))}, "'anyOf'"),
+        ({"tools": fn(obj(x={"type": "array", "items": {"$ref": "#"}}))}, "'$ref'"),
+        ({"tools": fn(obj(x={"type": "string"}), description=None)}, "tools[0].function.description"),
+        ({"tools": [{"type": "function", "function": {"name": "no.dots", "description": "D"}}]}, "tools[0].function.name"),
+        ({"tools": fn(obj(x={"type": "integer", "enum": [1, 2], "default": 1}))}, "'default'"),
+        ({"tools": fn(obj(x={"type": "number", "default": 2.50}))}, "'default'"),
+        ({"tools": H_TOOLS, "messages": user + [{"role": "assistant", "content": None, "tool_calls": calls}]}, "messages[1].tool_calls"),
+        ({"tools": H_TOOLS, "messages": user + [{"role": "tool", "tool_call_id": "c0", "content": "5"}]}, "messages[1]"),
+    ]
+    try:
+        for body, field in cases:
+            body = dict({"messages": user, "max_tokens": 5}, **body)
+            if body["tools"][0]["function"].get("description", "") is None:
+                del body["tools"][0]["function"]["description"]
+            for choice in ("auto", "none"):
+                status, answer = srv.post("/v1/chat/completions", dict(body, tool_choice=choice))
+                assert status == 400, "%s: %s %s" % (field, status, answer)
+                assert field in answer["error"]["message"], "%s not named: %s" % (field, answer["error"]["message"])
+        print("# harmony: %s" % answer["error"]["message"], flush=True)
+    finally:
+        code = srv.stop()
+    assert code == 0, "the server exited with %r" % code
+
+
 def need_stories(f):
     def run():
         if not (os.path.exists(STORIES) and os.path.exists(TOK512)):
@@ -384,6 +622,10 @@ def main():
     case("serve_tools_random_llama3", lambda: gguf_client("llama3"))
     case("serve_tools_template_llama3_1", llama31_template)
     case("serve_tools_random_llama3_1", llama31_required)
+    case("serve_tools_template_harmony", harmony_template)
+    case("serve_tools_random_harmony", harmony_random)
+    case("serve_tools_bad_input_harmony", harmony_bad_input)
+    case("serve_tools_auto_marker_harmony", harmony_auto_marker)
     return 1 if COUNTS["FAIL"] else 0
 
 
