@@ -12222,6 +12222,7 @@ static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
         m->alive[h] = 1;
         m->special[h] = xcalloc((size_t)len + 1, sizeof(int));
         m->plain[h] = xcalloc((size_t)len + 1, sizeof(int));
+        m->special[h][len] = -1; /* (past the end: nothing) */
         for (int p = 0; p < len; p++) {
             m->special[h][p] = -1;
             const char *close = strncmp(text + p, "<|", 2) == 0 ? strstr(text + p + 2, "|>") : NULL;
@@ -14434,13 +14435,6 @@ static void render_smollm3(TurnBuilder *b, const char *system_prompt, const char
     if (!think) turn_string(b, "<think>\n\n</think>\n");
 }
 
-/* Harmony (gpt-oss): each message <|start|>role<|message|>content<|end|>.
-   The first turn opens with the template's system message (the model's
-   identity, knowledge cutoff, today's date, "Reasoning: medium", the valid
-   channels) and the system prompt as the developer's instructions; a turn
-   ends with <|start|>assistant, after which the model names its channel
-   (analysis: its reasoning; final: the answer, ended by <|return|>). */
-
 /* Harmony's system message; with tools (11.1), the line that sends their
    calls to the commentary channel. */
 static void render_harmony_system(TurnBuilder *b, int tools) {
@@ -14458,6 +14452,12 @@ static void render_harmony_system(TurnBuilder *b, int tools) {
     turn_token(b, "<|end|>");
 }
 
+/* Harmony (gpt-oss): each message <|start|>role<|message|>content<|end|>.
+   The first turn opens with the template's system message (the model's
+   identity, knowledge cutoff, today's date, "Reasoning: medium", the valid
+   channels) and the system prompt as the developer's instructions; a turn
+   ends with <|start|>assistant, after which the model names its channel
+   (analysis: its reasoning; final: the answer, ended by <|return|>). */
 static void render_harmony(TurnBuilder *b, const char *system_prompt, const char *user, int first) {
     if (first) {
         render_harmony_system(b, 0);
