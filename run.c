@@ -15736,6 +15736,7 @@ typedef struct {
     int chat;           /* a line with "messages": its answers carry the message (11.2) */
     int calls;          /* how its replies make tool calls: CALLS_NONE, ... (11.1) */
     int line_no;        /* its line's number: its calls' ids are call_N_K */
+    char *prefill;      /* the text its prompt wrote for its replies (mistral_prefill, 11.1); NULL: none */
 } BatchSlot;
 
 typedef struct {
@@ -15768,7 +15769,8 @@ static int new_slot(BatchOutput *out) {
 }
 
 static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
-                                  int calls, const char *prefix); /* 11.2 */
+                                  int calls, const char *prefill, const char *prefix); /* 11.2 */
+static void calls_id_prefix(char *out, size_t size, const char *name, int mode); /* 11.1 */
 
 /* A request's JSON lines (its error, or its hypotheses); then it is freed,
    with the stop strings its line allocated. */
@@ -15781,10 +15783,11 @@ static void print_request(BatchOutput *out, const BatchSlot *s) {
         out->failed++;
     } else {
         int n_show = r->n_hyps < r->d.n_return ? r->n_hyps : r->d.n_return;
-        char prefix[32];
-        snprintf(prefix, sizeof(prefix), "call_%d", s->line_no);
+        char name[32], prefix[40];
+        snprintf(name, sizeof(name), "call_%d", s->line_no);
+        calls_id_prefix(prefix, sizeof(prefix), name, s->calls);
         for (int i = 0; i < n_show; i++) {
-            if (s->chat) print_chat_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1], s->calls, prefix);
+            if (s->chat) print_chat_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1], s->calls, s->prefill, prefix);
             else print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
         }
     }
@@ -15797,6 +15800,7 @@ static void print_slot(BatchOutput *out, int i) {
     if (s->refusal) fputs(s->refusal, stdout);
     else print_request(out, s);
     free(s->refusal);
+    free(s->prefill);
     *s = (BatchSlot){.handed = 1, .printed = 1};
     flush_output();
     while (out->first < out->n && slot_at(out, out->first)->printed) out->first++;
@@ -15872,7 +15876,8 @@ static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why)
     return NULL;
 }
 
-static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls); /* 11.2 */
+static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls,
+                              char **prefill); /* 11.2 */
 static const char *calls_marker(int calls);
 
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
@@ -15883,7 +15888,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     int steps = run_positions(&line->o, seq_len), n_prompt = 0;
     const char *why;
     BatchSlot *slot = slot_at(&b->out, i);
-    int *prompt = line->chat ? batch_chat_prompt(line, b->tok, seq_len, &n_prompt, &why, &slot->calls)
+    int *prompt = line->chat ? batch_chat_prompt(line, b->tok, seq_len, &n_prompt, &why, &slot->calls, &slot->prefill)
                   : line->ids ? take_ids(line, seq_len, &n_prompt, &why) : line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
     for (int k = 0; k < line->o.controls.n_stops; k++) /* the request frees them all: the command line's are copied */
@@ -16216,12 +16221,19 @@ typedef struct {
     char *named;  /* TOOLS_NAMED: the function's name */
     int parallel; /* parallel_tool_calls */
     int llama31;  /* Llama 3.1's format (see above; tool_messages sets it) */
+    int mistral;  /* Mistral's format (the same) */
 } ToolSet;
 
-/* One call of a reply. */
+/* One call of a reply (or of a message's "tool_calls", read again for
+   Mistral's prompt: mistral_calls). */
 typedef struct {
     char *name, *arguments; /* arguments: the JSON text the reply wrote */
+    char *id;               /* a message's call's "id"; NULL: none given (a reply's calls) */
 } ToolCall;
+
+static void free_calls(ToolCall *calls, int n) {
+    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); free(calls[k].id); }
+}
 
 static void free_tools(ToolSet *ts) {
     for (int i = 0; i < ts->n; i++) { free(ts->tools[i].name); free(ts->tools[i].json); free(ts->tools[i].parameters); }
@@ -16245,6 +16257,8 @@ typedef struct ServeFields {
     char **roles, **contents; /* (n_messages) chat */
     char **calls;            /* (n_messages) an assistant message's tool calls, rendered (11.1); NULL: none */
     char **call_ids;         /* (n_messages) a tool message's tool_call_id; NULL: none */
+    char **calls_json;       /* (n_messages) an assistant message's "tool_calls" as given (JSON text), which
+                                Mistral's prompt reads again (mistral_calls); NULL: none */
     int n_messages, messages_given;
     ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
     ToolCall call;           /* the call of a message's tool_calls being read */
@@ -16262,15 +16276,17 @@ static void free_serve_fields(ServeFields *f) {
     for (int i = 0; i < f->n_messages; i++) {
         free(f->roles[i]);
         free(f->contents[i]);
-        if (f->calls) { free(f->calls[i]); free(f->call_ids[i]); }
+        if (f->calls) { free(f->calls[i]); free(f->call_ids[i]); free(f->calls_json[i]); }
     }
     free(f->roles);
     free(f->contents);
     free(f->calls);
     free(f->call_ids);
+    free(f->calls_json);
     free_tools(&f->tools);
     free(f->call.name);
     free(f->call.arguments);
+    free(f->call.id);
     buf_free(&f->calls_text);
     free(f->name);
     free(f->text);
@@ -16523,7 +16539,7 @@ static void parse_message_calls(JsonCursor *j, ServeFields *f) {
                    f->call.arguments ? f->call.arguments : "{}");
         free(f->call.name);
         free(f->call.arguments);
-        f->call = (ToolCall){NULL, NULL};
+        f->call = (ToolCall){NULL, NULL, NULL};
         json_space(j);
     }
     j->p++;
@@ -16634,12 +16650,133 @@ static void tool_messages_llama31(ServeFields *f) {
         }
         contents[n++] = b.data;
     }
-    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); free(f->calls[i]); free(f->call_ids[i]); }
-    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids);
-    f->calls = f->call_ids = NULL;
+    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); free(f->calls[i]); free(f->call_ids[i]); free(f->calls_json[i]); }
+    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids); free(f->calls_json);
+    f->calls = f->call_ids = f->calls_json = NULL;
     f->roles = roles;
     f->contents = contents;
     f->n_messages = n;
+}
+
+/* -- Mistral's format (Mistral Small 3.2's template; see 11.1) -- */
+
+/* The length of s as the template's `|length` counts it (@huggingface/jinja:
+   JavaScript's, in UTF-16 units, so a character past U+FFFF counts 2). */
+static size_t jinja_length(const char *s) {
+    size_t n = 0;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) n += ((*p & 0xC0) != 0x80) + (*p >= 0xF0);
+    return n;
+}
+
+/* A call's function, read again for Mistral's prompt: its "name", and its
+   "arguments" as `tojson` writes them (OpenAI's JSON text in a string stays
+   a string: the template quotes it). */
+static void mistral_function_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_name = strcmp(name, "name") == 0, is_arguments = strcmp(name, "arguments") == 0;
+    free(name);
+    if (is_name) {
+        free(f->call.name);
+        json_value(j, "name", &f->call.name); /* (a string: parse_message_calls checked it) */
+    } else if (is_arguments) {
+        const char *start = j->p;
+        json_skip(j, 0);
+        ByteBuf b = {0};
+        buf_tojson(&b, start, j->p);
+        free(f->call.arguments);
+        f->call.arguments = b.data;
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+/* A call, read again: its "id" (when a string) and its "function". */
+static void mistral_call_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_function = strcmp(name, "function") == 0, is_id = strcmp(name, "id") == 0;
+    free(name);
+    if (is_function) {
+        json_object(j, f, mistral_function_field);
+    } else if (is_id && j->p < j->end && *j->p == '"') {
+        free(f->call.id);
+        json_value(j, "id", &f->call.id);
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+/* The calls of message i's "tool_calls" (its calls_json, which the
+   server's parser has read), in *calls: their count. The caller frees them
+   (free_calls, then the list). */
+static int mistral_calls(const ServeFields *f, int i, ToolCall **calls) {
+    ServeFields scratch = {0};
+    const char *text = f->calls_json[i];
+    JsonCursor j = {text, text + strlen(text), NULL};
+    int n = 0;
+    *calls = NULL;
+    json_space(&j);
+    j.p++; /* [ */
+    json_space(&j);
+    for (int first = 1; json_next_item(&j, ']', &first, "expected ',' or ']'"); n++) {
+        json_object(&j, &scratch, mistral_call_field);
+        ToolCall *grown = realloc(*calls, (size_t)(n + 1) * sizeof(ToolCall));
+        if (!grown) die(EXIT_BAD_FILE, "out of memory");
+        *calls = grown;
+        (*calls)[n] = scratch.call;
+        scratch.call = (ToolCall){NULL, NULL, NULL};
+        json_space(&j);
+    }
+    return n;
+}
+
+static int is_tool_role(const char *role) { return strcmp(role, "tool") == 0 || strcmp(role, "tool_results") == 0; }
+
+/* Whether an id is one that Mistral's template takes: a string of 9
+   characters (its message asks for alphanumeric ones; it checks the length). */
+static int mistral_id_ok(const char *id) { return id && jinja_length(id) == 9; }
+
+/* tool_messages for Mistral's format: the messages stay as they are (the
+   prompt renders them: mistral_prompt_tokens), checked against the
+   template's rules, each break a 400 naming the field: after the optional
+   system message, user and assistant messages in turn (results and
+   messages with calls aside), roles system, user, assistant and tool only,
+   call ids and tool_call_ids of 9 characters, every call with arguments. */
+static void tool_messages_mistral(ServeFields *f) {
+    const JsonCursor none = {NULL, NULL, NULL};
+    f->tools.mistral = 1;
+    for (int i = strcmp(f->roles[0], "system") == 0, turn = 0; i < f->n_messages; i++) {
+        const char *role = f->roles[i];
+        if (!is_tool_role(role) && !f->calls[i] && (strcmp(role, "user") == 0) != (turn++ % 2 == 0))
+            json_fail(&none, "field 'messages[%d].role': Mistral's template needs user and assistant messages in turn after the "
+                             "optional system message (calls and tool results aside)", i);
+        if (!is_tool_role(role) && strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
+            json_fail(&none, "field 'messages[%d].role': Mistral's template takes system, user, assistant and tool messages, not '%s'", i, role);
+        if (is_tool_role(role) && !mistral_id_ok(f->call_ids[i]))
+            json_fail(&none, "field 'messages[%d].tool_call_id': Mistral's template needs a call id of 9 characters (alphanumeric)", i);
+        if (is_tool_role(role) && !f->contents[i]) json_fail(&none, "field 'messages[%d].content': a tool result needs its text", i);
+        if (strcmp(role, "assistant") != 0 || !f->calls_json[i]) continue;
+        ToolCall *calls;
+        int n = mistral_calls(f, i, &calls), bad = -1, no_arguments = -1;
+        for (int k = n - 1; k >= 0; k--) {
+            if (!mistral_id_ok(calls[k].id)) bad = k;
+            if (!calls[k].arguments) no_arguments = k;
+        }
+        free_calls(calls, n);
+        free(calls);
+        if (bad >= 0)
+            json_fail(&none, "field 'messages[%d].tool_calls[%d].id': Mistral's template needs a call id of 9 characters (alphanumeric)", i, bad);
+        if (no_arguments >= 0) json_fail(&none, "field 'messages[%d].tool_calls[%d].function.arguments': missing", i, no_arguments);
+    }
+}
+
+/* The text that opens a reply in Mistral's format and that the prompt
+   writes for it: [TOOL_CALLS]NAME[ARGS] for a named function (the reply is
+   its arguments), [TOOL_CALLS] with "required" (the reply names the
+   function: call heads); NULL for none (auto). */
+static char *mistral_prefill(const ToolSet *ts) {
+    if (!ts->mistral || ts->n == 0 || (ts->choice != TOOLS_NAMED && ts->choice != TOOLS_REQUIRED)) return NULL;
+    ByteBuf b = {0};
+    buf_str(&b, "[TOOL_CALLS]");
+    if (ts->choice == TOOLS_NAMED) buf_printf(&b, "%s[ARGS]", ts->named);
+    return b.data;
 }
 
 /* Rewrites the messages into the plain conversation that the family's
@@ -16650,6 +16787,9 @@ static void tool_messages_llama31(ServeFields *f) {
 static void tool_messages(ServeFields *f, const Tokenizer *tok) {
     f->tools.llama31 = tok->chat_template == CHAT_LLAMA3 && tok->llama31_tools;
     if (f->tools.llama31 && f->tools.n > 0) { tool_messages_llama31(f); return; }
+    int calls_or_results = 0;
+    for (int k = 0; k < f->n_messages; k++) calls_or_results |= f->calls[k] || is_tool_role(f->roles[k]);
+    if (tok->chat_template == CHAT_MISTRAL7 && (f->tools.n > 0 || calls_or_results)) { tool_messages_mistral(f); return; }
     int n = 0, i = 0;
     char **roles = xcalloc((size_t)f->n_messages + 1, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 1, sizeof(char *));
     if (f->tools.n > 0) {
@@ -16690,9 +16830,9 @@ static void tool_messages(ServeFields *f, const Tokenizer *tok) {
             f->roles[i] = NULL;
         }
     }
-    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->calls[i]); free(f->call_ids[i]); }
-    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids);
-    f->calls = f->call_ids = NULL;
+    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->calls[i]); free(f->call_ids[i]); free(f->calls_json[i]); }
+    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids); free(f->calls_json);
+    f->calls = f->call_ids = f->calls_json = NULL;
     f->roles = roles;
     f->contents = contents;
     f->n_messages = n;
@@ -16704,7 +16844,10 @@ static void message_field(JsonCursor *j, ServeFields *f, char *name) {
     f->member = name;
     int i = f->n_messages - 1;
     if (strcmp(name, "tool_calls") == 0) {
+        const char *start = j->p;
         parse_message_calls(j, f);
+        free(f->calls_json[i]);
+        f->calls_json[i] = f->calls[i] ? span_dup(start, (size_t)(j->p - start)) : NULL;
     } else if (strcmp(name, "role") == 0 || strcmp(name, "content") == 0 || strcmp(name, "tool_call_id") == 0) {
         JsonKind kind = json_value(j, name, &f->text);
         if (kind == JSON_NULL && name[0] == 'c') {
@@ -16728,8 +16871,8 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'messages': expected ',' or ']'");) {
-        char ***lists[4] = {&f->roles, &f->contents, &f->calls, &f->call_ids};
-        for (int k = 0; k < 4; k++) {
+        char ***lists[5] = {&f->roles, &f->contents, &f->calls, &f->call_ids, &f->calls_json};
+        for (int k = 0; k < 5; k++) {
             *lists[k] = realloc(*lists[k], (size_t)(f->n_messages + 1) * sizeof(char *));
             if (!*lists[k]) die(EXIT_BAD_FILE, "out of memory");
             (*lists[k])[f->n_messages] = NULL;
@@ -17041,7 +17184,8 @@ typedef struct {
     unsigned char first_chunk[SERVE_MAX_N]; /* a choice's next chunk is its first */
     ByteBuf held[SERVE_MAX_N]; /* each choice's streamed text not yet sent: an incomplete UTF-8 character */
     ThinkSplit think[SERVE_MAX_N]; /* each choice's reasoning told from its answer (chat, a template that thinks) */
-    int calls;                 /* how its replies make tool calls: CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED (11.1) */
+    int calls;                 /* how its replies make tool calls: CALLS_NONE, CALLS_AT_MARKER, ... (11.1) */
+    char *prefill;             /* the text its prompt wrote for each reply (mistral_prefill); NULL: none */
     ByteBuf reply[SERVE_MAX_N]; /* with tools, streamed: each choice's text so far (a call is held back) */
     size_t told[SERVE_MAX_N];   /* bytes of it streamed as content */
     char *stops[MAX_STOPS]; /* the request's stop strings */
@@ -17134,6 +17278,8 @@ static void conn_error(Server *srv, Conn *c, int status, const char *message) {
 }
 
 static void conn_free_echo(Conn *c) {
+    free(c->prefill);
+    c->prefill = NULL;
     for (int i = 0; i < SERVE_MAX_N; i++) {
         free(c->echo[i]);
         c->echo[i] = NULL;
@@ -17310,11 +17456,15 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 
 /* How a reply makes its calls (Conn's calls): none; after the marker, from
    where the constraint holds; the whole reply, constrained; or, Llama
-   3.1's "auto", a reply that starts with the call, unconstrained. */
-enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING };
+   3.1's "auto", a reply that starts with the call, unconstrained. Mistral's
+   format: "auto", calls after the text, each after [TOOL_CALLS] (the
+   constraint holds from the first); "required" and a named function, the
+   reply goes on from mistral_prefill's text, constrained. */
+enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING, CALLS_MISTRAL, CALLS_MISTRAL_PREFILLED };
 
 static int calls_mode(const ToolSet *ts) {
     if (ts->n == 0 || ts->choice == TOOLS_NONE) return CALLS_NONE;
+    if (ts->mistral) return ts->choice == TOOLS_AUTO ? CALLS_MISTRAL : CALLS_MISTRAL_PREFILLED;
     if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : CALLS_AT_MARKER;
     return CALLS_PREFILLED;
 }
@@ -17333,6 +17483,10 @@ static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len
             snprintf(err, err_len, "field 'tools[%d].function.parameters': %s", i, why);
             buf_free(&b);
             return NULL;
+        }
+        if (ts->mistral && ts->choice == TOOLS_NAMED) { /* Mistral's: the reply is the arguments (the prompt names the function) */
+            buf_free(&b);
+            return alone ? alone : compile_schema("{\"type\":\"object\"}", 17, err, err_len);
         }
         free_schema(alone);
         buf_str(&b, k++ ? "," : "");
@@ -17373,10 +17527,6 @@ static const char *json_value_end(const char *p) {
     return p;
 }
 
-static void free_calls(ToolCall *calls, int n) {
-    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); }
-}
-
 /* A reply in Llama 3.1's "auto" mode (CALLS_LEADING) past its leading
    white space and <|python_tag|>: where its call would start. */
 static const char *past_call_lead(const char *text) {
@@ -17396,7 +17546,7 @@ static const char *leading_call_start(const char *text) {
    when the text is not one call object, name a string, parameters an object. */
 static int leading_call(const char *text, ToolCall *c) {
     const char *p = leading_call_start(text);
-    *c = (ToolCall){NULL, NULL};
+    *c = (ToolCall){NULL, NULL, NULL};
     if (!p) return 0;
     JsonCursor j = {p + 1, p + strlen(p), NULL};
     jmp_buf trap, *outer = error_trap;
@@ -17404,7 +17554,7 @@ static int leading_call(const char *text, ToolCall *c) {
     if (setjmp(trap)) { /* (json_fail: not a call) */
         error_trap = outer;
         free_calls(c, 1);
-        *c = (ToolCall){NULL, NULL};
+        *c = (ToolCall){NULL, NULL, NULL};
         return 0;
     }
     json_space(&j);
@@ -17435,15 +17585,59 @@ static int leading_call(const char *text, ToolCall *c) {
     error_trap = outer;
     if (c->name && c->arguments && j.p >= j.end) return 1;
     free_calls(c, 1);
-    *c = (ToolCall){NULL, NULL};
+    *c = (ToolCall){NULL, NULL, NULL};
     return 0;
+}
+
+/* The end of the JSON object at p (white space allowed in it), or NULL
+   when p does not start one whole. */
+static const char *json_object_end(const char *p, const char *end) {
+    if (p >= end || *p != '{') return NULL;
+    JsonCursor j = {p, end, NULL};
+    jmp_buf trap, *outer = error_trap;
+    error_trap = &trap;
+    if (setjmp(trap)) { /* (json_fail: not an object) */
+        error_trap = outer;
+        return NULL;
+    }
+    json_skip(&j, 0);
+    error_trap = outer;
+    return j.p;
+}
+
+/* The calls of a reply in Mistral's format, its text after mistral_prefill's
+   (constrained, or the model's own in "auto"): content, then each call
+   [TOOL_CALLS]NAME[ARGS]ARGUMENTS (a [CALL_ID]ID before [ARGS] read past),
+   the arguments an object, nothing but white space after the last. Their
+   count (at most SERVE_MAX_CALLS), 0 when the text is not such calls. */
+static int mistral_reply_calls(const char *text, ToolCall *calls, size_t *content_len) {
+    const char *p = strstr(text, "[TOOL_CALLS]"), *end = text + strlen(text);
+    *content_len = strlen(text);
+    int n = 0;
+    while (p && n < SERVE_MAX_CALLS && strncmp(p, "[TOOL_CALLS]", 12) == 0) {
+        const char *name = p + 12, *args = strstr(name, "[ARGS]"), *id = strstr(name, "[CALL_ID]");
+        const char *name_end = id && args && id < args ? id : args, *args_end = args ? json_object_end(args + 6, end) : NULL;
+        if (!args_end || name_end == name) break;
+        calls[n].name = span_dup(name, (size_t)(name_end - name));
+        calls[n].arguments = span_dup(args + 6, (size_t)(args_end - args - 6));
+        calls[n++].id = NULL;
+        for (p = args_end; isspace((unsigned char)*p); p++) {}
+    }
+    if (n == 0 || !p || *p) { /* not calls to the end */
+        free_calls(calls, n);
+        return 0;
+    }
+    *content_len = (size_t)(strstr(text, "[TOOL_CALLS]") - text);
+    return n;
 }
 
 /* The calls of a reply's text, made as `mode` says: the JSON value after
    the marker (the whole reply, when the prompt ends with the marker), one
-   call or a list. Returns their count, 0 when the reply made none whole
-   (it is all content); *content_len: the length of the text before them. */
+   call or a list; Mistral's (the text after mistral_prefill's). Returns
+   their count, 0 when the reply made none whole (it is all content);
+   *content_len: the length of the text before them. */
 static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+    if (mode == CALLS_MISTRAL || mode == CALLS_MISTRAL_PREFILLED) return mistral_reply_calls(text, calls, content_len);
     if (mode == CALLS_LEADING) {
         int n = leading_call(text, &calls[0]);
         *content_len = n ? 0 : strlen(text);
@@ -17458,7 +17652,7 @@ static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall
     for (p += *p == '['; *p == '{' && n < SERVE_MAX_CALLS; n++) {
         const char *end = json_value_end(p);
         ToolCall *c = &calls[n];
-        *c = (ToolCall){NULL, NULL};
+        *c = (ToolCall){NULL, NULL, NULL};
         for (const char *key = p + 1; *key == '"';) { /* "name":..., "arguments":... in either order */
             const char *value = json_value_end(key) + 1, *value_end = json_value_end(value);
             if (strncmp(key, "\"name\":", 7) == 0) {
@@ -17474,14 +17668,45 @@ static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall
     return n;
 }
 
-/* The prefix of a choice's call ids: call_ID_CHOICE (the completion's
-   number and the choice's); call k's "id" is the prefix, '_' and k. The
-   command line names its calls the same way (11.2). */
-static void call_id_prefix(char *out, size_t size, const Conn *c, int choice) {
-    snprintf(out, size, "call_%s_%d", c->id + strlen("chatcmpl-"), choice);
+/* The prefix of the ids of a reply's calls made as `mode` says, from the
+   reply's name: call k's "id" is the prefix and k. The name and '_'; in
+   Mistral's format, whose template takes ids of 9 characters (alphanumeric,
+   its message says), 8 letters and digits of a hash of the name (FNV-1a). */
+static void calls_id_prefix(char *out, size_t size, const char *name, int mode) {
+    static const char digits[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    if (mode != CALLS_MISTRAL && mode != CALLS_MISTRAL_PREFILLED) {
+        size_t n = strlen(name) + 2 <= size ? strlen(name) : size - 2;
+        memcpy(out, name, n);
+        memcpy(out + n, "_", 2);
+        return;
+    }
+    uint64_t h = 14695981039346656037ULL;
+    for (const char *p = name; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    int i = 0;
+    for (; i < 8 && i + 1 < (int)size; i++, h /= 62) out[i] = digits[h % 62];
+    out[i] = '\0';
 }
 
-static void buf_call_id(ByteBuf *b, const char *prefix, int k) { buf_printf(b, "\"id\":\"%s_%d\"", prefix, k); }
+/* The prefix of a choice's call ids, from its name call_ID_CHOICE (the
+   completion's number and the choice's). The command line names its calls
+   the same way (11.2). */
+static void call_id_prefix(char *out, size_t size, const Conn *c, int choice) {
+    char name[64];
+    snprintf(name, sizeof(name), "call_%s_%d", c->id + strlen("chatcmpl-"), choice);
+    calls_id_prefix(out, size, name, c->calls);
+}
+
+static void buf_call_id(ByteBuf *b, const char *prefix, int k) { buf_printf(b, "\"id\":\"%s%d\"", prefix, k); }
+
+/* A reply's text as its calls are read (reply_calls): after the text its
+   prompt wrote for it (mistral_prefill), when there is one. Takes text. */
+static char *prefilled_reply(const char *prefill, char *text) {
+    if (!prefill) return text;
+    char *whole = xcalloc(strlen(prefill) + strlen(text) + 1, 1);
+    strcat(strcpy(whole, prefill), text);
+    free(text);
+    return whole;
+}
 
 /* message.tool_calls of an answer (and of a --batch line's, 11.2). */
 static void buf_tool_calls(ByteBuf *b, const char *prefix, const ToolCall *calls, int n) {
@@ -17593,7 +17818,7 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     if (c->calls == CALLS_NONE) { stream_content(srv, c, choice, text, n); return; }
     ByteBuf *all = &c->reply[choice];
     buf_add(all, text, n);
-    if (c->calls == CALLS_PREFILLED || !all->data) return;
+    if (c->calls == CALLS_PREFILLED || c->calls == CALLS_MISTRAL_PREFILLED || !all->data) return;
     if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
         const char *p = past_call_lead(all->data);
         size_t n_p = strlen(p);
@@ -17602,8 +17827,8 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
         c->told[choice] = all->n;
         return;
     }
-    const char *at = strstr(all->data, TOOL_MARKER);
-    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, TOOL_MARKER);
+    const char *marker = c->calls == CALLS_MISTRAL ? "[TOOL_CALLS]" : TOOL_MARKER, *at = strstr(all->data, marker);
+    size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, marker);
     if (safe <= c->told[choice]) return;
     stream_content(srv, c, choice, all->data + c->told[choice], safe - c->told[choice]);
     c->told[choice] = safe;
@@ -17776,6 +18001,7 @@ static void answer_choices(Server *srv, Conn *c) {
         const Request *r = c->req[i];
         const Hypothesis *h = &r->hyps[0];
         char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+        if (c->chat) text = prefilled_reply(c->prefill, text);
         buf_printf(&b, "%s{\"index\":%d,", i ? "," : "", i);
         const char *finish = finish_reason(h);
         if (c->chat) {
@@ -17836,7 +18062,7 @@ static void serve_on_done(Request *r, void *user) {
         ToolCall calls[SERVE_MAX_CALLS];
         int n_calls = 0;
         if (c->calls != CALLS_NONE) { /* the text held back: content up to the calls, then the calls */
-            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+            char *text = prefilled_reply(c->prefill, hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]));
             size_t content_len;
             n_calls = reply_calls(text, h, c->calls, calls, &content_len);
             if (content_len > c->told[choice]) stream_content(srv, c, choice, text + c->told[choice], content_len - c->told[choice]);
@@ -17949,6 +18175,100 @@ static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
     return out;
 }
 
+/* The tokens of a conversation in Mistral's format, as its template
+   renders it (tool_messages_mistral checked the messages), in `room`
+   positions: BOS, [SYSTEM_PROMPT]the first system message, or the default
+   one with today's date[/SYSTEM_PROMPT]; then each message: a later system
+   message the same way; a user's [INST]TEXT[/INST], the last user message
+   after [AVAILABLE_TOOLS]the tools as `tojson` writes the list
+   [/AVAILABLE_TOOLS] (@huggingface/jinja's `message == user_messages[-1]`
+   is that one message; Python's Jinja would also match an earlier one of
+   equal fields); an assistant's TEXT</s>, or its calls,
+   [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]ARGUMENTS each (the arguments as
+   `tojson` writes them), then </s>; a result's
+   [TOOL_RESULTS]ID[TOOL_CONTENT]TEXT[/TOOL_RESULTS]. The template has no
+   generation prompt: the reply follows the last message (the user's or a
+   result), after mistral_prefill's text when there is one. */
+static int *mistral_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    const char *last = f->roles[f->n_messages - 1];
+    *why = "the last message must be the user's or a tool's";
+    if (strcmp(last, "user") != 0 && !is_tool_role(last)) return NULL;
+    TurnBuilder b = {tok, xcalloc((size_t)room + 1, sizeof(int)), 0, room, 1, {NULL, 0, 0}};
+    int i = 0, last_user = -1;
+    for (int k = 0; k < f->n_messages; k++)
+        if (strcmp(f->roles[k], "user") == 0) last_user = k;
+    turn_id(&b, tok->bos);
+    turn_token(&b, "[SYSTEM_PROMPT]");
+    if (strcmp(f->roles[0], "system") == 0) {
+        turn_string(&b, f->contents[0] ? f->contents[0] : "");
+        i = 1;
+    } else {
+        char date[64];
+        turn_string(&b, MISTRAL7_SYSTEM_HEAD);
+        turn_string(&b, today("%Y-%m-%d", date, sizeof(date)));
+        turn_string(&b, MISTRAL7_SYSTEM_TAIL);
+    }
+    turn_token(&b, "[/SYSTEM_PROMPT]");
+    for (; i < f->n_messages && b.fits; i++) {
+        const char *role = f->roles[i], *content = f->contents[i] ? f->contents[i] : "";
+        if (strcmp(role, "system") == 0) {
+            turn_token(&b, "[SYSTEM_PROMPT]");
+            turn_string(&b, content);
+            turn_token(&b, "[/SYSTEM_PROMPT]");
+        } else if (strcmp(role, "user") == 0) {
+            if (f->tools.n > 0 && i == last_user) {
+                turn_token(&b, "[AVAILABLE_TOOLS]");
+                for (int k = 0; k < f->tools.n; k++) {
+                    turn_string(&b, k ? ", " : "[");
+                    turn_string(&b, f->tools.tools[k].json);
+                }
+                turn_string(&b, "]");
+                turn_token(&b, "[/AVAILABLE_TOOLS]");
+            }
+            turn_token(&b, "[INST]");
+            turn_string(&b, content);
+            turn_token(&b, "[/INST]");
+        } else if (strcmp(role, "assistant") == 0) {
+            ToolCall *calls = NULL;
+            int n = f->calls_json[i] ? mistral_calls(f, i, &calls) : 0;
+            for (int k = 0; k < n; k++) {
+                turn_token(&b, "[TOOL_CALLS]");
+                turn_string(&b, calls[k].name);
+                turn_token(&b, "[CALL_ID]");
+                turn_string(&b, calls[k].id);
+                turn_token(&b, "[ARGS]");
+                turn_string(&b, calls[k].arguments);
+            }
+            if (n == 0) turn_string(&b, content);
+            free_calls(calls, n);
+            free(calls);
+            turn_id(&b, turn_end_token(tok));
+        } else {
+            turn_token(&b, "[TOOL_RESULTS]");
+            turn_string(&b, f->call_ids[i]);
+            turn_token(&b, "[TOOL_CONTENT]");
+            turn_string(&b, content);
+            turn_token(&b, "[/TOOL_RESULTS]");
+        }
+    }
+    if (f->tools.n > 0 && (f->tools.choice == TOOLS_NAMED || f->tools.choice == TOOLS_REQUIRED)) { /* mistral_prefill's text */
+        turn_token(&b, "[TOOL_CALLS]");
+        if (f->tools.choice == TOOLS_NAMED) {
+            turn_string(&b, f->tools.named);
+            turn_token(&b, "[ARGS]");
+        }
+    }
+    turn_flush(&b);
+    free(b.text.data);
+    if (!b.fits) {
+        *why = "the messages do not fit the model's context";
+        free(b.out);
+        return NULL;
+    }
+    *n_tokens = b.n;
+    return b.out;
+}
+
 /* The tokens of a chat's messages (as tool_messages left them) in `room`
    positions: chat_messages_tokens's, and with "required" or a named
    function the marker after them, so that the reply starts with the call
@@ -17956,6 +18276,7 @@ static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
    command line's chats and batch lines (11.2) all prompt with it. */
 static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
     if (f->tools.llama31 && f->tools.n > 0) return llama31_prompt_tokens(tok, f, room, n_tokens, why);
+    if (f->tools.mistral) return mistral_prompt_tokens(tok, f, room, n_tokens, why);
     int *tokens = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, room, n_tokens, why);
     if (tokens && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, tokens, n_tokens, room)) {
         *why = "the messages do not fit the model's context";
@@ -17998,7 +18319,7 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
 static const char *tool_constraint(const ToolSet *ts, BatchLine *line, char *err, size_t err_len) {
     if (line->schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
     if (line->o.beams > 0) return "field 'tools' cannot be combined with beam search (num_beams, beams)";
-    if (calls_mode(ts) == CALLS_LEADING) { /* free text, a call or not: the parameters are only checked (see 11.1) */
+    if (calls_mode(ts) == CALLS_LEADING || calls_mode(ts) == CALLS_MISTRAL) { /* free text, a call or not: the parameters are only checked (see 11.1) */
         JsonSchema *s = tool_call_schema(ts, err, err_len);
         free_schema(s);
         return s ? NULL : err;
@@ -18054,8 +18375,9 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
-    d.constrain_after = calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL;
+    d.constrain_after = calls_marker(calls);
     submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
+    c->prefill = mistral_prefill(&f->tools);
     for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
         c->echo[k] = echo[k / f->n] && k % f->n != 0 ? strdup(echo[k / f->n]) : echo[k / f->n];
     /* the choices share the schema; the last one owns it, as it is freed
@@ -18563,11 +18885,14 @@ static void batch_chat_check(JsonCursor *j, BatchLine *line, const Tokenizer *to
 }
 
 /* A chat line's prompt (chat_prompt_tokens), or NULL with *why, which
-   fails its request only; *calls: how its replies make calls. */
-static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls) {
+   fails its request only; *calls: how its replies make calls, *prefill the
+   text the prompt writes for them (mistral_prefill). */
+static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls,
+                              char **prefill) {
     jmp_buf trap, *outer = error_trap;
     int *volatile tokens = NULL;
     *calls = calls_mode(&line->chat->tools);
+    *prefill = mistral_prefill(&line->chat->tools);
     error_trap = &trap;
     if (setjmp(trap) == 0) tokens = chat_prompt_tokens(tok, line->chat, room, n_tokens, why);
     else *why = "the tokenizer has no token for a byte of the messages";
@@ -18580,10 +18905,11 @@ static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, i
 static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL; }
 
 /* A chat's JSON line for a reply: print_json_hypothesis's, then the
-   server's "message" and "finish_reason" (calls named prefix_K). */
+   server's "message" and "finish_reason" (calls named prefix and K; the
+   reply after prefill: mistral_prefill). */
 static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
-                                  int calls, const char *prefix) {
-    char *text = hypothesis_text(tok, h, last_prompt_token);
+                                  int calls, const char *prefill, const char *prefix) {
+    char *text = prefilled_reply(prefill, hypothesis_text(tok, h, last_prompt_token));
     ByteBuf b = {0};
     buf_str(&b, "\"message\":{\"role\":\"assistant\",");
     const char *finish = buf_reply_message(&b, text, h, calls, reasoning_splits(tok), prefix, NULL);
@@ -18710,6 +19036,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
             msgs.data[before] = '\0';
             continue;
         }
+        char *prefill = mistral_prefill(&f->tools); /* (the reply's text goes on from it) */
         if (text_mode) printf("Assistant: ");
         flush_output();
         Decoding dd = turn_decoding;
@@ -18720,8 +19047,9 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         turn_decoding.seed = r->sampler.rng_state;
         const Hypothesis *h = &r->hyps[0];
         int last = r->prompt[r->n_prompt - 1], n_calls = 0;
-        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text);
-        snprintf(prefix, sizeof(prefix), "call_%d", ++replies);
+        char name[32], prefix[40], *text = prefilled_reply(prefill, hypothesis_text(tok, h, last)), *cut = strdup(text);
+        snprintf(name, sizeof(name), "call_%d", ++replies);
+        calls_id_prefix(prefix, sizeof(prefix), name, calls);
         ByteBuf m = {0}; /* the reply's message, as the server answers it and its client sends it back */
         buf_str(&m, "{\"role\":\"assistant\",");
         const char *finish = buf_reply_message(&m, cut, h, calls, reasoning_splits(tok), prefix, &n_calls);
@@ -18740,6 +19068,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         buf_printf(&msgs, ",%s", m.data);
         free(text);
         free(cut);
+        free(prefill);
         buf_free(&m);
         request_free(r);
         free_serve_fields(f); /* (its schema, the request's constraint, with it) */
@@ -18747,8 +19076,8 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         clear_interrupt(); /* Ctrl-C ended this reply only */
         after_results = 0;
         for (int k = 0; k < n_calls; k++) {
-            char guide[64], id[48];
-            snprintf(id, sizeof(id), "%s_%d", prefix, k);
+            char guide[80], id[64];
+            snprintf(id, sizeof(id), "%s%d", prefix, k);
             snprintf(guide, sizeof(guide), "Tool result (%s): ", id);
             char *result = results ? next_result(results) : read_line(guide, d->format);
             if (!result) {

@@ -336,6 +336,47 @@ def llama31_template():
     print("# llama3.1: %r" % text[-400:], flush=True)
 
 
+def mistral_vocab():
+    """(vocabulary GGUF, its models dir, template): o200k with Mistral
+    Small 3.2's special tokens, its tool tokens included, and its template
+    (test_chat_families's mistral7)."""
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    return cf.o200k_gguf("mistral7")
+
+
+def mistral_messages():
+    calls = [{"id": "Wx4kP9aQz", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2b3d4e5f", "type": "function", "function": {"name": "calculate", "arguments": {"a": 2, "b": 3}}}]
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": USER},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "Wx4kP9aQz", "content": '{"temperature": 21, "sky": "clear\\n"}'},
+            {"role": "tool", "tool_call_id": "c2b3d4e5f", "content": "5"},
+            {"role": "assistant", "content": "It is 21 degrees; 2 + 3 = 5."},
+            {"role": "user", "content": "And in Rome? \u00e9t\u00e9 \u2603"},
+            {"role": "assistant", "content": "", "tool_calls": [dict(calls[0], id="R0me12345", function={
+                "name": "get_weather", "arguments": '{"city": "Rome", "note": "a \\"quoted\\" word\\n"}'})]},
+            {"role": "tool", "tool_call_id": "R0me12345", "content": "rain"}]
+
+
+def mistral_template():
+    """serve's prompt for tools, calls and their results equals Mistral
+    Small 3.2's template's: the tools before the last user message, a call
+    as [TOOL_CALLS]NAME[CALL_ID]ID[ARGS] and its arguments as tojson writes
+    them (OpenAI's JSON text stays a quoted string), a result as
+    [TOOL_RESULTS]ID[TOOL_CONTENT]TEXT[/TOOL_RESULTS]; with the default
+    system message (today's date) when there is no system message."""
+    gv.need_dump()
+    path, models, template = mistral_vocab()
+    info = gv.dump_info(path)
+    assert info["chat"] == "mistral7", info
+    messages = mistral_messages()
+    for msgs in (messages, messages[:5], messages[1:7], messages[1:2], messages[1:]):
+        text = cf.render(template, msgs, "<s>", "</s>", tools=TOOLS)
+        expect_request_tokens(path, models, msgs, text)
+    print("# mistral: %r" % text[-300:], flush=True)
+
+
 def llama31_required():
     """A "required" call (and a named one) on a random model with Llama
     3.1's vocabulary and template: one call, its arguments valid, streamed
@@ -384,6 +425,7 @@ def main():
     case("serve_tools_random_llama3", lambda: gguf_client("llama3"))
     case("serve_tools_template_llama3_1", llama31_template)
     case("serve_tools_random_llama3_1", llama31_required)
+    case("serve_tools_template_mistral", mistral_template)
     return 1 if COUNTS["FAIL"] else 0
 
 
