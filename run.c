@@ -10623,10 +10623,18 @@ typedef struct {
 typedef struct JsonSchema {
     SchemaNode *nodes;        /* (n_nodes) */
     int n_nodes, cap_nodes;
+    /* a schema of call heads (see "Call heads" below): no nodes, the texts
+       and the schema of what follows each */
+    char **heads;             /* (n_heads) NULL: a plain schema */
+    struct JsonSchema **after; /* (n_heads) owned */
+    int n_heads;
 } JsonSchema;
 
 static void free_schema(JsonSchema *s) {
     if (!s) return;
+    for (int i = 0; i < s->n_heads; i++) { free(s->heads[i]); free_schema(s->after[i]); }
+    free(s->heads);
+    free(s->after);
     for (int i = 0; i < s->n_nodes; i++) {
         SchemaNode *n = &s->nodes[i];
         for (int k = 0; k < n->n_props; k++) free(n->props[k].name);
@@ -12071,6 +12079,113 @@ static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
     return 1;
 }
 
+/* -- Call heads: one of several literal texts, then that one's schema --
+   A tool call in some formats names its function in the model's own words
+   before its arguments (Harmony's `to=functions.NAME <|constrain|>json
+   <|message|>`, 11.1). A schema of call heads holds the answer to one of a
+   set of literal texts, the heads, each with a schema of its own for the
+   value that follows it: while a head is being written, a token is allowed
+   only when its bytes keep the text a prefix of some head; once one is
+   complete the answer is read under that head's schema as any other
+   (JsonMatch). A head's special tokens (a <|...|> of its text that the
+   vocabulary has as a special token) must come as those tokens: no plain
+   token may spell one or run into one. No token runs past a head's end
+   either, so a head should end with a special token (then none can).
+   Made with call_heads_new and call_heads_add; a request under it takes
+   it as its Decoding's schema, from the start or after constrain_after. */
+
+static JsonSchema *call_heads_new(void) { return xcalloc(1, sizeof(JsonSchema)); }
+
+/* Adds a head: its text, and the schema of the value after it (taken). */
+static void call_heads_add(JsonSchema *s, const char *text, JsonSchema *after) {
+    s->heads = realloc(s->heads, (size_t)(s->n_heads + 1) * sizeof(char *));
+    s->after = realloc(s->after, (size_t)(s->n_heads + 1) * sizeof(JsonSchema *));
+    if (!s->heads || !s->after) die(EXIT_BAD_FILE, "out of memory (call heads)");
+    s->heads[s->n_heads] = strdup(text);
+    s->after[s->n_heads++] = after;
+}
+
+/* A request's reading of a head. */
+typedef struct {
+    const JsonSchema *s;      /* the schema of call heads */
+    int at;                   /* bytes of the head written so far */
+    unsigned char *alive;     /* (s->n_heads) the heads the text so far begins */
+    int **special;            /* (s->n_heads) per head, per byte: the special token that starts there, -1: none */
+    int **plain;              /* (s->n_heads) per head, per byte: the plain bytes from there to the next special token or the end */
+} HeadMatch;
+
+static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
+    HeadMatch *m = xcalloc(1, sizeof(HeadMatch));
+    m->s = s;
+    m->alive = xcalloc((size_t)s->n_heads, 1);
+    m->special = xcalloc((size_t)s->n_heads, sizeof(int *));
+    m->plain = xcalloc((size_t)s->n_heads, sizeof(int *));
+    for (int h = 0; h < s->n_heads; h++) {
+        const char *text = s->heads[h];
+        int len = (int)strlen(text);
+        m->alive[h] = 1;
+        m->special[h] = xcalloc((size_t)len + 1, sizeof(int));
+        m->plain[h] = xcalloc((size_t)len + 1, sizeof(int));
+        for (int p = 0; p < len; p++) {
+            m->special[h][p] = -1;
+            const char *close = strncmp(text + p, "<|", 2) == 0 ? strstr(text + p + 2, "|>") : NULL;
+            if (close && tok->special) {
+                char *name = span_dup(text + p, (size_t)(close + 2 - (text + p)));
+                m->special[h][p] = lookup_special(tok, name);
+                free(name);
+            }
+        }
+        for (int p = len - 1; p >= 0; p--) m->plain[h][p] = m->special[h][p] >= 0 ? 0 : 1 + m->plain[h][p + 1];
+    }
+    return m;
+}
+
+static void head_match_free(HeadMatch *m) {
+    if (!m) return;
+    for (int h = 0; h < m->s->n_heads; h++) { free(m->special[h]); free(m->plain[h]); }
+    free(m->special); free(m->plain); free(m->alive);
+    free(m);
+}
+
+/* Whether `token` (plain: bytes, n of them, from the trie; special: its id
+   and no bytes) goes on with head h from m->at. */
+static int head_allows(const HeadMatch *m, int h, int token, const char *bytes, int n) {
+    if (!m->alive[h]) return 0;
+    if (!bytes) return m->special[h][m->at] == token;
+    return n <= m->plain[h][m->at] && memcmp(m->s->heads[h] + m->at, bytes, (size_t)n) == 0;
+}
+
+/* Sets to -inf the logits of the tokens that go on with no head; returns
+   how many stay allowed. */
+static int head_mask(const HeadMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
+    int n_allowed = 0;
+    for (int i = 0; i < tok->vocab_size; i++) {
+        int special = tok->special && tok->special[i], ok = 0;
+        if (special || t->bytes[i])
+            for (int h = 0; h < m->s->n_heads && !ok; h++) ok = head_allows(m, h, i, special ? NULL : t->bytes[i], special ? 0 : t->len[i]);
+        if (ok) n_allowed++;
+        else logits[i] = -INFINITY;
+    }
+    return n_allowed;
+}
+
+/* Reads a token (bytes: its plain bytes, n of them; NULL: the special
+   token `token`): returns the head it completes, -1 when none is complete
+   yet, -2 when it goes on with no head. */
+static int head_take(HeadMatch *m, int token, const char *bytes, int n) {
+    int first = -1;
+    for (int h = 0; h < m->s->n_heads; h++) {
+        m->alive[h] = (unsigned char)head_allows(m, h, token, bytes, n);
+        if (m->alive[h] && first < 0) first = h;
+    }
+    if (first < 0) return -2;
+    const char *at = m->s->heads[first] + m->at;
+    m->at += bytes ? n : (int)(strstr(at + 2, "|>") + 2 - at); /* a special token: its spelling, to its closing |> */
+    for (int h = 0; h < m->s->n_heads; h++)
+        if (m->alive[h] && m->s->heads[h][m->at] == '\0') return h;
+    return -1;
+}
+
 /* ------------------------------------------------------------------------ */
 /* 7. The engine: requests served together (continuous batching)           */
 /* ------------------------------------------------------------------------ */
@@ -12276,6 +12391,7 @@ struct Request {
     float *raw;             /* (vocab) sampling with a score: the logits before sampling */
     BeamState *beam;        /* NULL when sampling */
     JsonMatch *json;        /* under d.schema: the answer read so far (beam search: the scratch of each beam's mask); NULL: unconstrained */
+    HeadMatch *head;        /* under a schema of call heads (6.1): the head being written; then `json` reads what follows it */
     Hypothesis *hyps;       /* (max(1, B)) the result, best first */
     int n_hyps;
     int logit_at;           /* this step: the first of its rows in the logits, -1 if none */
@@ -12454,6 +12570,8 @@ static void request_finish(Engine *e, Request *r) {
     r->raw = NULL;
     json_match_free(r->json);
     r->json = NULL;
+    head_match_free(r->head);
+    r->head = NULL;
     free_sampler(&r->sampler);
     free_stop_matcher(&r->stops);
     r->stops.held = NULL;
@@ -12503,8 +12621,9 @@ static int choose_token(const Engine *e, Request *r, float *logits) {
     const Controls *ctl = &r->d.controls;
     const Sequence *s = &r->seqs[0];
     if (r->json && json_mask(r->json, e->trie, e->tok, logits) == 0) return -1;
+    if (r->head && head_mask(r->head, e->trie, e->tok, logits) == 0) return -1;
     process_logits(ctl, e->tok, s->tokens, s->n_tokens, r->hyps[0].n_tokens, logits);
-    if (r->json && !(logits[sample_argmax(logits, vocab)] > -INFINITY)) return -1; /* the controls banned every allowed token */
+    if ((r->json || r->head) && !(logits[sample_argmax(logits, vocab)] > -INFINITY)) return -1; /* the controls banned every allowed token */
     if (r->raw) memcpy(r->raw, logits, (size_t)vocab * sizeof(float));
     int next = sample_with_controls(&r->sampler, ctl, logits);
     if (r->raw) r->hyps[0].score += log_prob(r->raw, vocab, next);
@@ -12530,25 +12649,67 @@ static void finish_interrupted(Engine *e, Request *r) {
     request_finish(e, r);
 }
 
+/* Starts a request's constraint, d.schema: a JsonMatch, or for call
+   heads a HeadMatch. */
+static void constraint_start(Engine *e, Request *r) {
+    if (r->d.schema->heads) r->head = head_match_new(r->d.schema, e->tok);
+    else r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
+}
+
+/* A head is complete (head k): what follows it is read under its schema. */
+static void head_done(Engine *e, Request *r, int k) {
+    r->json = json_match_new(r->head->s->after[k], e->trie, e->t->config.vocab_size);
+    head_match_free(r->head);
+    r->head = NULL;
+}
+
+/* Reads the text p under the constraint just started (the rest of the
+   token that completed the marker); 0 when it breaks it. */
+static int constraint_feed_text(Engine *e, Request *r, const char *p) {
+    for (; *p && r->head; p++) {
+        int k = head_take(r->head, -1, p, 1);
+        if (k == -2) return 0;
+        if (k >= 0) head_done(e, r, k);
+    }
+    for (; *p; p++) {
+        JsonState next;
+        json_feed(r->json->schema, &r->json->state, (unsigned char)*p, &next);
+        if (next.n == 0) return 0;
+        r->json->state = next;
+    }
+    return 1;
+}
+
+/* The bytes of `marker` that a text ends with, after one more byte ch,
+   when it ended with `seen` of them: the longest start of the marker that
+   the seen bytes and ch end with. */
+static int marker_step(const char *marker, int seen, char ch) {
+    for (int k = seen + 1; k > 0; k--)
+        if (marker[k - 1] == ch && memcmp(marker, marker + seen - (k - 1), (size_t)(k - 1)) == 0) return k;
+    return 0;
+}
+
 /* Reads a reply's next text for d.constrain_after: once the reply has
    written the marker, the schema's constraint starts, with the bytes of the
    text after the marker read. Returns 0 when those bytes already break it. */
 static int constrain_from_marker(Engine *e, Request *r, const char *text) {
     const char *marker = r->d.constrain_after;
-    for (const char *p = text; *p && !r->json; p++) {
-        if (*p != marker[r->marker_seen]) r->marker_seen = 0; /* (the marker's first byte comes nowhere else in it) */
-        if (*p == marker[r->marker_seen] && marker[++r->marker_seen] == '\0')
-            r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
-        if (!r->json) continue;
-        for (p++; *p; p++) {
-            JsonState next;
-            json_feed(r->json->schema, &r->json->state, (unsigned char)*p, &next);
-            if (next.n == 0) return 0;
-            r->json->state = next;
-        }
-        break;
+    for (const char *p = text; *p; p++) {
+        r->marker_seen = marker_step(marker, r->marker_seen, *p);
+        if (marker[r->marker_seen] != '\0') continue;
+        constraint_start(e, r);
+        return constraint_feed_text(e, r, p + 1);
     }
     return 1;
+}
+
+/* Reads a token of a head being written (r->head); 0 when it goes on with
+   no head (the mask let none such through). */
+static int head_step(Engine *e, Request *r, int token) {
+    const int special = e->tok->special && e->tok->special[token];
+    int k = head_take(r->head, token, special ? NULL : e->trie->bytes[token], special ? 0 : e->trie->len[token]);
+    if (k >= 0) head_done(e, r, k);
+    return k != -2;
 }
 
 /* The second half: takes the chosen token (see sample_step). */
@@ -12566,15 +12727,16 @@ static void take_token(Engine *e, Request *r, int next) {
             const char *safe = stop_feed(&r->stops, piece, &n_safe);
             if (r->on_text) r->on_text(r, safe, n_safe);
         }
-        int before_marker = !r->json && r->d.constrain_after && piece_is_printable(e->tok, piece);
-        if (before_marker && !constrain_from_marker(e, r, piece)) {
+        int before_marker = !r->json && !r->head && r->d.constrain_after && piece_is_printable(e->tok, piece);
+        int in_head = r->head != NULL; /* (before the marker, none) */
+        if ((before_marker && !constrain_from_marker(e, r, piece)) || (in_head && !head_step(e, r, next))) {
             h->stop = "constraint";
             ended = 1;
         } else if (r->stops.matched) {
             h->stop = "string";
             h->stop_string = r->stops.matched;
             ended = 1;
-        } else if (r->json && !before_marker && json_take(r->json, e->trie, next)) {
+        } else if (r->json && !before_marker && !in_head && json_take(r->json, e->trie, next)) {
             h->stop = "json";
             ended = 1;
         } else if (h->n_tokens == r->max_new) {
@@ -12901,7 +13063,7 @@ static void speculate(Engine *e) {
         Sequence *s = &r->seqs[0];
         r->n_draft = -1;
         if (!sp || r->d.beam.beams > 0 || s->n_tokens - s->n_cached != 1) continue;
-        if (r->json || r->d.constrain_after) { /* drafts are not checked against the schema: this request goes a token at a time */
+        if (r->json || r->head || r->d.constrain_after) { /* drafts are not checked against the schema: this request goes a token at a time */
             static int noted;
             if (!noted) fprintf(stderr, "run: note: speculative decoding is off for answers under a JSON schema\n");
             noted = 1;
@@ -13128,7 +13290,7 @@ static int engine_start(Engine *e, Request *r) {
     free(matched);
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
     if (r->d.schema && !e->trie) e->trie = token_trie_new(e->tok);
-    if (r->d.schema && !r->d.constrain_after) r->json = json_match_new(r->d.schema, e->trie, t->config.vocab_size);
+    if (r->d.schema && !r->d.constrain_after) constraint_start(e, r);
     r->stops = stop_matcher(&r->d.controls);
     if (r->d.beam.beams == 0 && (r->d.format == FORMAT_JSON || r->lp)) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
     if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
@@ -16222,6 +16384,7 @@ typedef struct {
     int parallel; /* parallel_tool_calls */
     int llama31;  /* Llama 3.1's format (see above; tool_messages sets it) */
     int mistral;  /* Mistral's format (the same) */
+    int harmony;  /* Harmony's (the same) */
 } ToolSet;
 
 /* One call of a reply (or of a message's "tool_calls", read again for
@@ -17469,9 +17632,46 @@ static int calls_mode(const ToolSet *ts) {
     return CALLS_PREFILLED;
 }
 
+/* A function's parameters, compiled (NULL: none given, any object); NULL
+   with the refusal in err. */
+static JsonSchema *tool_parameters_schema(const ToolSet *ts, int i, char *err, size_t err_len) {
+    const char *text = ts->tools[i].parameters ? ts->tools[i].parameters : "{\"type\":\"object\"}";
+    char why[256];
+    JsonSchema *s = compile_schema(text, strlen(text), why, sizeof(why));
+    if (!s) snprintf(err, err_len, "field 'tools[%d].function.parameters': %s", i, why);
+    return s;
+}
+
+/* Harmony's calls (see 11.1): with a named function, the reply is its
+   arguments (the prompt ends with the call's head); else call heads, a
+   head for each function after `to=functions.`, then its parameters: as
+   the model writes it after <|channel|>commentary, and (auto) also as the
+   template writes a past call's head, the channel after the recipient. */
+static JsonSchema *harmony_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    static const char *const forms[] = {" <|constrain|>json<|message|>", "<|channel|>commentary <|constrain|>json<|message|>",
+                                        "<|channel|>commentary json<|message|>"};
+    JsonSchema *heads = ts->choice == TOOLS_NAMED ? NULL : call_heads_new();
+    for (int i = 0; i < ts->n; i++) {
+        if (ts->choice == TOOLS_NAMED && strcmp(ts->tools[i].name, ts->named) != 0) continue;
+        for (int k = 0; k < (ts->choice == TOOLS_AUTO ? 3 : 1); k++) {
+            JsonSchema *after = tool_parameters_schema(ts, i, err, err_len);
+            if (!after || !heads) {
+                free_schema(heads);
+                return after;
+            }
+            char *text = xcalloc(strlen(ts->tools[i].name) + strlen(forms[k]) + 1, 1);
+            sprintf(text, "%s%s", ts->tools[i].name, forms[k]);
+            call_heads_add(heads, text, after);
+            free(text);
+        }
+    }
+    return heads;
+}
+
 /* The schema of the calls a reply may make (see 11.1); NULL with the
    refusal in err: a function's parameters that 6.1 does not take. */
 static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    if (ts->harmony) return harmony_call_schema(ts, err, err_len);
     ByteBuf b = {0};
     buf_str(&b, "{\"$defs\":{\"call\":{\"anyOf\":[");
     for (int i = 0, k = 0; i < ts->n; i++) {

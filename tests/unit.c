@@ -3427,6 +3427,56 @@ static __attribute__((noinline)) void test_json_mask(void) {
     }
 }
 
+/* Call heads (6.1): while a head is written, the mask allows exactly the
+   tokens whose bytes keep the text a prefix of some head still possible
+   (brute force over tokenizer.bin's 32000), no end token; head_take follows
+   the text and names the head it completes, whose schema then reads on. */
+static void test_call_heads(void) {
+    if (!have_tok32k) { skip("call heads", "tokenizer.bin is missing from MODELS_DIR"); return; }
+    begin("call heads: the mask = brute force along a head, and the head completed");
+    static const char *const heads[] = {"get_weather(", "get_time(", "set_timer("};
+    char err[256];
+    JsonSchema *s = call_heads_new();
+    for (int h = 0; h < 3; h++) call_heads_add(s, heads[h], compile_schema("{\"type\":\"integer\"}", 19, err, sizeof(err)));
+    TokenTrie *t = token_trie_new(&tok32k);
+    HeadMatch *m = head_match_new(s, &tok32k);
+    float *logits = xcalloc((size_t)tok32k.vocab_size, sizeof(float));
+    const char *target = heads[1];
+    int done = -1, steps = 0;
+    while (done < 0 && steps++ < 20) {
+        for (int i = 0; i < tok32k.vocab_size; i++) logits[i] = 0.0f;
+        head_mask(m, t, &tok32k, logits);
+        int bad = -1, longest = -1;
+        for (int i = 0; i < tok32k.vocab_size && bad < 0; i++) {
+            int want = 0;
+            for (int h = 0; h < 3 && t->bytes[i]; h++)
+                want |= strncmp(heads[h], target, (size_t)m->at) == 0 && m->at + t->len[i] <= (int)strlen(heads[h]) &&
+                        memcmp(heads[h] + m->at, t->bytes[i], (size_t)t->len[i]) == 0;
+            if (want != (logits[i] == 0.0f)) bad = i;
+            if (want && memcmp(target + m->at, t->bytes[i], (size_t)t->len[i]) == 0 && m->at + t->len[i] <= (int)strlen(target) &&
+                (longest < 0 || t->len[i] > t->len[longest]))
+                longest = i;
+        }
+        if (!expect(bad < 0, "after '%.*s' token %d ('%s') is %s by the mask", m->at, target, bad, bad >= 0 ? tok32k.vocab[bad] : "",
+                    bad >= 0 && logits[bad] == 0.0f ? "allowed" : "refused") || !expect(longest >= 0, "no token goes on with %s", target))
+            break;
+        done = head_take(m, longest, t->bytes[longest], t->len[longest]);
+    }
+    expect(done == 1 && m->at == (int)strlen(target), "head %d completed after %d bytes, not head 1 (%s)", done, m->at, target);
+    expect(head_take(m, -1, "x", 1) == -2, "a byte past the head is refused");
+    free(logits);
+    head_match_free(m);
+    HeadMatch *fresh = head_match_new(s, &tok32k);
+    expect(head_take(fresh, -1, "set_", 4) == -1 && head_take(fresh, -1, "timer(", 6) == 2, "text fed to the heads completes set_timer(");
+    head_match_free(fresh);
+    HeadMatch *wrong = head_match_new(s, &tok32k);
+    expect(head_take(wrong, -1, "get_x", 5) == -2, "text that begins no head is refused");
+    head_match_free(wrong);
+    token_trie_free(t);
+    free_schema(s);
+    end();
+}
+
 int main(void) {
     models_dir = getenv("MODELS_DIR");
     if (!models_dir || !*models_dir) models_dir = "../shared/models";
@@ -3481,6 +3531,7 @@ int main(void) {
     test_engine_cancel();
     test_http_parse();
     test_json_mask();
+    test_call_heads();
 
     if (have_tok512) free_tokenizer(&tok512);
     if (have_tok32k) free_tokenizer(&tok32k);
