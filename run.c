@@ -12087,8 +12087,9 @@ static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
    value that follows it: while a head is being written, a token is allowed
    only when its bytes keep the text a prefix of some head; once one is
    complete the answer is read under that head's schema as any other
-   (JsonMatch). A head's special tokens (a <|...|> of its text that the
-   vocabulary has as a special token) must come as those tokens: no plain
+   (JsonMatch). A head's special tokens (a <|...|> or [...] of its text that
+   the vocabulary has as a special token: Harmony's <|message|>, Mistral's
+   [ARGS]) must come as those tokens: no plain
    token may spell one or run into one. No token runs past a head's end
    either, so a head should end with a special token (then none can).
    Made with call_heads_new and call_heads_add; a request under it takes
@@ -12103,6 +12104,13 @@ static void call_heads_add(JsonSchema *s, const char *text, JsonSchema *after) {
     if (!s->heads || !s->after) die(EXIT_BAD_FILE, "out of memory (call heads)");
     s->heads[s->n_heads] = strdup(text);
     s->after[s->n_heads++] = after;
+}
+
+/* The end of the tag that starts at p, <|...|> or [...], as a special
+   token would spell it; NULL when none starts there. */
+static const char *head_tag_end(const char *p) {
+    const char *close = strncmp(p, "<|", 2) == 0 ? strstr(p + 2, "|>") : *p == '[' ? strchr(p + 1, ']') : NULL;
+    return close ? close + (*p == '[' ? 1 : 2) : NULL;
 }
 
 /* A request's reading of a head. */
@@ -12128,9 +12136,9 @@ static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
         m->plain[h] = xcalloc((size_t)len + 1, sizeof(int));
         for (int p = 0; p < len; p++) {
             m->special[h][p] = -1;
-            const char *close = strncmp(text + p, "<|", 2) == 0 ? strstr(text + p + 2, "|>") : NULL;
+            const char *close = head_tag_end(text + p);
             if (close && tok->special) {
-                char *name = span_dup(text + p, (size_t)(close + 2 - (text + p)));
+                char *name = span_dup(text + p, (size_t)(close - (text + p)));
                 m->special[h][p] = lookup_special(tok, name);
                 free(name);
             }
@@ -12180,7 +12188,7 @@ static int head_take(HeadMatch *m, int token, const char *bytes, int n) {
     }
     if (first < 0) return -2;
     const char *at = m->s->heads[first] + m->at;
-    m->at += bytes ? n : (int)(strstr(at + 2, "|>") + 2 - at); /* a special token: its spelling, to its closing |> */
+    m->at += bytes ? n : (int)(head_tag_end(at) - at); /* a special token: its spelling, to its closing |> or ] */
     for (int h = 0; h < m->s->n_heads; h++)
         if (m->alive[h] && m->s->heads[h][m->at] == '\0') return h;
     return -1;
@@ -16362,7 +16370,27 @@ typedef struct {
    constrain the whole reply to the call (no marker: the call is the
    reply), and with "auto" the reply is free, a call when it starts with
    {"name" (after <|python_tag|>, when the model writes it): no constraint
-   can switch on at a marker that is the call's own first bytes. */
+   can switch on at a marker that is the call's own first bytes.
+   Mistral v7's template (Mistral Small 3.2's: CHAT_MISTRAL7) has its own
+   too, rendered as it renders it (mistral_prompt_tokens) whenever a
+   request has tools, calls or results: the tools as [AVAILABLE_TOOLS] and
+   the list as `tojson` writes it [/AVAILABLE_TOOLS] before the last user
+   message, a past call as [TOOL_CALLS]NAME[CALL_ID]ID[ARGS] and its
+   arguments as `tojson` writes them (OpenAI's JSON text in a string stays
+   a quoted string, as the template has it), then </s>, a result as
+   [TOOL_RESULTS]ID[TOOL_CONTENT]TEXT[/TOOL_RESULTS]. The template raises
+   on ids that are not 9 characters and on roles out of turn: those are
+   400s naming the field (tool_messages_mistral), and the calls the server
+   answers get ids of 9 letters and digits (calls_id_prefix), which come
+   back in the next request. The model calls with [TOOL_CALLS]NAME[ARGS]
+   then the arguments: with a named function the prompt ends with all but
+   the arguments and the reply is constrained to the parameters; the name
+   is not JSON, so with "required" the prompt ends with [TOOL_CALLS] and
+   call heads (6.1) hold the reply to some NAME[ARGS] and then to that
+   function's parameters; with "auto" the same heads switch on when the
+   model writes [TOOL_CALLS] (constrain_after). The text the prompt wrote
+   for the reply (mistral_prefill) goes before it when its calls are read
+   (prefilled_reply, mistral_reply_calls). */
 
 #define TOOL_MARKER "<tool_call>\n"
 #define SERVE_MAX_TOOLS 64 /* tools of one request, at most */
@@ -17642,12 +17670,35 @@ static JsonSchema *tool_parameters_schema(const ToolSet *ts, int i, char *err, s
     return s;
 }
 
+
+/* Mistral's calls (see 11.1): with a named function, the reply is its
+   arguments (the prompt ends with [TOOL_CALLS]NAME[ARGS]); else call heads,
+   NAME[ARGS] for each function (after [TOOL_CALLS]: the prompt's with
+   "required", the model's own with "auto"), then its parameters. */
+static JsonSchema *mistral_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    JsonSchema *heads = ts->choice == TOOLS_NAMED ? NULL : call_heads_new();
+    for (int i = 0; i < ts->n; i++) {
+        if (ts->choice == TOOLS_NAMED && strcmp(ts->tools[i].name, ts->named) != 0) continue;
+        JsonSchema *after = tool_parameters_schema(ts, i, err, err_len);
+        if (!after || !heads) {
+            free_schema(heads);
+            return after;
+        }
+        char *text = xcalloc(strlen(ts->tools[i].name) + 7, 1);
+        sprintf(text, "%s[ARGS]", ts->tools[i].name);
+        call_heads_add(heads, text, after);
+        free(text);
+    }
+    return heads;
+}
+
 /* Harmony's calls (see 11.1): with a named function, the reply is its
    arguments (the prompt ends with the call's head); else call heads, a
    head for each function after `to=functions.`, then its parameters: as
    the model writes it after <|channel|>commentary, and (auto) also as the
    template writes a past call's head, the channel after the recipient. */
 static JsonSchema *harmony_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+
     static const char *const forms[] = {" <|constrain|>json<|message|>", "<|channel|>commentary <|constrain|>json<|message|>",
                                         "<|channel|>commentary json<|message|>"};
     JsonSchema *heads = ts->choice == TOOLS_NAMED ? NULL : call_heads_new();
@@ -17672,6 +17723,7 @@ static JsonSchema *harmony_call_schema(const ToolSet *ts, char *err, size_t err_
    refusal in err: a function's parameters that 6.1 does not take. */
 static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len) {
     if (ts->harmony) return harmony_call_schema(ts, err, err_len);
+    if (ts->mistral) return mistral_call_schema(ts, err, err_len);
     ByteBuf b = {0};
     buf_str(&b, "{\"$defs\":{\"call\":{\"anyOf\":[");
     for (int i = 0, k = 0; i < ts->n; i++) {
@@ -17683,10 +17735,6 @@ static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len
             snprintf(err, err_len, "field 'tools[%d].function.parameters': %s", i, why);
             buf_free(&b);
             return NULL;
-        }
-        if (ts->mistral && ts->choice == TOOLS_NAMED) { /* Mistral's: the reply is the arguments (the prompt names the function) */
-            buf_free(&b);
-            return alone ? alone : compile_schema("{\"type\":\"object\"}", 17, err, err_len);
         }
         free_schema(alone);
         buf_str(&b, k++ ? "," : "");
@@ -18519,7 +18567,7 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
 static const char *tool_constraint(const ToolSet *ts, BatchLine *line, char *err, size_t err_len) {
     if (line->schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
     if (line->o.beams > 0) return "field 'tools' cannot be combined with beam search (num_beams, beams)";
-    if (calls_mode(ts) == CALLS_LEADING || calls_mode(ts) == CALLS_MISTRAL) { /* free text, a call or not: the parameters are only checked (see 11.1) */
+    if (calls_mode(ts) == CALLS_LEADING) { /* free text, a call or not: the parameters are only checked (see 11.1) */
         JsonSchema *s = tool_call_schema(ts, err, err_len);
         free_schema(s);
         return s ? NULL : err;
@@ -19102,7 +19150,7 @@ static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, i
 
 /* The text after which a reply's calls are constrained (Decoding's
    constrain_after), for calls made as `calls` says. */
-static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : NULL; }
+static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_MISTRAL ? "[TOOL_CALLS]" : NULL; }
 
 /* A chat's JSON line for a reply: print_json_hypothesis's, then the
    server's "message" and "finish_reason" (calls named prefix and K; the

@@ -32,6 +32,18 @@ results in ipython messages).
 Bad input gets 400 naming the field: a tool without a name, parameters not
 an object, tool_choice naming no given tool, a tool message without
 tool_call_id, a schema keyword 6.1 does not take.
+Mistral Small 3.2's format, on o200k with its special tokens (tool tokens
+included: test_chat_families's mistral7) and its template: the prompt of
+conversations with tools, calls (arguments as a JSON text and as an
+object) and results, with and without a system message, equals the
+template rendered by @huggingface/jinja, token for token; a random model
+of that vocabulary's size answers the client's cases (required through
+call heads, named, auto; streamed and not; the calls' 9-character ids
+sent back with the results), its raw reply NAME[ARGS]ARGS after a prompt
+ending [TOOL_CALLS] (required) or the arguments after [TOOL_CALLS]NAME[ARGS]
+(named), the prompts the template's length; requests that break the
+template's rules (ids not of 9 characters, roles out of turn, an unknown
+role, a call without arguments) get 400 naming the field.
 
 Env: RUN, PYTHON, MODELS_DIR, TEST_TMP, EXPORT_PY. Prints PASS/FAIL/SKIP lines."""
 
@@ -377,6 +389,107 @@ def mistral_template():
     print("# mistral: %r" % text[-300:], flush=True)
 
 
+def mistral_model():
+    """(model, vocabulary): a random llama-layout model (tests/arch_models.py)
+    with the size of mistral_vocab's vocabulary, which is attached with -z."""
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    vocab, _, _ = mistral_vocab()
+    model = os.path.join(TMP, "mistral7-random.gguf")
+    if not os.path.isfile(model):
+        n = len(read_gguf(vocab).metadata["tokenizer.ggml.tokens"])
+        meta, tensors = am.arch_model("llama", vocab=n, vocab_meta=False, ctx=2048, tied=True, wtype="F16")
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model, vocab
+
+
+def mistral_raw(srv, body):
+    """(answer, the reply's own text from its tokens' log-probabilities)."""
+    status, answer = srv.post("/v1/chat/completions", dict(body, logprobs=True, max_tokens=300, seed=7))
+    assert status == 200, (status, answer)
+    return answer, "".join(t["token"] for t in answer["choices"][0]["logprobs"]["content"])
+
+
+def mistral_random():
+    """Mistral's calls on a random model with its vocabulary and template:
+    the client's cases (required, named, auto; streamed and not; the
+    results sent back with the 9-character ids the calls got); the reply's
+    own tokens: "required" names a function, NAME[ARGS] and its arguments
+    after a prompt that ends with [TOOL_CALLS]; a named function's reply is
+    its arguments, after [TOOL_CALLS]NAME[ARGS]; the prompts are the
+    template's rendering (token counts)."""
+    model, vocab = mistral_model()
+    _, models, template = mistral_vocab()
+    ts.MODEL, ts.TOK = model, vocab
+    try:
+        client_cases(os.path.basename(model), 300, "required_one")
+        srv = ts.Server()
+        try:
+            msgs = [{"role": "user", "content": USER}]
+            body = {"messages": msgs, "tools": TOOLS}
+            req, raw_req = mistral_raw(srv, dict(body, tool_choice="required"))
+            named, raw_named = mistral_raw(srv, dict(body, tool_choice={"type": "function", "function": {"name": "calculate"}}))
+        finally:
+            code = srv.stop()
+        assert code == 0, code
+        js = jsonschema()
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        call = req["choices"][0]["message"]["tool_calls"][0]
+        tokens = [t["token"] for t in req["choices"][0]["logprobs"]["content"]]
+        assert tokens.count("[ARGS]") == 1, tokens  # the head's special token, as one token
+        name, args = raw_req.split("[ARGS]", 1)
+        assert name == call["function"]["name"] and json.loads(args) == json.loads(call["function"]["arguments"]), (raw_req, call)
+        js.validate(json.loads(args), params[name])
+        assert len(call["id"]) == 9 and call["id"].isalnum(), call
+        call = named["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "calculate" and json.loads(raw_named) == json.loads(call["function"]["arguments"]), (raw_named, call)
+        js.validate(json.loads(raw_named), params["calculate"])
+        text = cf.render(template, msgs, "<s>", "</s>", tools=TOOLS)
+        want = pt.oracle(models, [text + "[TOOL_CALLS]", text + "[TOOL_CALLS]calculate[ARGS]"])
+        assert req["usage"]["prompt_tokens"] == len(want[0]), (req["usage"], len(want[0]))
+        assert named["usage"]["prompt_tokens"] == len(want[1]), (named["usage"], len(want[1]))
+        print("# mistral required: %r; named: %r" % (raw_req[:80], raw_named[:80]), flush=True)
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+
+
+def mistral_bad_input():
+    """A request that breaks Mistral's template's rules gets 400 naming the
+    field: a call id or a tool_call_id not of 9 characters (the server's
+    own ids are), roles out of turn, a role the template does not take, a
+    call without arguments."""
+    model, vocab = mistral_model()
+    ts.MODEL, ts.TOK = model, vocab
+    user = {"role": "user", "content": USER}
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "calculate", "arguments": '{"a": 2, "b": 3}'}}
+    asked = {"role": "assistant", "content": None, "tool_calls": [call]}
+    cases = [
+        ([user, dict(asked, tool_calls=[dict(call, id="call_1")]), {"role": "tool", "tool_call_id": "abcDEF123", "content": "5"}],
+         "messages[1].tool_calls[0].id"),
+        ([user, dict(asked, tool_calls=[call, {k: v for k, v in call.items() if k != "id"}])], "messages[1].tool_calls[1].id"),
+        ([user, asked, {"role": "tool", "tool_call_id": "call_1", "content": "5"}], "messages[2].tool_call_id"),
+        ([user, {"role": "user", "content": "again"}], "messages[1].role"),
+        ([user, {"role": "developer", "content": "x"}], "messages[1].role"),
+        ([user, dict(asked, tool_calls=[dict(call, function={"name": "calculate"})])], "messages[1].tool_calls[0].function.arguments"),
+    ]
+    try:
+        srv = ts.Server()
+        try:
+            for msgs, field in cases:
+                status, answer = srv.post("/v1/chat/completions", {"messages": msgs, "tools": TOOLS, "max_tokens": 5})
+                assert status == 400, "%s: %s %s" % (field, status, answer)
+                assert field in answer["error"]["message"], "%s not named: %s" % (field, answer["error"]["message"])
+            status, answer = srv.post("/v1/chat/completions", {"messages": [user, asked, {"role": "tool", "tool_call_id": "abcDEF123",
+                                                                                         "content": "5"}], "tools": TOOLS, "max_tokens": 5})
+            assert status == 200, answer
+        finally:
+            code = srv.stop()
+        assert code == 0, code
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+
+
 def llama31_required():
     """A "required" call (and a named one) on a random model with Llama
     3.1's vocabulary and template: one call, its arguments valid, streamed
@@ -426,6 +539,8 @@ def main():
     case("serve_tools_template_llama3_1", llama31_template)
     case("serve_tools_random_llama3_1", llama31_required)
     case("serve_tools_template_mistral", mistral_template)
+    case("serve_tools_random_mistral", mistral_random)
+    case("serve_tools_mistral_bad_input", mistral_bad_input)
     return 1 if COUNTS["FAIL"] else 0
 
 

@@ -2851,6 +2851,17 @@ static void test_reply_message(void) {
         {"{\"name\": \"f\", \"parameters\": 3}", "eos", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"parameters\\\": 3}\"", "stop"},
         {"{\"name\": \"f\", \"param", "length", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"param\"", "length"},
         {"Hello", "eos", CALLS_LEADING, 0, "\"content\":\"Hello\"", "stop"},
+        /* Mistral's: [TOOL_CALLS]NAME[ARGS]ARGUMENTS each, after the content (the text as prefilled_reply makes it) */
+        {"[TOOL_CALLS]f[ARGS]{\"a\":1}", "json", CALLS_MISTRAL_PREFILLED, 0,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+         "\"{\\\"a\\\":1}\"}}]", "tool_calls"},
+        {"Hi [TOOL_CALLS]f[ARGS]{\"a\": 1} [TOOL_CALLS]g[CALL_ID]abcdefghi[ARGS]{}\n", "eos", CALLS_MISTRAL, 0,
+         "\"content\":\"Hi \",\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+         "\"{\\\"a\\\": 1}\"}},{\"id\":\"call_7_1\",\"type\":\"function\",\"function\":{\"name\":\"g\",\"arguments\":\"{}\"}}]", "tool_calls"},
+        {"[TOOL_CALLS]f[ARGS]{\"a\":", "length", CALLS_MISTRAL_PREFILLED, 0, "\"content\":\"[TOOL_CALLS]f[ARGS]{\\\"a\\\":\"", "length"},
+        {"[TOOL_CALLS]f[ARGS]{} then", "eos", CALLS_MISTRAL, 0, "\"content\":\"[TOOL_CALLS]f[ARGS]{} then\"", "stop"},
+        {"[TOOL_CALLS][ARGS]{}", "eos", CALLS_MISTRAL, 0, "\"content\":\"[TOOL_CALLS][ARGS]{}\"", "stop"},
+        {"[TOOL_CALLS]f[ARGS]3", "eos", CALLS_MISTRAL, 0, "\"content\":\"[TOOL_CALLS]f[ARGS]3\"", "stop"},
     };
     begin("buf_reply_message: a reply's content, reasoning and calls (server, --batch, chat --tools)");
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
@@ -2858,7 +2869,7 @@ static void test_reply_message(void) {
         char *text = strdup(cases[k].text);
         ByteBuf b = {0};
         int n = -1;
-        const char *finish = buf_reply_message(&b, text, &h, cases[k].mode, cases[k].thinks, "call_7", &n);
+        const char *finish = buf_reply_message(&b, text, &h, cases[k].mode, cases[k].thinks, "call_7_", &n);
         expect(strcmp(b.data, cases[k].want) == 0 && strcmp(finish, cases[k].finish) == 0 && (n > 0) == (strcmp(finish, "tool_calls") == 0),
                "case %zu: %s (%s, %d calls), not %s (%s)", k, b.data, finish, n, cases[k].want, cases[k].finish);
         buf_free(&b);
@@ -2869,6 +2880,14 @@ static void test_reply_message(void) {
     expect(b.data && strcmp(b.data, "{\n    \"a\": [],\n    \"b\": {\n        \"c\": [\n            1,\n            2\n        ],\n        \"e\": {}\n    },\n"
                                  "    \"d\": \"x, y{\\\"\"\n}") == 0, "tojson(indent=4): %s", b.data);
     buf_free(&b);
+    char prefix[16], other[16];
+    calls_id_prefix(prefix, sizeof(prefix), "call_7", CALLS_AT_MARKER);
+    expect(strcmp(prefix, "call_7_") == 0, "Hermes's id prefix: %s", prefix);
+    calls_id_prefix(prefix, sizeof(prefix), "call_7", CALLS_MISTRAL);
+    calls_id_prefix(other, sizeof(other), "call_8", CALLS_MISTRAL_PREFILLED);
+    int alnum = strlen(prefix) == 8;
+    for (int i = 0; prefix[i]; i++) alnum &= isalnum((unsigned char)prefix[i]) != 0;
+    expect(alnum && strlen(other) == 8 && strcmp(prefix, other) != 0, "Mistral's id prefixes (8 letters and digits, then the call's digit): %s %s", prefix, other);
     ToolSet ts = {0};
     set_tool_choice(&ts, "required");
     expect(ts.choice == TOOLS_REQUIRED && calls_mode(&ts) == CALLS_NONE, "required without tools: %d", ts.choice);
