@@ -18520,7 +18520,8 @@ static int *mistral_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
 /* The tokens of a chat's messages (as tool_messages left them) in `room`
    positions: chat_messages_tokens's, and with "required" or a named
    function the marker after them, so that the reply starts with the call
-   (11.1). NULL (and *why) as chat_messages_tokens. The server and the
+   (11.1); Llama 3.1's and Mistral's formats as their templates render
+   them. NULL (and *why) as chat_messages_tokens. The server and the
    command line's chats and batch lines (11.2) all prompt with it. */
 static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
     if (f->tools.llama31 && f->tools.n > 0) return llama31_prompt_tokens(tok, f, room, n_tokens, why);

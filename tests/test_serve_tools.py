@@ -41,7 +41,10 @@ of that vocabulary's size answers the client's cases (required through
 call heads, named, auto; streamed and not; the calls' 9-character ids
 sent back with the results), its raw reply NAME[ARGS]ARGS after a prompt
 ending [TOOL_CALLS] (required) or the arguments after [TOOL_CALLS]NAME[ARGS]
-(named), the prompts the template's length; requests that break the
+(named), the prompts the template's length; the marker model made on
+that vocabulary (Hello after [/INST], then [TOOL_CALLS]) answers "auto"
+with the content "Hello" and a valid call, the heads switched on at its
+own [TOOL_CALLS], streamed and not; requests that break the
 template's rules (ids not of 9 characters, roles out of turn, an unknown
 role, a call without arguments) get 400 naming the field.
 
@@ -193,15 +196,21 @@ def gguf_client(family):
 def marker_model():
     """(model, vocabulary): a random Qwen3-vocabulary model that writes
     Hello<tool_call>, a newline, Hello<tool_call>, ... (see the module's text)."""
+    vocab = gv.export_vocab(os.path.join(gv.npm_package("qwen3"), "models", "tokenizer.json"), "qwen3")
+    return cycle_model(vocab, os.path.join(TMP, "qwen3-marker.gguf"), "\u010a", "<tool_call>"), vocab
+
+
+def cycle_model(vocab, model, last, marker):
+    """A random model of vocab's size that writes Hello after the token
+    `last` (the prompt's last), `marker` after Hello and `last` after the
+    marker (see the module's text)."""
     import numpy as np
     import arch_models as am
     from gguf_ref import read_gguf, write_gguf
-    vocab = gv.export_vocab(os.path.join(gv.npm_package("qwen3"), "models", "tokenizer.json"), "qwen3")
-    model = os.path.join(TMP, "qwen3-marker.gguf")
     if not os.path.isfile(model):
         os.makedirs(TMP, exist_ok=True)
         tokens = read_gguf(vocab).metadata["tokenizer.ggml.tokens"]
-        call, newline, hello = tokens.index("<tool_call>"), tokens.index("\u010a"), tokens.index("Hello")
+        call, newline, hello = tokens.index(marker), tokens.index(last), tokens.index("Hello")
         meta, tensors = am.arch_model("llama", vocab=len(tokens), vocab_meta=False, ctx=2048, wtype="F32")
         t = {name: i for i, (name, _, _, _) in enumerate(tensors)}
         for name, i in t.items():
@@ -214,11 +223,11 @@ def marker_model():
         tensors[t["output.weight"]] = tensors[t["output.weight"]][:3] + (out.astype("<f4").tobytes(),)
         write_gguf(model + ".part", meta, tensors)
         os.rename(model + ".part", model)
-    return model, vocab
+    return model
 
 
-def auto_marker():
-    model, vocab = marker_model()
+def auto_marker(model_vocab=marker_model, marker="<tool_call>\n"):
+    model, vocab = model_vocab()
     ts.MODEL, ts.TOK = model, vocab
     srv = ts.Server()
     try:
@@ -244,7 +253,7 @@ def auto_marker():
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls", events[-1]
         status, answer = srv.post("/v1/chat/completions", dict(body, tool_choice="none", max_tokens=6))
         assert status == 200 and "tool_calls" not in answer["choices"][0]["message"], answer
-        assert answer["choices"][0]["message"]["content"].startswith("Hello<tool_call>\nHello"), answer
+        assert answer["choices"][0]["message"]["content"].startswith("Hello" + marker), answer
     finally:
         ts.MODEL, ts.TOK = STORIES, TOK512
         code = srv.stop()
@@ -454,6 +463,13 @@ def mistral_random():
         ts.MODEL, ts.TOK = STORIES, TOK512
 
 
+def mistral_marker_model():
+    """(model, vocabulary): the marker model of Mistral's vocabulary:
+    Hello after [/INST], then [TOOL_CALLS]."""
+    vocab, _, _ = mistral_vocab()
+    return cycle_model(vocab, os.path.join(TMP, "mistral7-marker.gguf"), "[/INST]", "[TOOL_CALLS]"), vocab
+
+
 def mistral_bad_input():
     """A request that breaks Mistral's template's rules gets 400 naming the
     field: a call id or a tool_call_id not of 9 characters (the server's
@@ -541,6 +557,7 @@ def main():
     case("serve_tools_template_mistral", mistral_template)
     case("serve_tools_random_mistral", mistral_random)
     case("serve_tools_mistral_bad_input", mistral_bad_input)
+    case("serve_tools_mistral_auto_marker", lambda: auto_marker(mistral_marker_model, "[TOOL_CALLS]"))
     return 1 if COUNTS["FAIL"] else 0
 
 
