@@ -12183,8 +12183,9 @@ static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
    value that follows it: while a head is being written, a token is allowed
    only when its bytes keep the text a prefix of some head; once one is
    complete the answer is read under that head's schema as any other
-   (JsonMatch). A head's special tokens (a <|...|> of its text that the
-   vocabulary has as a special token) must come as those tokens: no plain
+   (JsonMatch). A head's special tokens (a <|...|> or [...] of its text that
+   the vocabulary has as a special token: Harmony's <|message|>, Mistral's
+   [ARGS]) must come as those tokens: no plain
    token may spell one or run into one. No token runs past a head's end
    either, so a head should end with a special token (then none can).
    Made with call_heads_new and call_heads_add; a request under it takes
@@ -12199,6 +12200,13 @@ static void call_heads_add(JsonSchema *s, const char *text, JsonSchema *after) {
     if (!s->heads || !s->after) die(EXIT_BAD_FILE, "out of memory (call heads)");
     s->heads[s->n_heads] = strdup(text);
     s->after[s->n_heads++] = after;
+}
+
+/* The end of the tag that starts at p, <|...|> or [...], as a special
+   token would spell it; NULL when none starts there. */
+static const char *head_tag_end(const char *p) {
+    const char *close = strncmp(p, "<|", 2) == 0 ? strstr(p + 2, "|>") : *p == '[' ? strchr(p + 1, ']') : NULL;
+    return close ? close + (*p == '[' ? 1 : 2) : NULL;
 }
 
 /* A request's reading of a head. */
@@ -12225,9 +12233,9 @@ static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
         m->special[h][len] = -1; /* (past the end: nothing) */
         for (int p = 0; p < len; p++) {
             m->special[h][p] = -1;
-            const char *close = strncmp(text + p, "<|", 2) == 0 ? strstr(text + p + 2, "|>") : NULL;
+            const char *close = head_tag_end(text + p);
             if (close && tok->special) {
-                char *name = span_dup(text + p, (size_t)(close + 2 - (text + p)));
+                char *name = span_dup(text + p, (size_t)(close - (text + p)));
                 m->special[h][p] = lookup_special(tok, name);
                 free(name);
             }
@@ -12277,7 +12285,7 @@ static int head_take(HeadMatch *m, int token, const char *bytes, int n) {
     }
     if (first < 0) return -2;
     const char *at = m->s->heads[first] + m->at;
-    m->at += bytes ? n : (int)(strstr(at + 2, "|>") + 2 - at); /* a special token: its spelling, to its closing |> */
+    m->at += bytes ? n : (int)(head_tag_end(at) - at); /* a special token: its spelling, to its closing |> or ] */
     for (int h = 0; h < m->s->n_heads; h++)
         if (m->alive[h] && m->s->heads[h][m->at] == '\0') return h;
     return -1;
@@ -16002,6 +16010,7 @@ typedef struct {
     int chat;           /* a line with "messages": its answers carry the message (11.2) */
     int calls;          /* how its replies make tool calls: CALLS_NONE, ... (11.1) */
     int line_no;        /* its line's number: its calls' ids are call_N_K */
+    char *prefill;      /* the text its prompt wrote for its replies (reply_prefill, 11.1); NULL: none */
 } BatchSlot;
 
 typedef struct {
@@ -16033,8 +16042,9 @@ static int new_slot(BatchOutput *out) {
     return out->n++;
 }
 
-static void print_chat_hypothesis(const Tokenizer *tok, const Request *r, int rank, const Hypothesis *h,
-                                  int calls, const char *prefix); /* 11.2 */
+static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+                                  int calls, const char *prefill, const char *prefix); /* 11.2 */
+static void calls_id_prefix(char *out, size_t size, const char *name, int mode); /* 11.1 */
 
 /* A request's JSON lines (its error, or its hypotheses); then it is freed,
    with the stop strings its line allocated. */
@@ -16047,10 +16057,11 @@ static void print_request(BatchOutput *out, const BatchSlot *s) {
         out->failed++;
     } else {
         int n_show = r->n_hyps < r->d.n_return ? r->n_hyps : r->d.n_return;
-        char prefix[32];
-        snprintf(prefix, sizeof(prefix), "call_%d", s->line_no);
+        char name[32], prefix[40];
+        snprintf(name, sizeof(name), "call_%d", s->line_no);
+        calls_id_prefix(prefix, sizeof(prefix), name, s->calls);
         for (int i = 0; i < n_show; i++) {
-            if (s->chat) print_chat_hypothesis(out->tok, r, i + 1, &r->hyps[i], s->calls, prefix);
+            if (s->chat) print_chat_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1], s->calls, s->prefill, prefix);
             else print_json_hypothesis(out->tok, r->id, i + 1, &r->hyps[i], r->prompt[r->n_prompt - 1]);
         }
     }
@@ -16063,6 +16074,7 @@ static void print_slot(BatchOutput *out, int i) {
     if (s->refusal) fputs(s->refusal, stdout);
     else print_request(out, s);
     free(s->refusal);
+    free(s->prefill);
     *s = (BatchSlot){.handed = 1, .printed = 1};
     flush_output();
     while (out->first < out->n && slot_at(out, out->first)->printed) out->first++;
@@ -16138,7 +16150,8 @@ static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why)
     return NULL;
 }
 
-static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls); /* 11.2 */
+static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls,
+                              char **prefill); /* 11.2 */
 static const char *calls_marker(int calls);
 
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
@@ -16149,7 +16162,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
     int steps = run_positions(&line->o, seq_len), n_prompt = 0;
     const char *why;
     BatchSlot *slot = slot_at(&b->out, i);
-    int *prompt = line->chat ? batch_chat_prompt(line, b->tok, seq_len, &n_prompt, &why, &slot->calls)
+    int *prompt = line->chat ? batch_chat_prompt(line, b->tok, seq_len, &n_prompt, &why, &slot->calls, &slot->prefill)
                   : line->ids ? take_ids(line, seq_len, &n_prompt, &why) : line_prompt(b->tok, line->prompt, seq_len, &n_prompt, &why);
     free(line->prompt);
     for (int k = 0; k < line->o.controls.n_stops; k++) /* the request frees them all: the command line's are copied */
@@ -16483,9 +16496,29 @@ typedef struct {
    the reasoning) until the model writes to=functions. (constrain_after),
    where the heads take over, in the model's form or the template's
    (NAME<|channel|>commentary json<|message|>). The call is read back
-   after what the prompt wrote of it (call_lead). The template renders one
-   call a message, so a reply makes one (parallel_tool_calls is ignored)
-   and a message with more is refused. */
+   after what the prompt wrote of it (reply_prefill). The template renders
+   one call a message, so a reply makes one (parallel_tool_calls is
+   ignored) and a message with more is refused.
+   Mistral v7's template (Mistral Small 3.2's: CHAT_MISTRAL7) has its own
+   too, rendered as it renders it (mistral_prompt_tokens) whenever a
+   request has tools, calls or results: the tools as [AVAILABLE_TOOLS] and
+   the list as `tojson` writes it [/AVAILABLE_TOOLS] before the last user
+   message, a past call as [TOOL_CALLS]NAME[CALL_ID]ID[ARGS] and its
+   arguments as `tojson` writes them (OpenAI's JSON text in a string stays
+   a quoted string, as the template has it), then </s>, a result as
+   [TOOL_RESULTS]ID[TOOL_CONTENT]TEXT[/TOOL_RESULTS]. The template raises
+   on ids that are not 9 characters and on roles out of turn: those are
+   400s naming the field (tool_messages_mistral), and the calls the server
+   answers get ids of 9 letters and digits (calls_id_prefix), which come
+   back in the next request. The model calls with [TOOL_CALLS]NAME[ARGS]
+   then the arguments: with a named function the prompt ends with all but
+   the arguments and the reply is constrained to the parameters; the name
+   is not JSON, so with "required" the prompt ends with [TOOL_CALLS] and
+   call heads (6.1) hold the reply to some NAME[ARGS] and then to that
+   function's parameters; with "auto" the same heads switch on when the
+   model writes [TOOL_CALLS] (constrain_after). The text the prompt wrote
+   for the reply (reply_prefill) goes before it when its calls are read
+   (prefilled_reply, mistral_reply_calls). */
 
 #define TOOL_MARKER "<tool_call>\n"
 #define HARMONY_CALL_START "to=functions." /* Harmony: a call's recipient, after which comes the function's name */
@@ -16507,13 +16540,20 @@ typedef struct {
     char *named;  /* TOOLS_NAMED: the function's name */
     int parallel; /* parallel_tool_calls */
     int llama31;  /* Llama 3.1's format (see above; tool_messages sets it) */
+    int mistral;  /* Mistral's format (the same) */
     int harmony;  /* Harmony's (the same) */
 } ToolSet;
 
-/* One call of a reply. */
+/* One call of a reply (or of a message's "tool_calls", read again for
+   Mistral's prompt: mistral_calls). */
 typedef struct {
     char *name, *arguments; /* arguments: the JSON text the reply wrote */
+    char *id;               /* a message's call's "id"; NULL: none given (a reply's calls) */
 } ToolCall;
+
+static void free_calls(ToolCall *calls, int n) {
+    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); free(calls[k].id); }
+}
 
 static void free_tools(ToolSet *ts) {
     for (int i = 0; i < ts->n; i++) { free(ts->tools[i].name); free(ts->tools[i].json); free(ts->tools[i].parameters); }
@@ -16537,6 +16577,8 @@ typedef struct ServeFields {
     char **roles, **contents; /* (n_messages) chat */
     char **calls;            /* (n_messages) an assistant message's tool calls, rendered (11.1); NULL: none */
     char **call_ids;         /* (n_messages) a tool message's tool_call_id; NULL: none */
+    char **calls_json;       /* (n_messages) an assistant message's "tool_calls" as given (JSON text), which
+                                Mistral's prompt reads again (mistral_calls); NULL: none */
     int n_messages, messages_given;
     ToolSet tools;           /* chat's "tools", "tool_choice" and "parallel_tool_calls" (11.1) */
     ToolCall call;           /* the call of a message's tool_calls being read */
@@ -16556,16 +16598,18 @@ static void free_serve_fields(ServeFields *f) {
     for (int i = 0; i < f->n_messages; i++) {
         free(f->roles[i]);
         free(f->contents[i]);
-        if (f->calls) { free(f->calls[i]); free(f->call_ids[i]); }
+        if (f->calls) { free(f->calls[i]); free(f->call_ids[i]); free(f->calls_json[i]); }
     }
     free(f->roles);
     free(f->contents);
     free(f->calls);
     free(f->call_ids);
+    free(f->calls_json);
     free_tools(&f->tools);
     free(f->call.name);
     free(f->call.arguments);
     free(f->rendered);
+    free(f->call.id);
     buf_free(&f->calls_text);
     free(f->name);
     free(f->text);
@@ -16818,7 +16862,7 @@ static void parse_message_calls(JsonCursor *j, ServeFields *f) {
                    f->call.arguments ? f->call.arguments : "{}");
         free(f->call.name);
         free(f->call.arguments);
-        f->call = (ToolCall){NULL, NULL};
+        f->call = (ToolCall){NULL, NULL, NULL};
         json_space(j);
     }
     j->p++;
@@ -16930,9 +16974,9 @@ static void tool_messages_llama31(ServeFields *f) {
         }
         contents[n++] = b.data;
     }
-    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); free(f->calls[i]); free(f->call_ids[i]); }
-    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids);
-    f->calls = f->call_ids = NULL;
+    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->contents[i]); free(f->calls[i]); free(f->call_ids[i]); free(f->calls_json[i]); }
+    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids); free(f->calls_json);
+    f->calls = f->call_ids = f->calls_json = NULL;
     f->roles = roles;
     f->contents = contents;
     f->n_messages = n;
@@ -17222,7 +17266,7 @@ static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
     }
     turn_token(&b, "<|start|>");
     turn_string(&b, "assistant");
-    if (f->tools.choice == TOOLS_REQUIRED || f->tools.choice == TOOLS_NAMED) { /* the call's head, as the model writes it */
+    if (f->tools.choice == TOOLS_REQUIRED || f->tools.choice == TOOLS_NAMED) { /* the call's head, as the model writes it (reply_prefill's text) */
         turn_token(&b, "<|channel|>");
         turn_string(&b, "commentary " HARMONY_CALL_START);
     }
@@ -17245,6 +17289,132 @@ static void tool_messages_harmony(ServeFields *f, const Tokenizer *tok) {
     f->n_rendered = b.n;
 }
 
+/* -- Mistral's format (Mistral Small 3.2's template; see 11.1) -- */
+
+/* The length of s as the template's `|length` counts it (@huggingface/jinja:
+   JavaScript's, in UTF-16 units, so a character past U+FFFF counts 2). */
+static size_t jinja_length(const char *s) {
+    size_t n = 0;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) n += ((*p & 0xC0) != 0x80) + (*p >= 0xF0);
+    return n;
+}
+
+/* A call's function, read again for Mistral's prompt: its "name", and its
+   "arguments" as `tojson` writes them (OpenAI's JSON text in a string stays
+   a string: the template quotes it). */
+static void mistral_function_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_name = strcmp(name, "name") == 0, is_arguments = strcmp(name, "arguments") == 0;
+    free(name);
+    if (is_name) {
+        free(f->call.name);
+        json_value(j, "name", &f->call.name); /* (a string: parse_message_calls checked it) */
+    } else if (is_arguments) {
+        const char *start = j->p;
+        json_skip(j, 0);
+        ByteBuf b = {0};
+        buf_tojson(&b, start, j->p);
+        free(f->call.arguments);
+        f->call.arguments = b.data;
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+/* A call, read again: its "id" (when a string) and its "function". */
+static void mistral_call_field(JsonCursor *j, ServeFields *f, char *name) {
+    int is_function = strcmp(name, "function") == 0, is_id = strcmp(name, "id") == 0;
+    free(name);
+    if (is_function) {
+        json_object(j, f, mistral_function_field);
+    } else if (is_id && j->p < j->end && *j->p == '"') {
+        free(f->call.id);
+        json_value(j, "id", &f->call.id);
+    } else {
+        json_skip(j, 1);
+    }
+}
+
+/* The calls of message i's "tool_calls" (its calls_json, which the
+   server's parser has read), in *calls: their count. The caller frees them
+   (free_calls, then the list). */
+static int mistral_calls(const ServeFields *f, int i, ToolCall **calls) {
+    ServeFields scratch = {0};
+    const char *text = f->calls_json[i];
+    JsonCursor j = {text, text + strlen(text), NULL};
+    int n = 0;
+    *calls = NULL;
+    json_space(&j);
+    j.p++; /* [ */
+    json_space(&j);
+    for (int first = 1; json_next_item(&j, ']', &first, "expected ',' or ']'"); n++) {
+        json_object(&j, &scratch, mistral_call_field);
+        ToolCall *grown = realloc(*calls, (size_t)(n + 1) * sizeof(ToolCall));
+        if (!grown) die(EXIT_BAD_FILE, "out of memory");
+        *calls = grown;
+        (*calls)[n] = scratch.call;
+        scratch.call = (ToolCall){NULL, NULL, NULL};
+        json_space(&j);
+    }
+    return n;
+}
+
+static int is_tool_role(const char *role) { return strcmp(role, "tool") == 0 || strcmp(role, "tool_results") == 0; }
+
+/* Whether an id is one that Mistral's template takes: a string of 9
+   characters (its message asks for alphanumeric ones; it checks the length). */
+static int mistral_id_ok(const char *id) { return id && jinja_length(id) == 9; }
+
+/* tool_messages for Mistral's format: the messages stay as they are (the
+   prompt renders them: mistral_prompt_tokens), checked against the
+   template's rules, each break a 400 naming the field: after the optional
+   system message, user and assistant messages in turn (results and
+   messages with calls aside), roles system, user, assistant and tool only,
+   call ids and tool_call_ids of 9 characters, every call with arguments. */
+static void tool_messages_mistral(ServeFields *f) {
+    const JsonCursor none = {NULL, NULL, NULL};
+    f->tools.mistral = 1;
+    for (int i = strcmp(f->roles[0], "system") == 0, turn = 0; i < f->n_messages; i++) {
+        const char *role = f->roles[i];
+        if (!is_tool_role(role) && !f->calls[i] && (strcmp(role, "user") == 0) != (turn++ % 2 == 0))
+            json_fail(&none, "field 'messages[%d].role': Mistral's template needs user and assistant messages in turn after the "
+                             "optional system message (calls and tool results aside)", i);
+        if (!is_tool_role(role) && strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
+            json_fail(&none, "field 'messages[%d].role': Mistral's template takes system, user, assistant and tool messages, not '%s'", i, role);
+        if (is_tool_role(role) && !mistral_id_ok(f->call_ids[i]))
+            json_fail(&none, "field 'messages[%d].tool_call_id': Mistral's template needs a call id of 9 characters (alphanumeric)", i);
+        if (is_tool_role(role) && !f->contents[i]) json_fail(&none, "field 'messages[%d].content': a tool result needs its text", i);
+        if (strcmp(role, "assistant") != 0 || !f->calls_json[i]) continue;
+        ToolCall *calls;
+        int n = mistral_calls(f, i, &calls), bad = -1, no_arguments = -1;
+        for (int k = n - 1; k >= 0; k--) {
+            if (!mistral_id_ok(calls[k].id)) bad = k;
+            if (!calls[k].arguments) no_arguments = k;
+        }
+        free_calls(calls, n);
+        free(calls);
+        if (bad >= 0)
+            json_fail(&none, "field 'messages[%d].tool_calls[%d].id': Mistral's template needs a call id of 9 characters (alphanumeric)", i, bad);
+        if (no_arguments >= 0) json_fail(&none, "field 'messages[%d].tool_calls[%d].function.arguments': missing", i, no_arguments);
+    }
+}
+
+/* The text that the prompt writes for a reply (its start, which the
+   model did not write), before which the reply's calls are read
+   (prefilled_reply), so that each format's reader sees the call whole;
+   NULL for none (other formats, "auto"). Harmony: the call's head after
+   <|start|>assistant, whole for a named function (the reply is its
+   arguments), up to the name for "required" (call heads);
+   Mistral: [TOOL_CALLS]NAME[ARGS] for a named function, [TOOL_CALLS] for
+   "required". The prompts (tool_messages_harmony, mistral_prompt_tokens)
+   write these texts, their special tokens as tokens. */
+static char *reply_prefill(const ToolSet *ts) {
+    if (ts->n == 0 || (ts->choice != TOOLS_NAMED && ts->choice != TOOLS_REQUIRED) || !(ts->mistral || ts->harmony)) return NULL;
+    ByteBuf b = {0};
+    buf_str(&b, ts->mistral ? "[TOOL_CALLS]" : "<|channel|>commentary " HARMONY_CALL_START);
+    if (ts->choice == TOOLS_NAMED) buf_printf(&b, ts->mistral ? "%s[ARGS]" : "%s <|constrain|>json<|message|>", ts->named);
+    return b.data;
+}
+
 /* Rewrites the messages into the plain conversation that the family's
    renderer takes (see 11.1): the tools into the system message (one is
    made when there is none), an assistant message's calls after its
@@ -17255,6 +17425,9 @@ static void tool_messages(ServeFields *f, const Tokenizer *tok) {
     f->tools.harmony = tok->chat_template == CHAT_HARMONY && f->tools.n > 0;
     if (f->tools.llama31 && f->tools.n > 0) { tool_messages_llama31(f); return; }
     if (f->tools.harmony) { tool_messages_harmony(f, tok); return; }
+    int calls_or_results = 0;
+    for (int k = 0; k < f->n_messages; k++) calls_or_results |= f->calls[k] || is_tool_role(f->roles[k]);
+    if (tok->chat_template == CHAT_MISTRAL7 && (f->tools.n > 0 || calls_or_results)) { tool_messages_mistral(f); return; }
     int n = 0, i = 0;
     char **roles = xcalloc((size_t)f->n_messages + 1, sizeof(char *)), **contents = xcalloc((size_t)f->n_messages + 1, sizeof(char *));
     if (f->tools.n > 0) {
@@ -17295,9 +17468,9 @@ static void tool_messages(ServeFields *f, const Tokenizer *tok) {
             f->roles[i] = NULL;
         }
     }
-    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->calls[i]); free(f->call_ids[i]); }
-    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids);
-    f->calls = f->call_ids = NULL;
+    for (i = 0; i < f->n_messages; i++) { free(f->roles[i]); free(f->calls[i]); free(f->call_ids[i]); free(f->calls_json[i]); }
+    free(f->roles); free(f->contents); free(f->calls); free(f->call_ids); free(f->calls_json);
+    f->calls = f->call_ids = f->calls_json = NULL;
     f->roles = roles;
     f->contents = contents;
     f->n_messages = n;
@@ -17309,7 +17482,10 @@ static void message_field(JsonCursor *j, ServeFields *f, char *name) {
     f->member = name;
     int i = f->n_messages - 1;
     if (strcmp(name, "tool_calls") == 0) {
+        const char *start = j->p;
         parse_message_calls(j, f);
+        free(f->calls_json[i]);
+        f->calls_json[i] = f->calls[i] ? span_dup(start, (size_t)(j->p - start)) : NULL;
     } else if (strcmp(name, "role") == 0 || strcmp(name, "content") == 0 || strcmp(name, "tool_call_id") == 0) {
         JsonKind kind = json_value(j, name, &f->text);
         if (kind == JSON_NULL && name[0] == 'c') {
@@ -17333,8 +17509,8 @@ static void parse_messages(JsonCursor *j, ServeFields *f) {
     j->p++;
     json_space(j);
     for (int first = 1; json_next_item(j, ']', &first, "field 'messages': expected ',' or ']'");) {
-        char ***lists[4] = {&f->roles, &f->contents, &f->calls, &f->call_ids};
-        for (int k = 0; k < 4; k++) {
+        char ***lists[5] = {&f->roles, &f->contents, &f->calls, &f->call_ids, &f->calls_json};
+        for (int k = 0; k < 5; k++) {
             *lists[k] = realloc(*lists[k], (size_t)(f->n_messages + 1) * sizeof(char *));
             if (!*lists[k]) die(EXIT_BAD_FILE, "out of memory");
             (*lists[k])[f->n_messages] = NULL;
@@ -17646,7 +17822,8 @@ typedef struct {
     unsigned char first_chunk[SERVE_MAX_N]; /* a choice's next chunk is its first */
     ByteBuf held[SERVE_MAX_N]; /* each choice's streamed text not yet sent: an incomplete UTF-8 character */
     ThinkSplit think[SERVE_MAX_N]; /* each choice's reasoning told from its answer (chat, a template that thinks) */
-    int calls;                 /* how its replies make tool calls: CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED (11.1) */
+    int calls;                 /* how its replies make tool calls: CALLS_NONE, CALLS_AT_MARKER, ... (11.1) */
+    char *prefill;             /* the text its prompt wrote for each reply (reply_prefill); NULL: none */
     ByteBuf reply[SERVE_MAX_N]; /* with tools, streamed: each choice's text so far (a call is held back) */
     size_t told[SERVE_MAX_N];   /* bytes of it streamed as content */
     char *stops[MAX_STOPS]; /* the request's stop strings */
@@ -17739,6 +17916,8 @@ static void conn_error(Server *srv, Conn *c, int status, const char *message) {
 }
 
 static void conn_free_echo(Conn *c) {
+    free(c->prefill);
+    c->prefill = NULL;
     for (int i = 0; i < SERVE_MAX_N; i++) {
         free(c->echo[i]);
         c->echo[i] = NULL;
@@ -17917,25 +18096,19 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
    where the constraint holds; the whole reply, constrained; or, Llama
    3.1's "auto", a reply that starts with the call, unconstrained;
    Harmony's, the prompt ending with the call's head or its start, or
-   ("auto") the call after HARMONY_CALL_START, where call heads hold. */
-enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING, CALLS_HARMONY, CALLS_HARMONY_AUTO };
+   ("auto") the call after HARMONY_CALL_START, where call heads hold;
+   Mistral's, "auto": calls after the text, each after [TOOL_CALLS] (the
+   constraint holds from the first), "required" and a named function: the
+   reply goes on from the prompt's [TOOL_CALLS], constrained. With the
+   last two formats' prompted calls the reply's start is the prompt's
+   (reply_prefill). */
+enum { CALLS_NONE, CALLS_AT_MARKER, CALLS_PREFILLED, CALLS_LEADING, CALLS_HARMONY, CALLS_HARMONY_AUTO, CALLS_MISTRAL, CALLS_MISTRAL_PREFILLED };
 
 static int calls_mode(const ToolSet *ts) {
     if (ts->n == 0 || ts->choice == TOOLS_NONE) return CALLS_NONE;
+    if (ts->mistral) return ts->choice == TOOLS_AUTO ? CALLS_MISTRAL : CALLS_MISTRAL_PREFILLED;
     if (ts->choice == TOOLS_AUTO) return ts->llama31 ? CALLS_LEADING : ts->harmony ? CALLS_HARMONY_AUTO : CALLS_AT_MARKER;
     return ts->harmony ? CALLS_HARMONY : CALLS_PREFILLED;
-}
-
-/* What the prompt writes of a Harmony reply's call (see 11.1): its text
-   after the last <|start|>assistant, the call's head or its start ("" for
-   "auto"); NULL for the other formats. The caller frees it. */
-static char *call_lead(const Tokenizer *tok, const Request *r, int mode) {
-    if (mode != CALLS_HARMONY && mode != CALLS_HARMONY_AUTO) return NULL;
-    int start = lookup_special(tok, "<|start|>"), i = r->n_prompt;
-    while (i > 0 && r->prompt[i - 1] != start) i--;
-    char *text = decode_text(tok, start, r->prompt + i, r->n_prompt - i);
-    if (strncmp(text, "assistant", 9) == 0) memmove(text, text + 9, strlen(text + 9) + 1);
-    return text;
 }
 
 /* Where the Harmony message that holds a call starting at `at` in text
@@ -17952,26 +18125,22 @@ static size_t harmony_header_start(const char *text, size_t at) {
     return msg && (size_t)(msg - text) < at ? at : start;
 }
 
-/* A Harmony reply's call (see 11.1): in lead and text, after the first
-   HARMONY_CALL_START, the function's name and, after <|message|>, its
-   arguments, which end the reply when the constraint completed them (stop
-   "json"). Returns 1 with the call, 0 when the reply made none whole;
-   *content_len: the text before the call's message. */
-static int harmony_reply_call(const char *lead, const char *text, const Hypothesis *h, ToolCall *c, size_t *content_len) {
+/* A Harmony reply's call (see 11.1): in its text (after reply_prefill's),
+   after the first HARMONY_CALL_START, the function's name and, after
+   <|message|>, its arguments, which end the reply when the constraint
+   completed them (stop "json"). Returns 1 with the call, 0 when the reply
+   made none whole; *content_len: the text before the call's message. */
+static int harmony_reply_call(const char *text, const Hypothesis *h, ToolCall *c, size_t *content_len) {
     *content_len = strlen(text);
-    size_t n_lead = strlen(lead);
-    char *all = xcalloc(n_lead + *content_len + 1, 1);
-    strcat(strcpy(all, lead), text);
-    const char *at = strstr(all, HARMONY_CALL_START), *msg = at ? strstr(at, "<|message|>") : NULL;
+    const char *at = strstr(text, HARMONY_CALL_START), *msg = at ? strstr(at, "<|message|>") : NULL;
     int found = strcmp(h->stop, "json") == 0 && msg;
     if (found) {
-        size_t start = harmony_header_start(all, (size_t)(at - all));
-        *content_len = start > n_lead ? start - n_lead : 0;
+        *content_len = harmony_header_start(text, (size_t)(at - text));
         const char *name = at + strlen(HARMONY_CALL_START);
         c->name = span_dup(name, strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"));
         c->arguments = strdup(msg + strlen("<|message|>"));
+        c->id = NULL;
     }
-    free(all);
     return found;
 }
 
@@ -18011,10 +18180,32 @@ static JsonSchema *harmony_call_schema(const ToolSet *ts, char *err, size_t err_
     return heads;
 }
 
+/* Mistral's calls (see 11.1): with a named function, the reply is its
+   arguments (the prompt ends with [TOOL_CALLS]NAME[ARGS]); else call heads,
+   NAME[ARGS] for each function (after [TOOL_CALLS]: the prompt's with
+   "required", the model's own with "auto"), then its parameters. */
+static JsonSchema *mistral_call_schema(const ToolSet *ts, char *err, size_t err_len) {
+    JsonSchema *heads = ts->choice == TOOLS_NAMED ? NULL : call_heads_new();
+    for (int i = 0; i < ts->n; i++) {
+        if (ts->choice == TOOLS_NAMED && strcmp(ts->tools[i].name, ts->named) != 0) continue;
+        JsonSchema *after = tool_parameters_schema(ts, i, err, err_len);
+        if (!after || !heads) {
+            free_schema(heads);
+            return after;
+        }
+        char *text = xcalloc(strlen(ts->tools[i].name) + 7, 1);
+        sprintf(text, "%s[ARGS]", ts->tools[i].name);
+        call_heads_add(heads, text, after);
+        free(text);
+    }
+    return heads;
+}
+
 /* The schema of the calls a reply may make (see 11.1); NULL with the
    refusal in err: a function's parameters that 6.1 does not take. */
 static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len) {
     if (ts->harmony) return harmony_call_schema(ts, err, err_len);
+    if (ts->mistral) return mistral_call_schema(ts, err, err_len);
     ByteBuf b = {0};
     buf_str(&b, "{\"$defs\":{\"call\":{\"anyOf\":[");
     for (int i = 0, k = 0; i < ts->n; i++) {
@@ -18066,10 +18257,6 @@ static const char *json_value_end(const char *p) {
     return p;
 }
 
-static void free_calls(ToolCall *calls, int n) {
-    for (int k = 0; k < n; k++) { free(calls[k].name); free(calls[k].arguments); }
-}
-
 /* A reply in Llama 3.1's "auto" mode (CALLS_LEADING) past its leading
    white space and <|python_tag|>: where its call would start. */
 static const char *past_call_lead(const char *text) {
@@ -18089,7 +18276,7 @@ static const char *leading_call_start(const char *text) {
    when the text is not one call object, name a string, parameters an object. */
 static int leading_call(const char *text, ToolCall *c) {
     const char *p = leading_call_start(text);
-    *c = (ToolCall){NULL, NULL};
+    *c = (ToolCall){NULL, NULL, NULL};
     if (!p) return 0;
     JsonCursor j = {p + 1, p + strlen(p), NULL};
     jmp_buf trap, *outer = error_trap;
@@ -18097,7 +18284,7 @@ static int leading_call(const char *text, ToolCall *c) {
     if (setjmp(trap)) { /* (json_fail: not a call) */
         error_trap = outer;
         free_calls(c, 1);
-        *c = (ToolCall){NULL, NULL};
+        *c = (ToolCall){NULL, NULL, NULL};
         return 0;
     }
     json_space(&j);
@@ -18128,16 +18315,61 @@ static int leading_call(const char *text, ToolCall *c) {
     error_trap = outer;
     if (c->name && c->arguments && j.p >= j.end) return 1;
     free_calls(c, 1);
-    *c = (ToolCall){NULL, NULL};
+    *c = (ToolCall){NULL, NULL, NULL};
     return 0;
+}
+
+/* The end of the JSON object at p (white space allowed in it), or NULL
+   when p does not start one whole. */
+static const char *json_object_end(const char *p, const char *end) {
+    if (p >= end || *p != '{') return NULL;
+    JsonCursor j = {p, end, NULL};
+    jmp_buf trap, *outer = error_trap;
+    error_trap = &trap;
+    if (setjmp(trap)) { /* (json_fail: not an object) */
+        error_trap = outer;
+        return NULL;
+    }
+    json_skip(&j, 0);
+    error_trap = outer;
+    return j.p;
+}
+
+/* The calls of a reply in Mistral's format, its text after reply_prefill's
+   (constrained, or the model's own in "auto"): content, then each call
+   [TOOL_CALLS]NAME[ARGS]ARGUMENTS (a [CALL_ID]ID before [ARGS] read past),
+   the arguments an object, nothing but white space after the last. Their
+   count (at most SERVE_MAX_CALLS), 0 when the text is not such calls. */
+static int mistral_reply_calls(const char *text, ToolCall *calls, size_t *content_len) {
+    const char *p = strstr(text, "[TOOL_CALLS]"), *end = text + strlen(text);
+    *content_len = strlen(text);
+    int n = 0;
+    while (p && n < SERVE_MAX_CALLS && strncmp(p, "[TOOL_CALLS]", 12) == 0) {
+        const char *name = p + 12, *args = strstr(name, "[ARGS]"), *id = strstr(name, "[CALL_ID]");
+        const char *name_end = id && args && id < args ? id : args, *args_end = args ? json_object_end(args + 6, end) : NULL;
+        if (!args_end || name_end == name) break;
+        calls[n].name = span_dup(name, (size_t)(name_end - name));
+        calls[n].arguments = span_dup(args + 6, (size_t)(args_end - args - 6));
+        calls[n++].id = NULL;
+        for (p = args_end; isspace((unsigned char)*p); p++) {}
+    }
+    if (n == 0 || !p || *p) { /* not calls to the end */
+        free_calls(calls, n);
+        return 0;
+    }
+    *content_len = (size_t)(strstr(text, "[TOOL_CALLS]") - text);
+    return n;
 }
 
 /* The calls of a reply's text, made as `mode` says: the JSON value after
    the marker (the whole reply, when the prompt ends with the marker), one
-   call or a list; Harmony's after the lead (call_lead). Returns their count, 0 when the reply made none whole
-   (it is all content); *content_len: the length of the text before them. */
-static int reply_calls(const char *text, const char *lead, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
-    if (mode == CALLS_HARMONY || mode == CALLS_HARMONY_AUTO) return harmony_reply_call(lead, text, h, &calls[0], content_len);
+   call or a list; Harmony's and Mistral's in their own forms (the text
+   after reply_prefill's: prefilled_reply). Returns their count, 0 when the
+   reply made none whole (it is all content); *content_len: the length of
+   the text before them. */
+static int reply_calls(const char *text, const Hypothesis *h, int mode, ToolCall *calls, size_t *content_len) {
+    if (mode == CALLS_HARMONY || mode == CALLS_HARMONY_AUTO) return harmony_reply_call(text, h, &calls[0], content_len);
+    if (mode == CALLS_MISTRAL || mode == CALLS_MISTRAL_PREFILLED) return mistral_reply_calls(text, calls, content_len);
     if (mode == CALLS_LEADING) {
         int n = leading_call(text, &calls[0]);
         *content_len = n ? 0 : strlen(text);
@@ -18152,7 +18384,7 @@ static int reply_calls(const char *text, const char *lead, const Hypothesis *h, 
     for (p += *p == '['; *p == '{' && n < SERVE_MAX_CALLS; n++) {
         const char *end = json_value_end(p);
         ToolCall *c = &calls[n];
-        *c = (ToolCall){NULL, NULL};
+        *c = (ToolCall){NULL, NULL, NULL};
         for (const char *key = p + 1; *key == '"';) { /* "name":..., "arguments":... in either order */
             const char *value = json_value_end(key) + 1, *value_end = json_value_end(value);
             if (strncmp(key, "\"name\":", 7) == 0) {
@@ -18168,14 +18400,45 @@ static int reply_calls(const char *text, const char *lead, const Hypothesis *h, 
     return n;
 }
 
-/* The prefix of a choice's call ids: call_ID_CHOICE (the completion's
-   number and the choice's); call k's "id" is the prefix, '_' and k. The
-   command line names its calls the same way (11.2). */
-static void call_id_prefix(char *out, size_t size, const Conn *c, int choice) {
-    snprintf(out, size, "call_%s_%d", c->id + strlen("chatcmpl-"), choice);
+/* The prefix of the ids of a reply's calls made as `mode` says, from the
+   reply's name: call k's "id" is the prefix and k. The name and '_'; in
+   Mistral's format, whose template takes ids of 9 characters (alphanumeric,
+   its message says), 8 letters and digits of a hash of the name (FNV-1a). */
+static void calls_id_prefix(char *out, size_t size, const char *name, int mode) {
+    static const char digits[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    if (mode != CALLS_MISTRAL && mode != CALLS_MISTRAL_PREFILLED) {
+        size_t n = strlen(name) + 2 <= size ? strlen(name) : size - 2;
+        memcpy(out, name, n);
+        memcpy(out + n, "_", 2);
+        return;
+    }
+    uint64_t h = 14695981039346656037ULL;
+    for (const char *p = name; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    int i = 0;
+    for (; i < 8 && i + 1 < (int)size; i++, h /= 62) out[i] = digits[h % 62];
+    out[i] = '\0';
 }
 
-static void buf_call_id(ByteBuf *b, const char *prefix, int k) { buf_printf(b, "\"id\":\"%s_%d\"", prefix, k); }
+/* The prefix of a choice's call ids, from its name call_ID_CHOICE (the
+   completion's number and the choice's). The command line names its calls
+   the same way (11.2). */
+static void call_id_prefix(char *out, size_t size, const Conn *c, int choice) {
+    char name[64];
+    snprintf(name, sizeof(name), "call_%s_%d", c->id + strlen("chatcmpl-"), choice);
+    calls_id_prefix(out, size, name, c->calls);
+}
+
+static void buf_call_id(ByteBuf *b, const char *prefix, int k) { buf_printf(b, "\"id\":\"%s%d\"", prefix, k); }
+
+/* A reply's text as its calls are read (reply_calls): after the text its
+   prompt wrote for it (reply_prefill), when there is one. Takes text. */
+static char *prefilled_reply(const char *prefill, char *text) {
+    if (!prefill) return text;
+    char *whole = xcalloc(strlen(prefill) + strlen(text) + 1, 1);
+    strcat(strcpy(whole, prefill), text);
+    free(text);
+    return whole;
+}
 
 /* message.tool_calls of an answer (and of a --batch line's, 11.2). */
 static void buf_tool_calls(ByteBuf *b, const char *prefix, const ToolCall *calls, int n) {
@@ -18287,7 +18550,7 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     if (c->calls == CALLS_NONE) { stream_content(srv, c, choice, text, n); return; }
     ByteBuf *all = &c->reply[choice];
     buf_add(all, text, n);
-    if (c->calls == CALLS_PREFILLED || c->calls == CALLS_HARMONY || !all->data) return;
+    if (c->calls == CALLS_PREFILLED || c->calls == CALLS_HARMONY || c->calls == CALLS_MISTRAL_PREFILLED || !all->data) return;
     if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
         const char *p = past_call_lead(all->data);
         size_t n_p = strlen(p);
@@ -18296,7 +18559,7 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
         c->told[choice] = all->n;
         return;
     }
-    const char *marker = c->calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : TOOL_MARKER, *at = strstr(all->data, marker);
+    const char *marker = calls_marker(c->calls), *at = strstr(all->data, marker);
     size_t safe = at ? (size_t)(at - all->data) : all->n - partial_marker(all->data, all->n, marker);
     if (c->calls == CALLS_HARMONY_AUTO) safe = harmony_header_start(all->data, safe); /* the header of the call's message too */
     if (safe <= c->told[choice]) return;
@@ -18330,14 +18593,13 @@ static const char *finish_reason(const Hypothesis *h) { return strcmp(h->stop, "
    the text before the calls when there are calls (null when that is
    empty); "reasoning_content" when `thinks` (serve_thinks) and the reply
    reasoned; "tool_calls" when it made calls (mode: CALLS_*), their ids
-   prefix_K. text is the reply's whole text (cut at its calls here); *n_calls
-   gets their count; lead: call_lead's. Returns the finish reason:
-   "tool_calls" with calls. */
-static const char *buf_reply_message(ByteBuf *b, char *text, const char *lead, const Hypothesis *h, int mode, int thinks, const char *prefix,
-                                     int *n_calls) {
+   prefix and K. text is the reply's whole text, after reply_prefill's
+   (prefilled_reply; cut at its calls here); *n_calls gets their count.
+   Returns the finish reason: "tool_calls" with calls. */
+static const char *buf_reply_message(ByteBuf *b, char *text, const Hypothesis *h, int mode, int thinks, const char *prefix, int *n_calls) {
     ToolCall calls[SERVE_MAX_CALLS];
     size_t content_len;
-    int n = mode != CALLS_NONE ? reply_calls(text, lead, h, mode, calls, &content_len) : 0;
+    int n = mode != CALLS_NONE ? reply_calls(text, h, mode, calls, &content_len) : 0;
     if (n > 0) text[content_len] = '\0'; /* the content: the text before the calls */
     ByteBuf parts[2] = {{0}, {0}}; /* the answer, the reasoning */
     if (thinks) {
@@ -18473,15 +18735,14 @@ static void answer_choices(Server *srv, Conn *c) {
         const Request *r = c->req[i];
         const Hypothesis *h = &r->hyps[0];
         char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]);
+        if (c->chat) text = prefilled_reply(c->prefill, text);
         buf_printf(&b, "%s{\"index\":%d,", i ? "," : "", i);
         const char *finish = finish_reason(h);
         if (c->chat) {
             char prefix[64];
             call_id_prefix(prefix, sizeof(prefix), c, i);
             buf_str(&b, "\"message\":{\"role\":\"assistant\",");
-            char *lead = call_lead(srv->tok, r, c->calls);
-            finish = buf_reply_message(&b, text, lead, h, c->calls, serve_thinks(srv, c), prefix, NULL);
-            free(lead);
+            finish = buf_reply_message(&b, text, h, c->calls, serve_thinks(srv, c), prefix, NULL);
             buf_str(&b, "},\"logprobs\":");
             if (r->lp) chat_logprobs(srv->tok, &b, r);
         } else {
@@ -18535,10 +18796,9 @@ static void serve_on_done(Request *r, void *user) {
         ToolCall calls[SERVE_MAX_CALLS];
         int n_calls = 0;
         if (c->calls != CALLS_NONE) { /* the text held back: content up to the calls, then the calls */
-            char *text = hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]), *lead = call_lead(srv->tok, r, c->calls);
+            char *text = prefilled_reply(c->prefill, hypothesis_text(srv->tok, h, r->prompt[r->n_prompt - 1]));
             size_t content_len;
-            n_calls = reply_calls(text, lead, h, c->calls, calls, &content_len);
-            free(lead);
+            n_calls = reply_calls(text, h, c->calls, calls, &content_len);
             if (content_len > c->told[choice]) stream_content(srv, c, choice, text + c->told[choice], content_len - c->told[choice]);
             free(text);
         }
@@ -18649,10 +18909,105 @@ static int *llama31_prompt_tokens(const Tokenizer *tok, const ServeFields *f, in
     return out;
 }
 
+/* The tokens of a conversation in Mistral's format, as its template
+   renders it (tool_messages_mistral checked the messages), in `room`
+   positions: BOS, [SYSTEM_PROMPT]the first system message, or the default
+   one with today's date[/SYSTEM_PROMPT]; then each message: a later system
+   message the same way; a user's [INST]TEXT[/INST], the last user message
+   after [AVAILABLE_TOOLS]the tools as `tojson` writes the list
+   [/AVAILABLE_TOOLS] (@huggingface/jinja's `message == user_messages[-1]`
+   is that one message; Python's Jinja would also match an earlier one of
+   equal fields); an assistant's TEXT</s>, or its calls,
+   [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]ARGUMENTS each (the arguments as
+   `tojson` writes them), then </s>; a result's
+   [TOOL_RESULTS]ID[TOOL_CONTENT]TEXT[/TOOL_RESULTS]. The template has no
+   generation prompt: the reply follows the last message (the user's or a
+   result), after reply_prefill's text when there is one. */
+static int *mistral_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
+    const char *last = f->roles[f->n_messages - 1];
+    *why = "the last message must be the user's or a tool's";
+    if (strcmp(last, "user") != 0 && !is_tool_role(last)) return NULL;
+    TurnBuilder b = {tok, xcalloc((size_t)room + 1, sizeof(int)), 0, room, 1, {NULL, 0, 0}};
+    int i = 0, last_user = -1;
+    for (int k = 0; k < f->n_messages; k++)
+        if (strcmp(f->roles[k], "user") == 0) last_user = k;
+    turn_id(&b, tok->bos);
+    turn_token(&b, "[SYSTEM_PROMPT]");
+    if (strcmp(f->roles[0], "system") == 0) {
+        turn_string(&b, f->contents[0] ? f->contents[0] : "");
+        i = 1;
+    } else {
+        char date[64];
+        turn_string(&b, MISTRAL7_SYSTEM_HEAD);
+        turn_string(&b, today("%Y-%m-%d", date, sizeof(date)));
+        turn_string(&b, MISTRAL7_SYSTEM_TAIL);
+    }
+    turn_token(&b, "[/SYSTEM_PROMPT]");
+    for (; i < f->n_messages && b.fits; i++) {
+        const char *role = f->roles[i], *content = f->contents[i] ? f->contents[i] : "";
+        if (strcmp(role, "system") == 0) {
+            turn_token(&b, "[SYSTEM_PROMPT]");
+            turn_string(&b, content);
+            turn_token(&b, "[/SYSTEM_PROMPT]");
+        } else if (strcmp(role, "user") == 0) {
+            if (f->tools.n > 0 && i == last_user) {
+                turn_token(&b, "[AVAILABLE_TOOLS]");
+                for (int k = 0; k < f->tools.n; k++) {
+                    turn_string(&b, k ? ", " : "[");
+                    turn_string(&b, f->tools.tools[k].json);
+                }
+                turn_string(&b, "]");
+                turn_token(&b, "[/AVAILABLE_TOOLS]");
+            }
+            turn_token(&b, "[INST]");
+            turn_string(&b, content);
+            turn_token(&b, "[/INST]");
+        } else if (strcmp(role, "assistant") == 0) {
+            ToolCall *calls = NULL;
+            int n = f->calls_json[i] ? mistral_calls(f, i, &calls) : 0;
+            for (int k = 0; k < n; k++) {
+                turn_token(&b, "[TOOL_CALLS]");
+                turn_string(&b, calls[k].name);
+                turn_token(&b, "[CALL_ID]");
+                turn_string(&b, calls[k].id);
+                turn_token(&b, "[ARGS]");
+                turn_string(&b, calls[k].arguments);
+            }
+            if (n == 0) turn_string(&b, content);
+            free_calls(calls, n);
+            free(calls);
+            turn_id(&b, turn_end_token(tok));
+        } else {
+            turn_token(&b, "[TOOL_RESULTS]");
+            turn_string(&b, f->call_ids[i]);
+            turn_token(&b, "[TOOL_CONTENT]");
+            turn_string(&b, content);
+            turn_token(&b, "[/TOOL_RESULTS]");
+        }
+    }
+    if (f->tools.n > 0 && (f->tools.choice == TOOLS_NAMED || f->tools.choice == TOOLS_REQUIRED)) { /* reply_prefill's text */
+        turn_token(&b, "[TOOL_CALLS]");
+        if (f->tools.choice == TOOLS_NAMED) {
+            turn_string(&b, f->tools.named);
+            turn_token(&b, "[ARGS]");
+        }
+    }
+    turn_flush(&b);
+    free(b.text.data);
+    if (!b.fits) {
+        *why = "the messages do not fit the model's context";
+        free(b.out);
+        return NULL;
+    }
+    *n_tokens = b.n;
+    return b.out;
+}
+
 /* The tokens of a chat's messages (as tool_messages left them) in `room`
    positions: chat_messages_tokens's, and with "required" or a named
    function the marker after them, so that the reply starts with the call
-   (11.1). NULL (and *why) as chat_messages_tokens. The server and the
+   (11.1); Llama 3.1's and Mistral's formats as their templates render
+   them. NULL (and *why) as chat_messages_tokens. The server and the
    command line's chats and batch lines (11.2) all prompt with it. */
 static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int room, int *n_tokens, const char **why) {
     if (f->rendered) {
@@ -18664,6 +19019,7 @@ static int *chat_prompt_tokens(const Tokenizer *tok, const ServeFields *f, int r
         return tokens;
     }
     if (f->tools.llama31 && f->tools.n > 0) return llama31_prompt_tokens(tok, f, room, n_tokens, why);
+    if (f->tools.mistral) return mistral_prompt_tokens(tok, f, room, n_tokens, why);
     int *tokens = chat_messages_tokens(tok, f->roles, f->contents, f->n_messages, room, n_tokens, why);
     if (tokens && calls_mode(&f->tools) == CALLS_PREFILLED && !append_text_tokens(tok, TOOL_MARKER, tokens, n_tokens, room)) {
         *why = "the messages do not fit the model's context";
@@ -18764,6 +19120,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     d.n_return = 1;
     d.constrain_after = calls_marker(calls);
     submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
+    c->prefill = reply_prefill(&f->tools);
     for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
         c->echo[k] = echo[k / f->n] && k % f->n != 0 ? strdup(echo[k / f->n]) : echo[k / f->n];
     /* the choices share the schema; the last one owns it, as it is freed
@@ -19271,11 +19628,14 @@ static void batch_chat_check(JsonCursor *j, BatchLine *line, const Tokenizer *to
 }
 
 /* A chat line's prompt (chat_prompt_tokens), or NULL with *why, which
-   fails its request only; *calls: how its replies make calls. */
-static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls) {
+   fails its request only; *calls: how its replies make calls, *prefill the
+   text the prompt writes for them (reply_prefill). */
+static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls,
+                              char **prefill) {
     jmp_buf trap, *outer = error_trap;
     int *volatile tokens = NULL;
     *calls = calls_mode(&line->chat->tools);
+    *prefill = reply_prefill(&line->chat->tools);
     error_trap = &trap;
     if (setjmp(trap) == 0) tokens = chat_prompt_tokens(tok, line->chat, room, n_tokens, why);
     else *why = "the tokenizer has no token for a byte of the messages";
@@ -19285,22 +19645,23 @@ static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, i
 
 /* The text after which a reply's calls are constrained (Decoding's
    constrain_after), for calls made as `calls` says. */
-static const char *calls_marker(int calls) { return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : NULL; }
+static const char *calls_marker(int calls) {
+    return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : calls == CALLS_MISTRAL ? "[TOOL_CALLS]" : NULL;
+}
 
 /* A chat's JSON line for a reply: print_json_hypothesis's, then the
-   server's "message" and "finish_reason" (calls named prefix_K). */
-static void print_chat_hypothesis(const Tokenizer *tok, const Request *r, int rank, const Hypothesis *h,
-                                  int calls, const char *prefix) {
-    const int last_prompt_token = r->prompt[r->n_prompt - 1];
-    char *text = hypothesis_text(tok, h, last_prompt_token), *lead = call_lead(tok, r, calls);
+   server's "message" and "finish_reason" (calls named prefix and K; the
+   reply after prefill: reply_prefill). */
+static void print_chat_hypothesis(const Tokenizer *tok, const char *id, int rank, const Hypothesis *h, int last_prompt_token,
+                                  int calls, const char *prefill, const char *prefix) {
+    char *text = prefilled_reply(prefill, hypothesis_text(tok, h, last_prompt_token));
     ByteBuf b = {0};
     buf_str(&b, "\"message\":{\"role\":\"assistant\",");
-    const char *finish = buf_reply_message(&b, text, lead, h, calls, reasoning_splits(tok), prefix, NULL);
+    const char *finish = buf_reply_message(&b, text, h, calls, reasoning_splits(tok), prefix, NULL);
     buf_printf(&b, "},\"finish_reason\":\"%s\"", finish);
-    print_json_hypothesis_with(tok, r->id, rank, h, last_prompt_token, b.data);
+    print_json_hypothesis_with(tok, id, rank, h, last_prompt_token, b.data);
     buf_free(&b);
     free(text);
-    free(lead);
 }
 
 /* -- -m chat --tools -- */
@@ -19363,10 +19724,10 @@ static ServeFields *chat_tools_request(const ByteBuf *msgs, const Options *o, co
 
 /* Prints a reply with calls in text mode: its content (the text before
    the calls), then each call as one JSON line. */
-static void print_calls_text(const char *text, const char *lead, const Hypothesis *h, int mode, const char *prefix) {
+static void print_calls_text(const char *text, const Hypothesis *h, int mode, const char *prefix) {
     ToolCall calls[SERVE_MAX_CALLS];
     size_t content_len;
-    int n = reply_calls(text, lead, h, mode, calls, &content_len);
+    int n = reply_calls(text, h, mode, calls, &content_len);
     printf("%.*s\n", (int)content_len, text);
     for (int k = 0; k < n; k++) {
         ByteBuf b = {0};
@@ -19420,6 +19781,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
             msgs.data[before] = '\0';
             continue;
         }
+        char *prefill = reply_prefill(&f->tools); /* (the reply's text goes on from it) */
         if (text_mode) printf("Assistant: ");
         flush_output();
         Decoding dd = turn_decoding;
@@ -19430,14 +19792,15 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         turn_decoding.seed = r->sampler.rng_state;
         const Hypothesis *h = &r->hyps[0];
         int last = r->prompt[r->n_prompt - 1], n_calls = 0;
-        char prefix[32], *text = hypothesis_text(tok, h, last), *cut = strdup(text), *lead = call_lead(tok, r, calls);
-        snprintf(prefix, sizeof(prefix), "call_%d", ++replies);
+        char name[32], prefix[40], *text = prefilled_reply(prefill, hypothesis_text(tok, h, last)), *cut = strdup(text);
+        snprintf(name, sizeof(name), "call_%d", ++replies);
+        calls_id_prefix(prefix, sizeof(prefix), name, calls);
         ByteBuf m = {0}; /* the reply's message, as the server answers it and its client sends it back */
         buf_str(&m, "{\"role\":\"assistant\",");
-        const char *finish = buf_reply_message(&m, cut, lead, h, calls, reasoning_splits(tok), prefix, &n_calls);
+        const char *finish = buf_reply_message(&m, cut, h, calls, reasoning_splits(tok), prefix, &n_calls);
         buf_str(&m, "}");
         ThinkSplit split = {THINK_START, {NULL, 0, 0}, 0};
-        if (text_mode && n_calls > 0) print_calls_text(text, lead, h, calls, prefix);
+        if (text_mode && n_calls > 0) print_calls_text(text, h, calls, prefix);
         else if (text_mode && hides_reasoning(tok)) print_answer_of(tok, h, last, 0, &split);
         else if (text_mode) printf("%s\n", text);
         else {
@@ -19450,7 +19813,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         buf_printf(&msgs, ",%s", m.data);
         free(text);
         free(cut);
-        free(lead);
+        free(prefill);
         buf_free(&m);
         request_free(r);
         free_serve_fields(f); /* (its schema, the request's constraint, with it) */
@@ -19458,8 +19821,8 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         clear_interrupt(); /* Ctrl-C ended this reply only */
         after_results = 0;
         for (int k = 0; k < n_calls; k++) {
-            char guide[64], id[48];
-            snprintf(id, sizeof(id), "%s_%d", prefix, k);
+            char guide[80], id[64];
+            snprintf(id, sizeof(id), "%s%d", prefix, k);
             snprintf(guide, sizeof(guide), "Tool result (%s): ", id);
             char *result = results ? next_result(results) : read_line(guide, d->format);
             if (!result) {

@@ -18,7 +18,9 @@ typed on stdin give the replies of --tool-results. A batch line without
 makes one call of that tool.
 On the models of test_serve_tools.py: stories260K with tok512 (MODELS_DIR;
 SKIP when absent), the random Qwen3 and Llama 3 GGUF files (Llama 3 also
-with Llama 3.1's template: its format, and "auto" free), the random
+with Llama 3.1's template: its format, and "auto" free; the random model
+with Mistral Small 3.2's vocabulary and template, whose prompts hold the
+calls' ids: the server answers the results under the chat's ids), the random
 gpt-oss-layout model with gpt-oss's Harmony template and its own tools
 (test_serve_tools.H_TOOLS), and the model
 that writes "Hello" and then Qwen's <tool_call> marker itself ("auto": the
@@ -79,9 +81,10 @@ def validated(name, message, only=None, tool_list=TOOLS):
     return len(calls)
 
 
-def server_turns(srv, choice, max_tokens, parallel=True, tool_list=TOOLS):
+def server_turns(srv, choice, max_tokens, parallel=True, tool_list=TOOLS, ids=None):
     """The server's first reply to USER and, when it called, its reply to
-    RESULTS (asked with "auto", as the command line asks it): [(message, finish)], and the second request's messages."""
+    RESULTS (asked with "auto", as the command line asks it): [(message, finish)], and the second request's messages.
+    ids: the calls' ids in those messages instead of the server's (Mistral's prompt has them)."""
     body = {"messages": [{"role": "user", "content": USER}], "tools": tool_list, "tool_choice": choice, "max_tokens": max_tokens,
             "temperature": 0, "parallel_tool_calls": parallel}
     status, answer = srv.post("/v1/chat/completions", body)
@@ -90,6 +93,9 @@ def server_turns(srv, choice, max_tokens, parallel=True, tool_list=TOOLS):
     turns, history = [(first["message"], first["finish_reason"])], None
     calls = first["message"].get("tool_calls") or []
     if calls:
+        if ids:
+            calls = [dict(c, id=i) for c, i in zip(calls, ids)]
+            first["message"] = dict(first["message"], tool_calls=calls)
         history = body["messages"] + [first["message"]] + [
             {"role": "tool", "tool_call_id": c["id"], "content": RESULTS[k]} for k, c in enumerate(calls)]
         status, answer = srv.post("/v1/chat/completions", dict(body, messages=history, tool_choice="auto"))
@@ -109,9 +115,10 @@ def cli_chat(model, tok, choice, max_tokens, fmt="json", tool_list=TOOLS):
     return p.stdout.decode(), p.stderr.decode()
 
 
-def against_server(model, tok, max_tokens, choices=("required", "get_weather", "calculate"), tool_list=TOOLS):
+def against_server(model, tok, max_tokens, choices=("required", "get_weather", "calculate"), tool_list=TOOLS, mistral=False):
     """-m chat and --batch against the server, for each choice (the last
-    tool of tool_list also named with one call)."""
+    tool of tool_list also named with one call; mistral: the calls' ids are
+    Mistral's, 9 letters and digits)."""
     tools, _ = files(tool_list)
     single = tool_list[-1]["function"]["name"]
     ts.MODEL, ts.TOK = model, tok
@@ -129,6 +136,9 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
             assert choice == "auto" or n > 0, "server %s: no call: %s" % (choice, turns[0])
             out, err = cli_chat(model, tok, choice, max_tokens, tool_list=tool_list)
             got = [json.loads(line) for line in out.splitlines()]
+            if mistral and got[0]["message"].get("tool_calls"):  # the results answer the chat's ids, which its prompt has
+                turns, history = server_turns(srv, api_choice, max_tokens, tool_list=tool_list,
+                                              ids=[c["id"] for c in got[0]["message"]["tool_calls"]])
             chat_lines.append(got[0])
             replies = [t for t in turns if t is not None]
             if turns[-1] is None:  # the reply to the results does not fit: the server refuses it, the chat ends
@@ -170,7 +180,8 @@ def against_server(model, tok, max_tokens, choices=("required", "get_weather", "
         validated("batch " + line["id"], g["message"], None, tool_list)
         assert shape(g["message"], g["finish_reason"]) == shape(message, finish), \
             "batch %s: run %s, the server %s" % (line["id"], shape(g["message"], g["finish_reason"]), shape(message, finish))
-        assert all(c["id"].startswith("call_%d_" % (lines.index(line) + 1)) for c in g["message"].get("tool_calls") or []), g
+        for c in g["message"].get("tool_calls") or []:
+            assert (len(c["id"]) == 9 and c["id"].isalnum()) if mistral else c["id"].startswith("call_%d_" % (lines.index(line) + 1)), g
     # line 1 is the chat's first reply, whose calls are named call_1_K too: the same line, with the batch's "id"
     assert dict(got[0], id=None) == dict(chat_lines[0], id=None), "batch line 1 %s, -m chat -f json %s" % (got[0], chat_lines[0])
     assert len(got[-1]["message"]["tool_calls"]) == 1 and got[-1]["message"]["tool_calls"][0]["function"]["name"] == single, got[-1]
@@ -271,6 +282,7 @@ def main():
     case("cli_tools_random_llama3", lambda: against_server(*st.random_gguf("llama3"), 200, choices=("required", "calculate")))
     case("cli_tools_random_llama3_1", lambda: against_server(st.random_gguf("llama3")[0], st.llama31_vocab()[0], 200,
                                                              choices=("required", "calculate", "auto")))
+    case("cli_tools_random_mistral", lambda: against_server(*st.mistral_model(), 200, choices=("required", "calculate", "auto"), mistral=True))
     case("cli_tools_random_harmony", lambda: against_server(st.harmony_random_gguf(), st.cf.harmony_gguf()[0], 200,
                                                             choices=("required", "plan_route", "auto"), tool_list=st.H_TOOLS))
     return 1 if COUNTS["FAIL"] else 0

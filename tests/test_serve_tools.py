@@ -43,6 +43,21 @@ a reply); a bigram model that writes <|channel|>commentary to=functions.
 itself gets a valid "auto" call (the call heads, then the parameters);
 what the template's TypeScript cannot write (anyOf, $ref, ...) and what
 the template refuses get 400 naming it.
+Mistral Small 3.2's format, on o200k with its special tokens (tool tokens
+included: test_chat_families's mistral7) and its template: the prompt of
+conversations with tools, calls (arguments as a JSON text and as an
+object) and results, with and without a system message, equals the
+template rendered by @huggingface/jinja, token for token; a random model
+of that vocabulary's size answers the client's cases (required through
+call heads, named, auto; streamed and not; the calls' 9-character ids
+sent back with the results), its raw reply NAME[ARGS]ARGS after a prompt
+ending [TOOL_CALLS] (required) or the arguments after [TOOL_CALLS]NAME[ARGS]
+(named), the prompts the template's length; the marker model made on
+that vocabulary (Hello after [/INST], then [TOOL_CALLS]) answers "auto"
+with the content "Hello" and a valid call, the heads switched on at its
+own [TOOL_CALLS], streamed and not; requests that break the
+template's rules (ids not of 9 characters, roles out of turn, an unknown
+role, a call without arguments) get 400 naming the field.
 
 Env: RUN, PYTHON, MODELS_DIR, TEST_TMP, EXPORT_PY. Prints PASS/FAIL/SKIP lines."""
 
@@ -192,15 +207,21 @@ def gguf_client(family):
 def marker_model():
     """(model, vocabulary): a random Qwen3-vocabulary model that writes
     Hello<tool_call>, a newline, Hello<tool_call>, ... (see the module's text)."""
+    vocab = gv.export_vocab(os.path.join(gv.npm_package("qwen3"), "models", "tokenizer.json"), "qwen3")
+    return cycle_model(vocab, os.path.join(TMP, "qwen3-marker.gguf"), "\u010a", "<tool_call>"), vocab
+
+
+def cycle_model(vocab, model, last, marker):
+    """A random model of vocab's size that writes Hello after the token
+    `last` (the prompt's last), `marker` after Hello and `last` after the
+    marker (see the module's text)."""
     import numpy as np
     import arch_models as am
     from gguf_ref import read_gguf, write_gguf
-    vocab = gv.export_vocab(os.path.join(gv.npm_package("qwen3"), "models", "tokenizer.json"), "qwen3")
-    model = os.path.join(TMP, "qwen3-marker.gguf")
     if not os.path.isfile(model):
         os.makedirs(TMP, exist_ok=True)
         tokens = read_gguf(vocab).metadata["tokenizer.ggml.tokens"]
-        call, newline, hello = tokens.index("<tool_call>"), tokens.index("\u010a"), tokens.index("Hello")
+        call, newline, hello = tokens.index(marker), tokens.index(last), tokens.index("Hello")
         meta, tensors = am.arch_model("llama", vocab=len(tokens), vocab_meta=False, ctx=2048, wtype="F32")
         t = {name: i for i, (name, _, _, _) in enumerate(tensors)}
         for name, i in t.items():
@@ -213,11 +234,11 @@ def marker_model():
         tensors[t["output.weight"]] = tensors[t["output.weight"]][:3] + (out.astype("<f4").tobytes(),)
         write_gguf(model + ".part", meta, tensors)
         os.rename(model + ".part", model)
-    return model, vocab
+    return model
 
 
-def auto_marker():
-    model, vocab = marker_model()
+def auto_marker(model_vocab=marker_model, marker="<tool_call>\n"):
+    model, vocab = model_vocab()
     ts.MODEL, ts.TOK = model, vocab
     srv = ts.Server()
     try:
@@ -243,7 +264,7 @@ def auto_marker():
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls", events[-1]
         status, answer = srv.post("/v1/chat/completions", dict(body, tool_choice="none", max_tokens=6))
         assert status == 200 and "tool_calls" not in answer["choices"][0]["message"], answer
-        assert answer["choices"][0]["message"]["content"].startswith("Hello<tool_call>\nHello"), answer
+        assert answer["choices"][0]["message"]["content"].startswith("Hello" + marker), answer
     finally:
         ts.MODEL, ts.TOK = STORIES, TOK512
         code = srv.stop()
@@ -345,6 +366,155 @@ def llama31_template():
         text = cf.render(template, jmsgs, "<|begin_of_text|>", "<|eot_id|>", tools=TOOLS)
         expect_request_tokens(path, models, msgs, text)
     print("# llama3.1: %r" % text[-400:], flush=True)
+
+
+def mistral_vocab():
+    """(vocabulary GGUF, its models dir, template): o200k with Mistral
+    Small 3.2's special tokens, its tool tokens included, and its template
+    (test_chat_families's mistral7)."""
+    for d in (TMP, cf.TMP, pt.TMP):
+        os.makedirs(d, exist_ok=True)
+    return cf.o200k_gguf("mistral7")
+
+
+def mistral_messages():
+    calls = [{"id": "Wx4kP9aQz", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2b3d4e5f", "type": "function", "function": {"name": "calculate", "arguments": {"a": 2, "b": 3}}}]
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": USER},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "Wx4kP9aQz", "content": '{"temperature": 21, "sky": "clear\\n"}'},
+            {"role": "tool", "tool_call_id": "c2b3d4e5f", "content": "5"},
+            {"role": "assistant", "content": "It is 21 degrees; 2 + 3 = 5."},
+            {"role": "user", "content": "And in Rome? \u00e9t\u00e9 \u2603"},
+            {"role": "assistant", "content": "", "tool_calls": [dict(calls[0], id="R0me12345", function={
+                "name": "get_weather", "arguments": '{"city": "Rome", "note": "a \\"quoted\\" word\\n"}'})]},
+            {"role": "tool", "tool_call_id": "R0me12345", "content": "rain"}]
+
+
+def mistral_template():
+    """serve's prompt for tools, calls and their results equals Mistral
+    Small 3.2's template's: the tools before the last user message, a call
+    as [TOOL_CALLS]NAME[CALL_ID]ID[ARGS] and its arguments as tojson writes
+    them (OpenAI's JSON text stays a quoted string), a result as
+    [TOOL_RESULTS]ID[TOOL_CONTENT]TEXT[/TOOL_RESULTS]; with the default
+    system message (today's date) when there is no system message."""
+    gv.need_dump()
+    path, models, template = mistral_vocab()
+    info = gv.dump_info(path)
+    assert info["chat"] == "mistral7", info
+    messages = mistral_messages()
+    for msgs in (messages, messages[:5], messages[1:7], messages[1:2], messages[1:]):
+        text = cf.render(template, msgs, "<s>", "</s>", tools=TOOLS)
+        expect_request_tokens(path, models, msgs, text)
+    print("# mistral: %r" % text[-300:], flush=True)
+
+
+def mistral_model():
+    """(model, vocabulary): a random llama-layout model (tests/arch_models.py)
+    with the size of mistral_vocab's vocabulary, which is attached with -z."""
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    vocab, _, _ = mistral_vocab()
+    model = os.path.join(TMP, "mistral7-random.gguf")
+    if not os.path.isfile(model):
+        n = len(read_gguf(vocab).metadata["tokenizer.ggml.tokens"])
+        meta, tensors = am.arch_model("llama", vocab=n, vocab_meta=False, ctx=2048, tied=True, wtype="F16")
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model, vocab
+
+
+def mistral_raw(srv, body):
+    """(answer, the reply's own text from its tokens' log-probabilities)."""
+    status, answer = srv.post("/v1/chat/completions", dict(body, logprobs=True, max_tokens=300, seed=7))
+    assert status == 200, (status, answer)
+    return answer, "".join(t["token"] for t in answer["choices"][0]["logprobs"]["content"])
+
+
+def mistral_random():
+    """Mistral's calls on a random model with its vocabulary and template:
+    the client's cases (required, named, auto; streamed and not; the
+    results sent back with the 9-character ids the calls got); the reply's
+    own tokens: "required" names a function, NAME[ARGS] and its arguments
+    after a prompt that ends with [TOOL_CALLS]; a named function's reply is
+    its arguments, after [TOOL_CALLS]NAME[ARGS]; the prompts are the
+    template's rendering (token counts)."""
+    model, vocab = mistral_model()
+    _, models, template = mistral_vocab()
+    ts.MODEL, ts.TOK = model, vocab
+    try:
+        client_cases(os.path.basename(model), 300, "required_one")
+        srv = ts.Server()
+        try:
+            msgs = [{"role": "user", "content": USER}]
+            body = {"messages": msgs, "tools": TOOLS}
+            req, raw_req = mistral_raw(srv, dict(body, tool_choice="required"))
+            named, raw_named = mistral_raw(srv, dict(body, tool_choice={"type": "function", "function": {"name": "calculate"}}))
+        finally:
+            code = srv.stop()
+        assert code == 0, code
+        js = jsonschema()
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        call = req["choices"][0]["message"]["tool_calls"][0]
+        tokens = [t["token"] for t in req["choices"][0]["logprobs"]["content"]]
+        assert tokens.count("[ARGS]") == 1, tokens  # the head's special token, as one token
+        name, args = raw_req.split("[ARGS]", 1)
+        assert name == call["function"]["name"] and json.loads(args) == json.loads(call["function"]["arguments"]), (raw_req, call)
+        js.validate(json.loads(args), params[name])
+        assert len(call["id"]) == 9 and call["id"].isalnum(), call
+        call = named["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "calculate" and json.loads(raw_named) == json.loads(call["function"]["arguments"]), (raw_named, call)
+        js.validate(json.loads(raw_named), params["calculate"])
+        text = cf.render(template, msgs, "<s>", "</s>", tools=TOOLS)
+        want = pt.oracle(models, [text + "[TOOL_CALLS]", text + "[TOOL_CALLS]calculate[ARGS]"])
+        assert req["usage"]["prompt_tokens"] == len(want[0]), (req["usage"], len(want[0]))
+        assert named["usage"]["prompt_tokens"] == len(want[1]), (named["usage"], len(want[1]))
+        print("# mistral required: %r; named: %r" % (raw_req[:80], raw_named[:80]), flush=True)
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+
+
+def mistral_marker_model():
+    """(model, vocabulary): the marker model of Mistral's vocabulary:
+    Hello after [/INST], then [TOOL_CALLS]."""
+    vocab, _, _ = mistral_vocab()
+    return cycle_model(vocab, os.path.join(TMP, "mistral7-marker.gguf"), "[/INST]", "[TOOL_CALLS]"), vocab
+
+
+def mistral_bad_input():
+    """A request that breaks Mistral's template's rules gets 400 naming the
+    field: a call id or a tool_call_id not of 9 characters (the server's
+    own ids are), roles out of turn, a role the template does not take, a
+    call without arguments."""
+    model, vocab = mistral_model()
+    ts.MODEL, ts.TOK = model, vocab
+    user = {"role": "user", "content": USER}
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "calculate", "arguments": '{"a": 2, "b": 3}'}}
+    asked = {"role": "assistant", "content": None, "tool_calls": [call]}
+    cases = [
+        ([user, dict(asked, tool_calls=[dict(call, id="call_1")]), {"role": "tool", "tool_call_id": "abcDEF123", "content": "5"}],
+         "messages[1].tool_calls[0].id"),
+        ([user, dict(asked, tool_calls=[call, {k: v for k, v in call.items() if k != "id"}])], "messages[1].tool_calls[1].id"),
+        ([user, asked, {"role": "tool", "tool_call_id": "call_1", "content": "5"}], "messages[2].tool_call_id"),
+        ([user, {"role": "user", "content": "again"}], "messages[1].role"),
+        ([user, {"role": "developer", "content": "x"}], "messages[1].role"),
+        ([user, dict(asked, tool_calls=[dict(call, function={"name": "calculate"})])], "messages[1].tool_calls[0].function.arguments"),
+    ]
+    try:
+        srv = ts.Server()
+        try:
+            for msgs, field in cases:
+                status, answer = srv.post("/v1/chat/completions", {"messages": msgs, "tools": TOOLS, "max_tokens": 5})
+                assert status == 400, "%s: %s %s" % (field, status, answer)
+                assert field in answer["error"]["message"], "%s not named: %s" % (field, answer["error"]["message"])
+            status, answer = srv.post("/v1/chat/completions", {"messages": [user, asked, {"role": "tool", "tool_call_id": "abcDEF123",
+                                                                                         "content": "5"}], "tools": TOOLS, "max_tokens": 5})
+            assert status == 200, answer
+        finally:
+            code = srv.stop()
+        assert code == 0, code
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
 
 
 def llama31_required():
@@ -626,6 +796,10 @@ def main():
     case("serve_tools_random_harmony", harmony_random)
     case("serve_tools_bad_input_harmony", harmony_bad_input)
     case("serve_tools_auto_marker_harmony", harmony_auto_marker)
+    case("serve_tools_template_mistral", mistral_template)
+    case("serve_tools_random_mistral", mistral_random)
+    case("serve_tools_mistral_bad_input", mistral_bad_input)
+    case("serve_tools_mistral_auto_marker", lambda: auto_marker(mistral_marker_model, "[TOOL_CALLS]"))
     return 1 if COUNTS["FAIL"] else 0
 
 

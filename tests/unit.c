@@ -2852,6 +2852,17 @@ static void test_reply_message(void) {
         {"{\"name\": \"f\", \"parameters\": 3}", "eos", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"parameters\\\": 3}\"", "stop"},
         {"{\"name\": \"f\", \"param", "length", CALLS_LEADING, 0, "\"content\":\"{\\\"name\\\": \\\"f\\\", \\\"param\"", "length"},
         {"Hello", "eos", CALLS_LEADING, 0, "\"content\":\"Hello\"", "stop"},
+        /* Mistral's: [TOOL_CALLS]NAME[ARGS]ARGUMENTS each, after the content (the text as prefilled_reply makes it) */
+        {"[TOOL_CALLS]f[ARGS]{\"a\":1}", "json", CALLS_MISTRAL_PREFILLED, 0,
+         "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+         "\"{\\\"a\\\":1}\"}}]", "tool_calls"},
+        {"Hi [TOOL_CALLS]f[ARGS]{\"a\": 1} [TOOL_CALLS]g[CALL_ID]abcdefghi[ARGS]{}\n", "eos", CALLS_MISTRAL, 0,
+         "\"content\":\"Hi \",\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+         "\"{\\\"a\\\": 1}\"}},{\"id\":\"call_7_1\",\"type\":\"function\",\"function\":{\"name\":\"g\",\"arguments\":\"{}\"}}]", "tool_calls"},
+        {"[TOOL_CALLS]f[ARGS]{\"a\":", "length", CALLS_MISTRAL_PREFILLED, 0, "\"content\":\"[TOOL_CALLS]f[ARGS]{\\\"a\\\":\"", "length"},
+        {"[TOOL_CALLS]f[ARGS]{} then", "eos", CALLS_MISTRAL, 0, "\"content\":\"[TOOL_CALLS]f[ARGS]{} then\"", "stop"},
+        {"[TOOL_CALLS][ARGS]{}", "eos", CALLS_MISTRAL, 0, "\"content\":\"[TOOL_CALLS][ARGS]{}\"", "stop"},
+        {"[TOOL_CALLS]f[ARGS]3", "eos", CALLS_MISTRAL, 0, "\"content\":\"[TOOL_CALLS]f[ARGS]3\"", "stop"},
     };
     begin("buf_reply_message: a reply's content, reasoning and calls (server, --batch, chat --tools)");
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
@@ -2859,33 +2870,33 @@ static void test_reply_message(void) {
         char *text = strdup(cases[k].text);
         ByteBuf b = {0};
         int n = -1;
-        const char *finish = buf_reply_message(&b, text, "", &h, cases[k].mode, cases[k].thinks, "call_7", &n);
+        const char *finish = buf_reply_message(&b, text, &h, cases[k].mode, cases[k].thinks, "call_7_", &n);
         expect(strcmp(b.data, cases[k].want) == 0 && strcmp(finish, cases[k].finish) == 0 && (n > 0) == (strcmp(finish, "tool_calls") == 0),
                "case %zu: %s (%s, %d calls), not %s (%s)", k, b.data, finish, n, cases[k].want, cases[k].finish);
         buf_free(&b);
         free(text);
     }
-    /* Harmony's (11.1): the call after the lead the prompt wrote (call_lead), its message's header and the reasoning before it apart */
-    static const struct { const char *lead, *text, *stop; int mode; const char *want, *finish; } harmony[] = {
-        {"", "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\"}",
+    /* Harmony's (11.1): the call (after the text the prompt wrote, reply_prefill's), its message's header and the reasoning before it apart */
+    static const struct { const char *text, *stop; int mode; const char *want, *finish; } harmony[] = {
+        {"<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Paris\"}",
          "json", CALLS_HARMONY_AUTO, "\"content\":null,\"reasoning_content\":\"think\",\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":"
          "{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}}]", "tool_calls"},
-        {"", "<|channel|>commentary to=functions.f<|channel|>commentary json<|message|>{}", "json", CALLS_HARMONY_AUTO,
+        {"<|channel|>commentary to=functions.f<|channel|>commentary json<|message|>{}", "json", CALLS_HARMONY_AUTO,
          "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]", "tool_calls"},
-        {"<|channel|>commentary to=functions.", "get_time <|constrain|>json<|message|>{}", "json", CALLS_HARMONY,
+        {"<|channel|>commentary to=functions." "get_time <|constrain|>json<|message|>{}", "json", CALLS_HARMONY,
          "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"get_time\",\"arguments\":\"{}\"}}]", "tool_calls"},
-        {"<|channel|>commentary to=functions.f <|constrain|>json<|message|>", "{\"a\":1}", "json", CALLS_HARMONY,
+        {"<|channel|>commentary to=functions.f <|constrain|>json<|message|>" "{\"a\":1}", "json", CALLS_HARMONY,
          "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\":1}\"}}]", "tool_calls"},
-        {"", "<|channel|>analysis<|message|>t<|end|><|start|>assistant<|channel|>final<|message|>Hi", "eos", CALLS_HARMONY_AUTO,
+        {"<|channel|>analysis<|message|>t<|end|><|start|>assistant<|channel|>final<|message|>Hi", "eos", CALLS_HARMONY_AUTO,
          "\"content\":\"Hi\",\"reasoning_content\":\"t\"", "stop"},
-        {"<|channel|>commentary to=functions.", "get_ti", "length", CALLS_HARMONY, "\"content\":\"get_ti\"", "length"},
+        {"<|channel|>commentary to=functions." "get_ti", "length", CALLS_HARMONY, "\"content\":\"<|channel|>commentary to=functions.get_ti\"", "length"},
     };
     for (size_t k = 0; k < sizeof(harmony) / sizeof(harmony[0]); k++) {
         Hypothesis h = {NULL, 0, 0.0, harmony[k].stop, NULL};
         char *text = strdup(harmony[k].text);
         ByteBuf b = {0};
         int n = -1;
-        const char *finish = buf_reply_message(&b, text, harmony[k].lead, &h, harmony[k].mode, 1, "call_7", &n);
+        const char *finish = buf_reply_message(&b, text, &h, harmony[k].mode, 1, "call_7_", &n);
         expect(strcmp(b.data, harmony[k].want) == 0 && strcmp(finish, harmony[k].finish) == 0, "harmony case %zu: %s (%s), not %s (%s)", k,
                b.data, finish, harmony[k].want, harmony[k].finish);
         buf_free(&b);
@@ -2896,6 +2907,14 @@ static void test_reply_message(void) {
     expect(b.data && strcmp(b.data, "{\n    \"a\": [],\n    \"b\": {\n        \"c\": [\n            1,\n            2\n        ],\n        \"e\": {}\n    },\n"
                                  "    \"d\": \"x, y{\\\"\"\n}") == 0, "tojson(indent=4): %s", b.data);
     buf_free(&b);
+    char prefix[16], other[16];
+    calls_id_prefix(prefix, sizeof(prefix), "call_7", CALLS_AT_MARKER);
+    expect(strcmp(prefix, "call_7_") == 0, "Hermes's id prefix: %s", prefix);
+    calls_id_prefix(prefix, sizeof(prefix), "call_7", CALLS_MISTRAL);
+    calls_id_prefix(other, sizeof(other), "call_8", CALLS_MISTRAL_PREFILLED);
+    int alnum = strlen(prefix) == 8;
+    for (int i = 0; prefix[i]; i++) alnum &= isalnum((unsigned char)prefix[i]) != 0;
+    expect(alnum && strlen(other) == 8 && strcmp(prefix, other) != 0, "Mistral's id prefixes (8 letters and digits, then the call's digit): %s %s", prefix, other);
     ToolSet ts = {0};
     set_tool_choice(&ts, "required");
     expect(ts.choice == TOOLS_REQUIRED && calls_mode(&ts) == CALLS_NONE, "required without tools: %d", ts.choice);
