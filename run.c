@@ -12159,6 +12159,18 @@ static int json_mask(const JsonMatch *m, const TokenTrie *t, const Tokenizer *to
     return n_allowed;
 }
 
+/* Reads n bytes into st; returns 0, st as before the byte, when a byte
+   cannot come. */
+static int json_read(const JsonSchema *s, JsonState *st, const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        JsonState next;
+        json_feed(s, st, (unsigned char)p[i], &next);
+        if (next.n == 0) return 0;
+        *st = next;
+    }
+    return 1;
+}
+
 /* Reads token `token`'s bytes; returns whether the answer is then finished
    (complete, and no byte could extend it). */
 static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
@@ -12342,6 +12354,9 @@ typedef struct {
     const JsonSchema *schema; /* the answer is one JSON value valid under it (6.1); NULL: any text */
     const char *constrain_after; /* the schema holds only after the reply writes this text (a tool call's
                                     marker, 11.1), from the next byte on; NULL: from the start */
+    const char *constrain_leading; /* the schema holds from a '{' that starts the reply, after its white space
+                                      and then this text or not (Llama 3.1's <|python_tag|>, 11.1); a reply
+                                      that starts otherwise is free; NULL: not so */
 } Decoding;
 
 /* The new tokens a continuation may have: `room` (what the positions
@@ -12479,6 +12494,8 @@ struct Request {
     const char *error;      /* set when the request cannot run */
     JsonSchema *own_schema; /* d.schema when the request owns it (--batch, the server) */
     int marker_seen;        /* bytes of d.constrain_after the reply's text ends with, so far */
+    int lead;               /* under d.constrain_leading, while '{' may yet start the value: the bytes of that
+                               text read after the reply's white space (0: none yet); LEAD_FREE: no longer */
     /* called with the text of each sampled token once it is safe to print
        (see StopMatcher), for streamed output; may be NULL */
     void (*on_text)(Request *r, const char *text, size_t n);
@@ -12716,6 +12733,43 @@ static void clear_interrupt(void) { interrupt_pending = 0; }
 
 /* ---- Choosing tokens -------------------------------------------------------- */
 
+/* The lead of a reply under d.constrain_leading (Request's lead), read on
+   by byte ch of its text: the bytes of `text` matched after the white
+   space, LEAD_VALUE when ch is the value's '{', LEAD_FREE when the value
+   can no longer start. */
+enum { LEAD_FREE = -1, LEAD_VALUE = -2 };
+
+static int lead_step(const char *text, int lead, int ch) {
+    if (ch == '{' && (lead == 0 || text[lead] == '\0')) return LEAD_VALUE;
+    if (lead == 0 && isspace(ch)) return 0;
+    return text[lead] != '\0' && ch == (unsigned char)text[lead] ? lead + 1 : LEAD_FREE;
+}
+
+/* The lead after n bytes p (stopped at the first that decides); *at: the
+   offset of the '{' when LEAD_VALUE. */
+static int lead_after(const char *text, int lead, const char *p, int n, int *at) {
+    for (*at = 0; *at < n && lead >= 0; ++*at) {
+        lead = lead_step(text, lead, (unsigned char)p[*at]);
+        if (lead == LEAD_VALUE) break;
+    }
+    return lead;
+}
+
+/* The mask of a step where the reply may yet start the value (r->lead >=
+   0): a token whose bytes start it is allowed only when the schema takes
+   them from the '{' on; every other token stays free. (Tokens outside the
+   trie, special ones, are free: their text starts no value.) */
+static void lead_mask(const Engine *e, const Request *r, float *logits) {
+    const TokenTrie *t = e->trie;
+    for (int i = 0; i < e->tok->vocab_size; i++) {
+        int at;
+        if (!t->bytes[i] || lead_after(r->d.constrain_leading, r->lead, t->bytes[i], t->len[i], &at) != LEAD_VALUE) continue;
+        JsonState st;
+        json_start(&st);
+        if (!json_read(r->d.schema, &st, t->bytes[i] + at, (size_t)(t->len[i] - at))) logits[i] = -INFINITY;
+    }
+}
+
 /* The choice of a sampled request's next token (the first half of
    sample_step, below): the token, and with
    JSON output its log-probability added to the score. It touches nothing but
@@ -12727,6 +12781,7 @@ static int choose_token(const Engine *e, Request *r, float *logits) {
     const Sequence *s = &r->seqs[0];
     if (r->json && json_mask(r->json, e->trie, e->tok, logits) == 0) return -1;
     if (r->head && head_mask(r->head, e->trie, e->tok, logits) == 0) return -1;
+    if (r->lead >= 0) lead_mask(e, r, logits);
     process_logits(ctl, e->tok, s->tokens, s->n_tokens, r->hyps[0].n_tokens, logits);
     if ((r->json || r->head) && !(logits[sample_argmax(logits, vocab)] > -INFINITY)) return -1; /* the controls banned every allowed token */
     if (r->raw) memcpy(r->raw, logits, (size_t)vocab * sizeof(float));
@@ -12817,6 +12872,18 @@ static int head_step(Engine *e, Request *r, int token) {
     return k != -2;
 }
 
+/* Reads a reply's next text for d.constrain_leading: once it starts the
+   value, the schema's constraint starts, with the bytes from its '{' read.
+   Returns 0 when those bytes break it (a token lead_mask did not read). */
+static int constrain_from_lead(Engine *e, Request *r, const char *text) {
+    int at, n = (int)strlen(text);
+    r->lead = lead_after(r->d.constrain_leading, r->lead, text, n, &at);
+    if (r->lead != LEAD_VALUE) return 1;
+    r->lead = LEAD_FREE;
+    constraint_start(e, r);
+    return constraint_feed_text(e, r, text + at);
+}
+
 /* The second half: takes the chosen token (see sample_step). */
 static void take_token(Engine *e, Request *r, int next) {
     Hypothesis *h = &r->hyps[0];
@@ -12832,9 +12899,10 @@ static void take_token(Engine *e, Request *r, int next) {
             const char *safe = stop_feed(&r->stops, piece, &n_safe);
             if (r->on_text) r->on_text(r, safe, n_safe);
         }
-        int before_marker = !r->json && !r->head && r->d.constrain_after && piece_is_printable(e->tok, piece);
+        int before_marker = !r->json && !r->head && (r->d.constrain_after || r->lead >= 0) && piece_is_printable(e->tok, piece);
         int in_head = r->head != NULL; /* (before the marker, none) */
-        if ((before_marker && !constrain_from_marker(e, r, piece)) || (in_head && !head_step(e, r, next))) {
+        if ((before_marker && !(r->d.constrain_after ? constrain_from_marker(e, r, piece) : constrain_from_lead(e, r, piece))) ||
+            (in_head && !head_step(e, r, next))) {
             h->stop = "constraint";
             ended = 1;
         } else if (r->stops.matched) {
@@ -13168,7 +13236,7 @@ static void speculate(Engine *e) {
         Sequence *s = &r->seqs[0];
         r->n_draft = -1;
         if (!sp || r->d.beam.beams > 0 || s->n_tokens - s->n_cached != 1) continue;
-        if (r->json || r->head || r->d.constrain_after) { /* drafts are not checked against the schema: this request goes a token at a time */
+        if (r->json || r->head || r->d.constrain_after || r->d.constrain_leading) { /* drafts are not checked against the schema: this request goes a token at a time */
             static int noted;
             if (!noted) fprintf(stderr, "run: note: speculative decoding is off for answers under a JSON schema\n");
             noted = 1;
@@ -13395,7 +13463,8 @@ static int engine_start(Engine *e, Request *r) {
     free(matched);
     init_sampler(&r->sampler, t->config.vocab_size, r->d.temperature, r->d.topp, r->d.seed);
     if (r->d.schema && !e->trie) e->trie = token_trie_new(e->tok);
-    if (r->d.schema && !r->d.constrain_after) constraint_start(e, r);
+    if (r->d.schema && !r->d.constrain_after && !r->d.constrain_leading) constraint_start(e, r);
+    r->lead = r->d.constrain_leading ? 0 : LEAD_FREE;
     r->stops = stop_matcher(&r->d.controls);
     if (r->d.beam.beams == 0 && (r->d.format == FORMAT_JSON || r->lp)) r->raw = xcalloc((size_t)t->config.vocab_size, sizeof(float));
     if (r->d.beam.beams == 0) r->hyps[0] = (Hypothesis){xcalloc((size_t)r->max_new + 1, sizeof(int)), 0, 0.0, "length", NULL};
@@ -15827,7 +15896,7 @@ static Decoding decoding_of(const Options *o, uint64_t clock_seed) {
        end token whatever -e says */
     EarlyStopping early = o->beams == 1 ? STOP_EARLY : o->early_stopping;
     return (Decoding){o->temperature, o->topp, o->seed ? o->seed : clock_seed, {o->beams, o->length_penalty, early},
-                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0, o->schema, NULL};
+                      o->n_return, o->format, o->controls, o->max_new_tokens, o->keep >= 0, o->keep >= 0 ? o->keep : 0, o->schema, NULL, NULL};
 }
 
 /* The positions a run may use: -n (0 or above the context: the context), as
@@ -16152,7 +16221,7 @@ static int *take_ids(BatchLine *line, int room, int *n_tokens, const char **why)
 
 static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, int *n_tokens, const char **why, int *calls,
                               char **prefill); /* 11.2 */
-static const char *calls_marker(int calls);
+static void constrain_calls(Decoding *d, int calls);
 
 /* The request of a parsed line, which it takes (prompt, id, stop strings),
    at place i: submitted to the engine, or done at once when it cannot run
@@ -16169,7 +16238,7 @@ static void submit_line(BatchRun *b, BatchLine *line, int i) {
         if (!line->stops[k]) line->o.controls.stops[k] = line->stops[k] = strdup(line->o.controls.stops[k]);
     Decoding d = decoding_of(&line->o, b->clock_seed);
     d.format = FORMAT_JSON;
-    d.constrain_after = calls_marker(slot->calls);
+    constrain_calls(&d, slot->calls);
     slot->chat = line->chat != NULL;
     slot->line_no = b->in.line_no;
     free_batch_chat(line);
@@ -16472,9 +16541,16 @@ typedef struct {
    message, as `tojson` writes its text. The messages are rendered as the
    template does (llama31_prompt_tokens); "required" and a named function
    constrain the whole reply to the call (no marker: the call is the
-   reply), and with "auto" the reply is free, a call when it starts with
-   {"name" (after <|python_tag|>, when the model writes it): no constraint
-   can switch on at a marker that is the call's own first bytes.
+   reply). With "auto" no marker comes before a call, whose own first
+   byte, '{', starts it (after white space and <|python_tag|>, when the
+   model writes them), so the constraint switches on there (Decoding's
+   constrain_leading): while the reply is only that lead, a token whose
+   text would start the call is allowed only if the constraint takes its
+   bytes from the '{' on, every other token stays free, and once the '{'
+   is written the constraint holds to the end of the call, which ends the
+   reply as under "required". A reply is then either free text (its
+   content) or a call that parses and matches its function's parameters
+   (cut short, by max_tokens, it is content).
    gpt-oss's (Harmony, CHAT_HARMONY: ToolSet's harmony) is rendered whole
    as its template renders it (tool_messages_harmony): the system message
    sends calls to the commentary channel; the developer message gives the
@@ -16521,6 +16597,7 @@ typedef struct {
    (prefilled_reply, mistral_reply_calls). */
 
 #define TOOL_MARKER "<tool_call>\n"
+#define PYTHON_TAG "<|python_tag|>" /* Llama 3.1's, before a call (or not) */
 #define HARMONY_CALL_START "to=functions." /* Harmony: a call's recipient, after which comes the function's name */
 #define SERVE_MAX_TOOLS 64 /* tools of one request, at most */
 #define SERVE_MAX_CALLS 4  /* calls of one reply, at most (parallel_tool_calls) */
@@ -18094,7 +18171,8 @@ static void send_chunk(Server *srv, Conn *c, int choice, const char *text, const
 
 /* How a reply makes its calls (Conn's calls): none; after the marker, from
    where the constraint holds; the whole reply, constrained; or, Llama
-   3.1's "auto", a reply that starts with the call, unconstrained;
+   3.1's "auto", a reply that starts with the call, constrained from its
+   '{' (free when it starts otherwise);
    Harmony's, the prompt ending with the call's head or its start, or
    ("auto") the call after HARMONY_CALL_START, where call heads hold;
    Mistral's, "auto": calls after the text, each after [TOOL_CALLS] (the
@@ -18201,6 +18279,20 @@ static JsonSchema *mistral_call_schema(const ToolSet *ts, char *err, size_t err_
     return heads;
 }
 
+/* Where the calls' constraint starts in a reply (Decoding's constrain_after
+   and constrain_leading), for calls made as `calls` says: after the
+   marker (calls_marker: Hermes's, Harmony's "auto" HARMONY_CALL_START,
+   Mistral's "auto" [TOOL_CALLS]), at a leading '{', or (NULL, NULL) from
+   the start. */
+static const char *calls_marker(int calls) {
+    return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : calls == CALLS_MISTRAL ? "[TOOL_CALLS]" : NULL;
+}
+
+static void constrain_calls(Decoding *d, int calls) {
+    d->constrain_after = calls_marker(calls);
+    d->constrain_leading = calls == CALLS_LEADING ? PYTHON_TAG : NULL;
+}
+
 /* The schema of the calls a reply may make (see 11.1); NULL with the
    refusal in err: a function's parameters that 6.1 does not take. */
 static JsonSchema *tool_call_schema(const ToolSet *ts, char *err, size_t err_len) {
@@ -18261,19 +18353,22 @@ static const char *json_value_end(const char *p) {
    white space and <|python_tag|>: where its call would start. */
 static const char *past_call_lead(const char *text) {
     while (isspace((unsigned char)*text)) text++;
-    return strncmp(text, "<|python_tag|>", 14) == 0 ? text + 14 : text;
+    return strncmp(text, PYTHON_TAG, strlen(PYTHON_TAG)) == 0 ? text + strlen(PYTHON_TAG) : text;
 }
 
-/* Where such a reply starts its call; NULL when it does not start {"name". */
+/* Where such a reply starts its call; NULL when it does not start '{'. */
 static const char *leading_call_start(const char *text) {
     const char *p = past_call_lead(text);
-    return strncmp(p, "{\"name\"", 7) == 0 ? p : NULL;
+    return *p == '{' ? p : NULL;
 }
 
 /* The call that a reply in Llama 3.1's "auto" mode makes with its whole
-   text, written by the model unconstrained (white space anywhere): 1 with
-   its name and its "parameters" (or "arguments") object's text in *c, 0
-   when the text is not one call object, name a string, parameters an object. */
+   text: 1 with its name and its "parameters" (or "arguments") object's
+   text in *c, 0 when the text is not one call object, name a string,
+   parameters an object. The reply is written under the calls' constraint
+   from its '{' on (Decoding's constrain_leading), so a whole one is a
+   call that matches its function's parameters and one cut short is not
+   a call; the text is read as any JSON (white space anywhere) all the same. */
 static int leading_call(const char *text, ToolCall *c) {
     const char *p = leading_call_start(text);
     *c = (ToolCall){NULL, NULL, NULL};
@@ -18554,7 +18649,7 @@ static void stream_reply(Server *srv, Conn *c, int choice, const char *text, siz
     if (c->calls == CALLS_LEADING) { /* all held while it may yet start a call; then all told */
         const char *p = past_call_lead(all->data);
         size_t n_p = strlen(p);
-        if (strncmp(p, "{\"name\"", 7) == 0 || partial_marker(p, n_p, "<|python_tag|>") == n_p || partial_marker(p, n_p, "{\"name\"") == n_p) return;
+        if (*p == '{' || partial_marker(p, n_p, PYTHON_TAG) == n_p) return;
         if (all->n > c->told[choice]) stream_content(srv, c, choice, all->data + c->told[choice], all->n - c->told[choice]);
         c->told[choice] = all->n;
         return;
@@ -19062,11 +19157,6 @@ static int completion_prompts(Server *srv, ServeFields *f, int **prompts, int *n
 static const char *tool_constraint(const ToolSet *ts, BatchLine *line, char *err, size_t err_len) {
     if (line->schema) return "fields 'tools' and 'response_format' cannot be combined (a call's arguments follow its schema)";
     if (line->o.beams > 0) return "field 'tools' cannot be combined with beam search (num_beams, beams)";
-    if (calls_mode(ts) == CALLS_LEADING) { /* free text, a call or not: the parameters are only checked (see 11.1) */
-        JsonSchema *s = tool_call_schema(ts, err, err_len);
-        free_schema(s);
-        return s ? NULL : err;
-    }
     line->schema = tool_call_schema(ts, err, err_len);
     line->o.schema = line->schema;
     return line->schema ? NULL : err;
@@ -19118,7 +19208,7 @@ static void start_completion(Server *srv, Conn *c, const HttpRequest *h, int cha
     }
     Decoding d = decoding_of(o, srv->clock_seed);
     d.n_return = 1;
-    d.constrain_after = calls_marker(calls);
+    constrain_calls(&d, calls);
     submit_choices(srv, c, f, &d, prompts, n_prompt, n_prompts);
     c->prefill = reply_prefill(&f->tools);
     for (int k = 0; k < c->n_choices; k++) /* each choice its own copy of its prompt's */
@@ -19643,12 +19733,6 @@ static int *batch_chat_prompt(BatchLine *line, const Tokenizer *tok, int room, i
     return tokens;
 }
 
-/* The text after which a reply's calls are constrained (Decoding's
-   constrain_after), for calls made as `calls` says. */
-static const char *calls_marker(int calls) {
-    return calls == CALLS_AT_MARKER ? TOOL_MARKER : calls == CALLS_HARMONY_AUTO ? HARMONY_CALL_START : calls == CALLS_MISTRAL ? "[TOOL_CALLS]" : NULL;
-}
-
 /* A chat's JSON line for a reply: print_json_hypothesis's, then the
    server's "message" and "finish_reason" (calls named prefix and K; the
    reply after prefill: reply_prefill). */
@@ -19786,7 +19870,7 @@ static void chat_tools(Engine *e, const Tokenizer *tok, const Decoding *d, const
         flush_output();
         Decoding dd = turn_decoding;
         dd.schema = f->line.schema;
-        dd.constrain_after = calls_marker(calls);
+        constrain_calls(&dd, calls);
         Request *r = request_new(prompt, n_prompt, cap_new_tokens(&dd, steps - n_prompt + 1), 1, &dd);
         run_alone(e, r);
         turn_decoding.seed = r->sampler.rng_state;

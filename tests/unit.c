@@ -2841,7 +2841,7 @@ static void test_reply_message(void) {
         {"Hi<tool_call>\n{\"name\":\"f\",\"argu", "length", CALLS_AT_MARKER, 0, "\"content\":\"Hi<tool_call>\\n{\\\"name\\\":\\\"f\\\",\\\"argu\"", "length"},
         {"<think>r</think>\n\nA", "eos", CALLS_NONE, 1, "\"content\":\"A\",\"reasoning_content\":\"r\"", "stop"},
         {"<think>r</think>A", "eos", CALLS_NONE, 0, "\"content\":\"<think>r</think>A\"", "stop"},
-        /* Llama 3.1's "auto": a reply that is one call object, written freely */
+        /* Llama 3.1's "auto": a reply that is one call object (read as any JSON: white space anywhere) */
         {"<|python_tag|>{\"name\": \"f\", \"parameters\": {\"a\": [1, 2]}}", "eos", CALLS_LEADING, 0,
          "\"content\":null,\"tool_calls\":[{\"id\":\"call_7_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
          "\"{\\\"a\\\": [1, 2]}\"}}]", "tool_calls"},
@@ -3523,6 +3523,72 @@ static void test_call_heads(void) {
     end();
 }
 
+/* Llama 3.1's "auto" calls (Decoding's constrain_leading, 11.1): where a
+   reply's lead ends (lead_after), and lead_mask over tokenizer.bin's 32000
+   tokens against a plain rule: a token whose text, after the reply's lead
+   so far and its own white space (before any of <|python_tag|>), starts
+   with '{' is allowed only when that rest begins one of the call's two
+   spellings (its keys in either order); every other token is untouched. */
+static __attribute__((noinline)) void test_lead_mask(void) {
+    begin("lead_after: the lead of a Llama 3.1 auto reply");
+    static const struct { const char *text; int lead, want, at; } cases[] = {
+        {" \n\t", 0, 0, 3}, {" <|python_tag|>", 0, 14, 15}, {"<|python_tag|>{\"", 0, LEAD_VALUE, 14}, {" \n{", 0, LEAD_VALUE, 2},
+        {"<|python_tag|> {", 0, LEAD_FREE, 15}, {" x{", 0, LEAD_FREE, 2}, {"<|py{", 0, LEAD_FREE, 5}, {"thon_tag|>{", 4, LEAD_VALUE, 10},
+        {" {", 3, LEAD_FREE, 1}, {"", 14, 14, 0},
+    };
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        int at, got = lead_after(PYTHON_TAG, cases[k].lead, cases[k].text, (int)strlen(cases[k].text), &at);
+        expect(got == cases[k].want && (got == LEAD_VALUE ? at == cases[k].at : 1), "'%s' from %d: %d at %d, not %d at %d",
+               cases[k].text, cases[k].lead, got, at, cases[k].want, cases[k].at);
+    }
+    end();
+    if (!have_tok32k) { skip("lead_mask", "tokenizer.bin not found in MODELS_DIR"); return; }
+    begin("lead_mask: a leading '{' only as the call's, over tokenizer.bin");
+    const char *text = "{\"type\":\"object\",\"properties\":{\"name\":{\"const\":\"f\"},\"parameters\":{\"type\":\"object\"}},"
+                       "\"required\":[\"name\",\"parameters\"],\"additionalProperties\":false}";
+    const char *spellings[2] = {"{\"name\":\"f\",\"parameters\":{}}", "{\"parameters\":{},\"name\":\"f\"}"};
+    char err[256];
+    JsonSchema *s = compile_schema(text, strlen(text), err, sizeof(err));
+    Engine e = {0};
+    e.tok = &tok32k;
+    e.trie = token_trie_new(&tok32k);
+    Request r = {0};
+    r.d.schema = s;
+    r.d.constrain_leading = PYTHON_TAG;
+    float *logits = xcalloc((size_t)tok32k.vocab_size, sizeof(float));
+    static const int leads[] = {0, 5, 14};
+    for (size_t l = 0; l < sizeof(leads) / sizeof(leads[0]); l++) {
+        r.lead = leads[l];
+        for (int i = 0; i < tok32k.vocab_size; i++) logits[i] = 0.0f;
+        lead_mask(&e, &r, logits);
+        int refused = 0, allowed_brace = 0, bad = -1;
+        for (int i = 0; i < tok32k.vocab_size && bad < 0; i++) {
+            const char *p = e.trie->bytes[i];
+            int want = 1;
+            if (p) {
+                int n = e.trie->len[i], k = 0;
+                while (r.lead == 0 && k < n && isspace((unsigned char)p[k])) k++;
+                if (k < n && p[k] == '{' && (r.lead == 0 || r.lead == 14)) {
+                    want = 0;
+                    for (int sp = 0; sp < 2; sp++)
+                        if ((size_t)(n - k) <= strlen(spellings[sp]) && memcmp(p + k, spellings[sp], (size_t)(n - k)) == 0) want = 1;
+                    allowed_brace += want;
+                }
+            }
+            refused += !want;
+            if (want != (logits[i] == 0.0f)) bad = i;
+        }
+        expect(bad < 0, "lead %d: token %d ('%s') is %s", r.lead, bad, bad >= 0 ? tok32k.vocab[bad] : "",
+               bad >= 0 && logits[bad] == 0.0f ? "allowed" : "refused");
+        expect(leads[l] == 5 ? refused == 0 : refused > 0 && allowed_brace > 0, "lead %d: %d refused, %d allowed with '{'", leads[l], refused,
+               allowed_brace);
+    }
+    free(logits);
+    token_trie_free(e.trie);
+    free_schema(s);
+    end();
+}
+
 int main(void) {
     models_dir = getenv("MODELS_DIR");
     if (!models_dir || !*models_dir) models_dir = "../shared/models";
@@ -3578,6 +3644,7 @@ int main(void) {
     test_http_parse();
     test_json_mask();
     test_call_heads();
+    test_lead_mask();
 
     if (have_tok512) free_tokenizer(&tok512);
     if (have_tok32k) free_tokenizer(&tok32k);
