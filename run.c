@@ -6901,8 +6901,9 @@ KERNEL vfloat head_dot(const float *q, const unsigned char *row, int off, int hs
    once for 4 heads. Each (key, head) sum and each output is still what
    kv_dot and kv_axpy compute, in the same order. */
 #define SHARED_HEADS 4
+static inline int heads_shared(int kv_mul) { return kv_mul >= SHARED_HEADS && kv_mul % SHARED_HEADS == 0; }
 static inline int rows_share_heads(const float *const *q, int n, int kv_mul) {
-    if (kv_mul < SHARED_HEADS || kv_mul % SHARED_HEADS != 0) return 0;
+    if (!heads_shared(kv_mul)) return 0;
     for (int k = 1; k < n; k++)
         if (q[k] != q[0]) return 0;
     return 1;
@@ -7031,7 +7032,7 @@ KERNEL void dot_rows(const unsigned char *const *keys, int n, const float *const
    dot_rows. */
 KERNEL void axpy_rows(const unsigned char *const *values, int n, const float *w, size_t stride, float *out, int n_heads, int kv_mul, int hs,
                       int kv_dim, const int type, const unsigned char *const *ahead, int n_ahead, size_t row_bytes) {
-    if (kv_mul >= SHARED_HEADS && kv_mul % SHARED_HEADS == 0 && hs % (2 * SIMD_WIDTH) == 0) {
+    if (heads_shared(kv_mul) && hs % (2 * SIMD_WIDTH) == 0) {
         axpy_rows_shared(values, n, w, stride, out, n_heads, kv_mul, hs, kv_dim, type, ahead, n_ahead, row_bytes);
         return;
     }
@@ -12831,13 +12832,7 @@ static int constraint_feed_text(Engine *e, Request *r, const char *p) {
         if (k == -2) return 0;
         if (k >= 0) head_done(e, r, k);
     }
-    for (; *p; p++) {
-        JsonState next;
-        json_feed(r->json->schema, &r->json->state, (unsigned char)*p, &next);
-        if (next.n == 0) return 0;
-        r->json->state = next;
-    }
-    return 1;
+    return !*p || json_read(r->json->schema, &r->json->state, p, strlen(p)); /* (text left: a head is done, json reads on) */
 }
 
 /* The bytes of `marker` that a text ends with, after one more byte ch,
