@@ -20005,13 +20005,12 @@ static int run_program(Engine *e, Transformer *t, const Tokenizer *tok, const Op
     Decoding d = decoding_of(o, clock_seed);
     e->stats.keeping = d.rolling;
     int n_prompt = 0, *prompt = o->prompt_ids ? parse_prompt_ids(o->prompt_ids, p->vocab_size, &n_prompt) : NULL;
-    if (o->seed == 0 && samples(o)) name_clock_seed(clock_seed);
-    if (strcmp(o->mode, "chat") == 0 && o->tools_json) chat_tools(e, tok, &d, o, steps); /* 11.2 */
-    else if (strcmp(o->mode, "chat") == 0) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
-    else {
-        if (!prompt) prompt = encode_prompt(tok, o->prompt ? o->prompt : "", INT_MAX, &n_prompt);
-        generate(e, tok, &d, prompt, n_prompt, run_positions(o, p->seq_len));
-    }
+    const int chatting = strcmp(o->mode, "chat") == 0, positions = run_positions(o, p->seq_len);
+    if (!chatting && !prompt) prompt = encode_prompt(tok, o->prompt ? o->prompt : "", INT_MAX, &n_prompt);
+    if (o->seed == 0 && samples(o) && (chatting || n_prompt <= positions)) name_clock_seed(clock_seed); /* (a prompt past the positions samples nothing) */
+    if (chatting && o->tools_json) chat_tools(e, tok, &d, o, steps); /* 11.2 */
+    else if (chatting) chat(e, tok, &d, o->prompt, o->system_prompt, steps);
+    else generate(e, tok, &d, prompt, n_prompt, positions);
     return 0;
 }
 

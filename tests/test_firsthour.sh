@@ -174,6 +174,10 @@ for args in "-n 40 -b 3 -r 2" "-n 40 -t 0" "-m tokenize -i hello" "--batch $TMP/
     if grep -q '^run: seed' "$TMP/err"; then fail "no seed named: $args" "$(grep '^run: seed' "$TMP/err")"
     else pass "no seed named: $args"; fi
 done
+# nor where the prompt leaves no position to sample (-n 0: the context)
+"$RUN" "$MODEL" -z "$T" -n 0 -t 1 -i "$(for i in $(seq 600); do printf 'a '; done)" >"$TMP/out" 2>"$TMP/err" </dev/null
+if grep -q '^run: seed' "$TMP/err" || ! grep -q 'generated 0 tokens' "$TMP/err"; then fail "no seed named: a prompt past the context" "$(head -c 300 "$TMP/err")"
+else pass "no seed named: a prompt past the context"; fi
 
 # --- chat on a terminal: Ctrl-D after half a line sends it -----------------
 # (a pseudo-terminal; before, a second Ctrl-D was needed, and the reply
