@@ -10747,6 +10747,9 @@ typedef struct JsonSchema {
     char **heads;             /* (n_heads) NULL: a plain schema */
     struct JsonSchema **after; /* (n_heads) owned */
     int n_heads;
+    char *between;            /* heads that repeat: the text before each head after the first; NULL: one head and value */
+    int max_values;           /* with `between`: values at most */
+    int first_written;        /* the prompt wrote the first head, head 0: a reply starts in its value */
 } JsonSchema;
 
 static void free_schema(JsonSchema *s) {
@@ -10754,6 +10757,7 @@ static void free_schema(JsonSchema *s) {
     for (int i = 0; i < s->n_heads; i++) { free(s->heads[i]); free_schema(s->after[i]); }
     free(s->heads);
     free(s->after);
+    free(s->between);
     for (int i = 0; i < s->n_nodes; i++) {
         SchemaNode *n = &s->nodes[i];
         for (int k = 0; k < n->n_props; k++) free(n->props[k].name);
@@ -12224,7 +12228,13 @@ static int json_take(JsonMatch *m, const TokenTrie *t, int token) {
    token may spell one or run into one. No token runs past a head's end
    either, so a head should end with a special token (then none can).
    Made with call_heads_new and call_heads_add; a request under it takes
-   it as its Decoding's schema, from the start or after constrain_after. */
+   it as its Decoding's schema, from the start or after constrain_after.
+   Some formats make several calls a reply, one after another (Mistral's
+   [TOOL_CALLS]NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...}): heads that
+   repeat (call_heads_repeat) take, once a value is finished, either the
+   end of the reply or the text `between` and then another head and value,
+   up to max_values values; the end is allowed only there, before the
+   first byte of `between`, so every value that starts is finished. */
 
 static JsonSchema *call_heads_new(void) { return xcalloc(1, sizeof(JsonSchema)); }
 
@@ -12237,6 +12247,13 @@ static void call_heads_add(JsonSchema *s, const char *text, JsonSchema *after) {
     s->after[s->n_heads++] = after;
 }
 
+/* Lets the heads repeat: after a finished value, the text `between` and
+   another head (see above), up to max_values values in all. */
+static void call_heads_repeat(JsonSchema *s, const char *between, int max_values) {
+    s->between = strdup(between);
+    s->max_values = max_values;
+}
+
 /* The end of the tag that starts at p, <|...|> or [...], as a special
    token would spell it; NULL when none starts there. */
 static const char *head_tag_end(const char *p) {
@@ -12247,20 +12264,26 @@ static const char *head_tag_end(const char *p) {
 /* A request's reading of a head. */
 typedef struct {
     const JsonSchema *s;      /* the schema of call heads */
+    char **text;              /* (s->n_heads) the texts matched: the heads, after s->between when `again` */
+    int again;                /* a head after a value: the reply may end instead (at == 0) */
     int at;                   /* bytes of the head written so far */
     unsigned char *alive;     /* (s->n_heads) the heads the text so far begins */
     int **special;            /* (s->n_heads) per head, per byte: the special token that starts there, -1: none */
     int **plain;              /* (s->n_heads) per head, per byte: the plain bytes from there to the next special token or the end */
 } HeadMatch;
 
-static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
+static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok, int again) {
     HeadMatch *m = xcalloc(1, sizeof(HeadMatch));
     m->s = s;
+    m->again = again;
+    m->text = xcalloc((size_t)s->n_heads, sizeof(char *));
     m->alive = xcalloc((size_t)s->n_heads, 1);
     m->special = xcalloc((size_t)s->n_heads, sizeof(int *));
     m->plain = xcalloc((size_t)s->n_heads, sizeof(int *));
     for (int h = 0; h < s->n_heads; h++) {
-        const char *text = s->heads[h];
+        const char *before = again ? s->between : "";
+        char *text = m->text[h] = xcalloc(strlen(before) + strlen(s->heads[h]) + 1, 1);
+        strcat(strcpy(text, before), s->heads[h]);
         int len = (int)strlen(text);
         m->alive[h] = 1;
         m->special[h] = xcalloc((size_t)len + 1, sizeof(int));
@@ -12282,8 +12305,8 @@ static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok) {
 
 static void head_match_free(HeadMatch *m) {
     if (!m) return;
-    for (int h = 0; h < m->s->n_heads; h++) { free(m->special[h]); free(m->plain[h]); }
-    free(m->special); free(m->plain); free(m->alive);
+    for (int h = 0; h < m->s->n_heads; h++) { free(m->text[h]); free(m->special[h]); free(m->plain[h]); }
+    free(m->text); free(m->special); free(m->plain); free(m->alive);
     free(m);
 }
 
@@ -12292,15 +12315,16 @@ static void head_match_free(HeadMatch *m) {
 static int head_allows(const HeadMatch *m, int h, int token, const char *bytes, int n) {
     if (!m->alive[h]) return 0;
     if (!bytes) return m->special[h][m->at] == token;
-    return n <= m->plain[h][m->at] && memcmp(m->s->heads[h] + m->at, bytes, (size_t)n) == 0;
+    return n <= m->plain[h][m->at] && memcmp(m->text[h] + m->at, bytes, (size_t)n) == 0;
 }
 
-/* Sets to -inf the logits of the tokens that go on with no head; returns
+/* Sets to -inf the logits of the tokens that go on with no head (but the
+   end tokens where the reply may end: again, before any byte); returns
    how many stay allowed. */
 static int head_mask(const HeadMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
     int n_allowed = 0;
     for (int i = 0; i < tok->vocab_size; i++) {
-        int special = tok->special && tok->special[i], ok = 0;
+        int special = tok->special && tok->special[i], ok = m->again && m->at == 0 && is_eos_token(tok, i);
         if (special || t->bytes[i])
             for (int h = 0; h < m->s->n_heads && !ok; h++) ok = head_allows(m, h, i, special ? NULL : t->bytes[i], special ? 0 : t->len[i]);
         if (ok) n_allowed++;
@@ -12319,10 +12343,10 @@ static int head_take(HeadMatch *m, int token, const char *bytes, int n) {
         if (m->alive[h] && first < 0) first = h;
     }
     if (first < 0) return -2;
-    const char *at = m->s->heads[first] + m->at;
+    const char *at = m->text[first] + m->at;
     m->at += bytes ? n : (int)(head_tag_end(at) - at); /* a special token: its spelling, to its closing |> or ] */
     for (int h = 0; h < m->s->n_heads; h++)
-        if (m->alive[h] && m->s->heads[h][m->at] == '\0') return h;
+        if (m->alive[h] && m->text[h][m->at] == '\0') return h;
     return -1;
 }
 
@@ -12537,6 +12561,7 @@ struct Request {
     BeamState *beam;        /* NULL when sampling */
     JsonMatch *json;        /* under d.schema: the answer read so far (beam search: the scratch of each beam's mask); NULL: unconstrained */
     HeadMatch *head;        /* under a schema of call heads (6.1): the head being written; then `json` reads what follows it */
+    int values;             /* under call heads that repeat: the values finished so far */
     Hypothesis *hyps;       /* (max(1, B)) the result, best first */
     int n_hyps;
     int logit_at;           /* this step: the first of its rows in the logits, -1 if none */
@@ -12832,18 +12857,31 @@ static void finish_interrupted(Engine *e, Request *r) {
     request_finish(e, r);
 }
 
-/* Starts a request's constraint, d.schema: a JsonMatch, or for call
-   heads a HeadMatch. */
-static void constraint_start(Engine *e, Request *r) {
-    if (r->d.schema->heads) r->head = head_match_new(r->d.schema, e->tok);
-    else r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
-}
-
 /* A head is complete (head k): what follows it is read under its schema. */
 static void head_done(Engine *e, Request *r, int k) {
     r->json = json_match_new(r->head->s->after[k], e->trie, e->t->config.vocab_size);
     head_match_free(r->head);
     r->head = NULL;
+}
+
+/* Starts a request's constraint, d.schema: a JsonMatch, or for call
+   heads a HeadMatch (in head 0's value when the prompt wrote that head). */
+static void constraint_start(Engine *e, Request *r) {
+    if (r->d.schema->heads) r->head = head_match_new(r->d.schema, e->tok, 0);
+    else r->json = json_match_new(r->d.schema, e->trie, e->t->config.vocab_size);
+    if (r->head && r->d.schema->first_written) head_done(e, r, 0);
+}
+
+/* A value is finished: under heads that repeat with room for another,
+   the next head is read (after the schema's `between`; head_mask lets the
+   reply end before it instead), and 1 is returned; else 0, the reply ends. */
+static int heads_again(Engine *e, Request *r) {
+    const JsonSchema *s = r->d.schema;
+    if (!s->between || ++r->values >= s->max_values) return 0;
+    json_match_free(r->json);
+    r->json = NULL;
+    r->head = head_match_new(s, e->tok, 1);
+    return 1;
 }
 
 /* Reads the text p under the constraint just started (the rest of the
@@ -12905,7 +12943,7 @@ static int constrain_from_lead(Engine *e, Request *r, const char *text) {
 static void take_token(Engine *e, Request *r, int next) {
     Hypothesis *h = &r->hyps[0];
     Sequence *s = &r->seqs[0];
-    int ended = next < 0 || next == e->tok->bos || ((r->stop_at_eos || r->json) && is_eos_token(e->tok, next));
+    int ended = next < 0 || next == e->tok->bos || ((r->stop_at_eos || r->json || r->head) && is_eos_token(e->tok, next));
     if (ended) h->stop = next < 0 ? "constraint" : end_reason(e->tok, next);
     else {
         const char *piece = decode(e->tok, s->tokens[s->n_tokens - 1], next);
@@ -12926,7 +12964,7 @@ static void take_token(Engine *e, Request *r, int next) {
             h->stop = "string";
             h->stop_string = r->stops.matched;
             ended = 1;
-        } else if (r->json && !before_marker && !in_head && json_take(r->json, e->trie, next)) {
+        } else if (r->json && !before_marker && !in_head && json_take(r->json, e->trie, next) && !heads_again(e, r)) {
             h->stop = "json";
             ended = 1;
         } else if (h->n_tokens == r->max_new) {
@@ -16609,7 +16647,12 @@ typedef struct {
    is not JSON, so with "required" the prompt ends with [TOOL_CALLS] and
    call heads (6.1) hold the reply to some NAME[ARGS] and then to that
    function's parameters; with "auto" the same heads switch on when the
-   model writes [TOOL_CALLS] (constrain_after). The text the prompt wrote
+   model writes [TOOL_CALLS] (constrain_after). The model makes parallel
+   calls as [TOOL_CALLS]a[ARGS]{...}[TOOL_CALLS]b[ARGS]{...} and then its
+   end of turn, so with parallel_tool_calls the heads repeat after a call
+   (call_heads_repeat): [TOOL_CALLS] and another call, or the end, up to
+   SERVE_MAX_CALLS; without, the constraint ends the reply after the
+   first call. The text the prompt wrote
    for the reply (reply_prefill) goes before it when its calls are read
    (prefilled_reply, mistral_reply_calls). */
 
@@ -18278,9 +18321,13 @@ static JsonSchema *harmony_call_schema(const ToolSet *ts, char *err, size_t err_
 /* Mistral's calls (see 11.1): with a named function, the reply is its
    arguments (the prompt ends with [TOOL_CALLS]NAME[ARGS]); else call heads,
    NAME[ARGS] for each function (after [TOOL_CALLS]: the prompt's with
-   "required", the model's own with "auto"), then its parameters. */
+   "required", the model's own with "auto"), then its parameters. With
+   parallel calls the heads repeat, each call after its own [TOOL_CALLS]
+   as the model writes them, up to SERVE_MAX_CALLS; a named function's
+   calls are then heads of that function alone, the first one the
+   prompt's (first_written), so its first call is read as without. */
 static JsonSchema *mistral_call_schema(const ToolSet *ts, char *err, size_t err_len) {
-    JsonSchema *heads = ts->choice == TOOLS_NAMED ? NULL : call_heads_new();
+    JsonSchema *heads = ts->choice == TOOLS_NAMED && !ts->parallel ? NULL : call_heads_new();
     for (int i = 0; i < ts->n; i++) {
         if (ts->choice == TOOLS_NAMED && strcmp(ts->tools[i].name, ts->named) != 0) continue;
         JsonSchema *after = tool_parameters_schema(ts, i, err, err_len);
@@ -18292,6 +18339,10 @@ static JsonSchema *mistral_call_schema(const ToolSet *ts, char *err, size_t err_
         sprintf(text, "%s[ARGS]", ts->tools[i].name);
         call_heads_add(heads, text, after);
         free(text);
+    }
+    if (heads && ts->parallel) {
+        call_heads_repeat(heads, "[TOOL_CALLS]", SERVE_MAX_CALLS);
+        heads->first_written = ts->choice == TOOLS_NAMED;
     }
     return heads;
 }

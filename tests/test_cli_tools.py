@@ -20,7 +20,9 @@ On the models of test_serve_tools.py: stories260K with tok512 (MODELS_DIR;
 SKIP when absent), the random Qwen3 and Llama 3 GGUF files (Llama 3 also
 with Llama 3.1's template: its format, and "auto" free; the random model
 with Mistral Small 3.2's vocabulary and template, whose prompts hold the
-calls' ids: the server answers the results under the chat's ids), the random
+calls' ids: the server answers the results under the chat's ids, and its
+marker model that writes [TOOL_CALLS] again after each call's arguments:
+4 parallel calls from -m chat, chat and --batch equal to the server), the random
 gpt-oss-layout model with gpt-oss's Harmony template and its own tools
 (test_serve_tools.H_TOOLS), and the model
 that writes "Hello" and then Qwen's <tool_call> marker itself ("auto": the
@@ -219,6 +221,20 @@ def auto_marker():
     against_server(model, vocab, 200, choices=("auto",))
 
 
+def mistral_parallel():
+    """Mistral's parallel calls from the command line (the model of
+    test_serve_tools.mistral_parallel_model, which writes [TOOL_CALLS] again
+    after each call's arguments): -m chat's "required" reply makes 4 calls,
+    each valid with a 9-character id; chat and --batch equal the server's
+    replies, "required" and "auto"; a line with parallel_tool_calls false
+    makes one call."""
+    model, vocab = st.mistral_parallel_model()
+    out, _ = cli_chat(model, vocab, "required", 300)
+    first = json.loads(out.splitlines()[0])["message"]
+    assert validated("chat parallel", first) == 4 and all(len(c["id"]) == 9 for c in first["tool_calls"]), first
+    against_server(model, vocab, 300, choices=("required", "auto"), mistral=True)
+
+
 def bad_input():
     tools, results = files()
     bad = os.path.join(TMP, "bad.json")
@@ -282,6 +298,7 @@ def main():
     case("cli_tools_random_llama3", lambda: against_server(*st.random_gguf("llama3"), 200, choices=("required", "calculate")))
     case("cli_tools_random_llama3_1", lambda: against_server(st.random_gguf("llama3")[0], st.llama31_vocab()[0], 200,
                                                              choices=("required", "calculate", "auto")))
+    case("cli_tools_mistral_parallel", mistral_parallel)
     case("cli_tools_random_mistral", lambda: against_server(*st.mistral_model(), 200, choices=("required", "calculate", "auto"), mistral=True))
     case("cli_tools_random_harmony", lambda: against_server(st.harmony_random_gguf(), st.cf.harmony_gguf()[0], 200,
                                                             choices=("required", "plan_route", "auto"), tool_list=st.H_TOOLS))

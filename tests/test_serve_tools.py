@@ -58,7 +58,12 @@ ending [TOOL_CALLS] (required) or the arguments after [TOOL_CALLS]NAME[ARGS]
 (named), the prompts the template's length; the marker model made on
 that vocabulary (Hello after [/INST], then [TOOL_CALLS]) answers "auto"
 with the content "Hello" and a valid call, the heads switched on at its
-own [TOOL_CALLS], streamed and not; requests that break the
+own [TOOL_CALLS], streamed and not; parallel calls on a marker model
+that also writes [TOOL_CALLS] after every token ending with '}' (so after
+each call's arguments): "required", "auto" and a named function make 4
+calls (SERVE_MAX_CALLS), each valid, ids distinct, the reply's own tokens
+[TOOL_CALLS]NAME[ARGS]ARGS a call, streamed under index 0..3, and one call
+with parallel_tool_calls false; requests that break the
 template's rules (ids not of 9 characters, roles out of turn, an unknown
 role, a call without arguments) get 400 naming the field.
 
@@ -214,10 +219,13 @@ def marker_model():
     return cycle_model(vocab, os.path.join(TMP, "qwen3-marker.gguf"), "\u010a", "<tool_call>"), vocab
 
 
-def cycle_model(vocab, model, last, marker):
+def cycle_model(vocab, model, last, marker, again=None):
     """A random model of vocab's size that writes Hello after the token
     `last` (the prompt's last), `marker` after Hello and `last` after the
-    marker (see the module's text)."""
+    marker (see the module's text); with `again` (a character), `marker`
+    also after every token whose text ends with it: those tokens get the
+    embedding of `again`'s own token, and the marker's output row points
+    at it as well as at Hello's."""
     import numpy as np
     import arch_models as am
     from gguf_ref import read_gguf, write_gguf
@@ -230,10 +238,15 @@ def cycle_model(vocab, model, last, marker):
         for name, i in t.items():
             if name.endswith("attn_output.weight") or name.endswith("ffn_down.weight"):
                 tensors[i] = tensors[i][:3] + (bytes(len(tensors[i][3])),)
-        embd = np.frombuffer(tensors[t["token_embd.weight"]][3], "<f4").reshape(len(tokens), -1)
+        embd = np.frombuffer(tensors[t["token_embd.weight"]][3], "<f4").reshape(len(tokens), -1).copy()
         out = np.frombuffer(tensors[t["output.weight"]][3], "<f4").reshape(len(tokens), -1).copy()
         unit = lambda v: v / np.linalg.norm(v)  # noqa: E731
         out[hello], out[call], out[newline] = 30 * unit(embd[newline]), 30 * unit(embd[hello]), 30 * unit(embd[call])
+        if again:
+            ends = [i for i, text in enumerate(tokens) if text.endswith(again)]
+            embd[ends] = embd[tokens.index(again)]
+            out[call] = 30 * unit(unit(embd[hello]) + unit(embd[ends[0]]))
+            tensors[t["token_embd.weight"]] = tensors[t["token_embd.weight"]][:3] + (embd.astype("<f4").tobytes(),)
         tensors[t["output.weight"]] = tensors[t["output.weight"]][:3] + (out.astype("<f4").tobytes(),)
         write_gguf(model + ".part", meta, tensors)
         os.rename(model + ".part", model)
@@ -482,6 +495,82 @@ def mistral_marker_model():
     Hello after [/INST], then [TOOL_CALLS]."""
     vocab, _, _ = mistral_vocab()
     return cycle_model(vocab, os.path.join(TMP, "mistral7-marker.gguf"), "[/INST]", "[TOOL_CALLS]"), vocab
+
+
+def message_calls(answer):
+    """The calls of a whole answer's first choice, as check_calls takes them."""
+    msg = answer["choices"][0]["message"]
+    return [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls") or []]
+
+
+def streamed_calls(events):
+    """The calls a stream's deltas make, in their `index` order (0, 1, ...)."""
+    calls = {}
+    for e in events:
+        for c in e["choices"][0]["delta"].get("tool_calls", []):
+            calls.setdefault(c["index"], {"id": c.get("id"), "name": c.get("function", {}).get("name"), "arguments": ""})
+            calls[c["index"]]["arguments"] += c["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls))), calls
+    return [calls[k] for k in sorted(calls)]
+
+
+def mistral_parallel_model():
+    """(model, vocabulary): the marker model of Mistral's vocabulary that
+    also writes [TOOL_CALLS] after every token ending with '}' (cycle_model's
+    `again`), so after each call's arguments."""
+    vocab, _, _ = mistral_vocab()
+    return cycle_model(vocab, os.path.join(TMP, "mistral7-parallel.gguf"), "[/INST]", "[TOOL_CALLS]", again="}"), vocab
+
+
+def mistral_parallel():
+    """Parallel calls in Mistral's format: after a call's arguments the heads
+    take [TOOL_CALLS] and another call, or the end. On mistral_parallel_model,
+    "required" (the prompt's [TOOL_CALLS]), "auto" (after Hello, the
+    model's own) and a named function (the prompt's first head, the rest
+    the model's, that function's): 4 calls (SERVE_MAX_CALLS), each valid with a distinct
+    9-character id, the reply's own tokens [TOOL_CALLS]NAME[ARGS]ARGS a call;
+    streamed, the same calls under index 0, 1, 2, 3; with
+    parallel_tool_calls false one call, streamed and not."""
+    user = [{"role": "user", "content": USER}]
+    strip = lambda cs: [(c["name"], c["arguments"]) for c in cs]  # noqa: E731
+    try:
+        ts.MODEL, ts.TOK = mistral_parallel_model()
+        srv = ts.Server()
+        try:
+            named = {"type": "function", "function": {"name": "get_weather"}}
+            for choice, content, prefill in [("required", "", "[TOOL_CALLS]"), ("auto", "Hello", ""),
+                                             (named, "", "[TOOL_CALLS]get_weather[ARGS]")]:
+                body = {"messages": user, "tools": TOOLS, "tool_choice": choice, "max_tokens": 300, "seed": 5}
+                choice = choice if isinstance(choice, str) else "named"
+                status, answer = srv.post("/v1/chat/completions", dict(body, logprobs=True))
+                assert status == 200, answer
+                calls = message_calls(answer)
+                check_calls("parallel " + choice, {"finish": answer["choices"][0]["finish_reason"], "calls": calls},
+                            "get_weather" if choice == "named" else None)
+                assert len(calls) == 4 and all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls), calls
+                assert (answer["choices"][0]["message"]["content"] or "") == content, answer
+                raw = "".join(t["token"] for t in answer["choices"][0]["logprobs"]["content"])
+                raw = prefill + raw  # (what the prompt wrote of the first call)
+                assert raw == content + "".join("[TOOL_CALLS]%s[ARGS]%s" % (c["name"], c["arguments"]) for c in calls), (raw, calls)
+                events, done = srv.stream("/v1/chat/completions", body)
+                assert done and events[-1]["choices"][0]["finish_reason"] == "tool_calls", events[-1]
+                streamed = streamed_calls(events)
+                assert strip(streamed) == strip(calls) and len({c["id"] for c in streamed}) == 4, (streamed, calls)
+                for stream in (False, True):
+                    if stream:
+                        events, done = srv.stream("/v1/chat/completions", dict(body, parallel_tool_calls=False))
+                        single = streamed_calls(events)
+                    else:
+                        status, answer = srv.post("/v1/chat/completions", dict(body, parallel_tool_calls=False))
+                        single = message_calls(answer)
+                    check_calls("single " + choice, {"finish": "tool_calls", "calls": single})
+                    assert strip(single) == strip(calls[:1]), (single, calls)
+                print("# mistral parallel %s: %s" % (choice, strip(calls)), flush=True)
+        finally:
+            code = srv.stop()
+        assert code == 0, code
+    finally:
+        ts.MODEL, ts.TOK = STORIES, TOK512
 
 
 def mistral_bad_input():
@@ -868,6 +957,7 @@ def main():
     case("serve_tools_random_mistral", mistral_random)
     case("serve_tools_mistral_bad_input", mistral_bad_input)
     case("serve_tools_mistral_auto_marker", lambda: auto_marker(mistral_marker_model, "[TOOL_CALLS]"))
+    case("serve_tools_mistral_parallel", mistral_parallel)
     return 1 if COUNTS["FAIL"] else 0
 
 

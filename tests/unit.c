@@ -3477,6 +3477,40 @@ static __attribute__((noinline)) void test_json_mask(void) {
    tokens whose bytes keep the text a prefix of some head still possible
    (brute force over tokenizer.bin's 32000), no end token; head_take follows
    the text and names the head it completes, whose schema then reads on. */
+/* Walks m along `target` (one of the n texts m matches, each `before`
+   and a head), a longest allowed token at a time, checking head_mask
+   against brute force at each step: a token is allowed when its bytes go
+   on with some text still begun, or when it is an end token and m may end
+   there (again, before any byte). Returns the head completed. */
+static int walk_heads(HeadMatch *m, const TokenTrie *t, const char *before, const char *const *heads, int n, int target_head,
+                      float *logits) {
+    char texts[8][64], *target = texts[target_head];
+    for (int h = 0; h < n; h++) snprintf(texts[h], sizeof(texts[h]), "%s%s", before, heads[h]);
+    int done = -1, steps = 0;
+    while (done < 0 && steps++ < 30) {
+        for (int i = 0; i < tok32k.vocab_size; i++) logits[i] = 0.0f;
+        head_mask(m, t, &tok32k, logits);
+        int bad = -1, longest = -1;
+        for (int i = 0; i < tok32k.vocab_size && bad < 0; i++) {
+            int want = m->again && m->at == 0 && is_eos_token(&tok32k, i);
+            for (int h = 0; h < n && t->bytes[i]; h++)
+                want |= strncmp(texts[h], target, (size_t)m->at) == 0 && m->at + t->len[i] <= (int)strlen(texts[h]) &&
+                        memcmp(texts[h] + m->at, t->bytes[i], (size_t)t->len[i]) == 0;
+            if (want != (logits[i] == 0.0f)) bad = i;
+            if (want && t->bytes[i] && memcmp(target + m->at, t->bytes[i], (size_t)t->len[i]) == 0 &&
+                m->at + t->len[i] <= (int)strlen(target) && (longest < 0 || t->len[i] > t->len[longest]))
+                longest = i;
+        }
+        if (!expect(bad < 0, "after '%.*s' token %d ('%s') is %s by the mask", m->at, target, bad, bad >= 0 ? tok32k.vocab[bad] : "",
+                    bad >= 0 && logits[bad] == 0.0f ? "allowed" : "refused") || !expect(longest >= 0, "no token goes on with %s", target))
+            break;
+        done = head_take(m, longest, t->bytes[longest], t->len[longest]);
+    }
+    expect(done == target_head && m->at == (int)strlen(target), "head %d completed after %d bytes, not head %d (%s)", done, m->at,
+           target_head, target);
+    return done;
+}
+
 static void test_call_heads(void) {
     if (!have_tok32k) { skip("call heads", "tokenizer.bin is missing from MODELS_DIR"); return; }
     begin("call heads: the mask = brute force along a head, and the head completed");
@@ -3485,39 +3519,47 @@ static void test_call_heads(void) {
     JsonSchema *s = call_heads_new();
     for (int h = 0; h < 3; h++) call_heads_add(s, heads[h], compile_schema("{\"type\":\"integer\"}", 19, err, sizeof(err)));
     TokenTrie *t = token_trie_new(&tok32k);
-    HeadMatch *m = head_match_new(s, &tok32k);
+    HeadMatch *m = head_match_new(s, &tok32k, 0);
     float *logits = xcalloc((size_t)tok32k.vocab_size, sizeof(float));
-    const char *target = heads[1];
-    int done = -1, steps = 0;
-    while (done < 0 && steps++ < 20) {
-        for (int i = 0; i < tok32k.vocab_size; i++) logits[i] = 0.0f;
-        head_mask(m, t, &tok32k, logits);
-        int bad = -1, longest = -1;
-        for (int i = 0; i < tok32k.vocab_size && bad < 0; i++) {
-            int want = 0;
-            for (int h = 0; h < 3 && t->bytes[i]; h++)
-                want |= strncmp(heads[h], target, (size_t)m->at) == 0 && m->at + t->len[i] <= (int)strlen(heads[h]) &&
-                        memcmp(heads[h] + m->at, t->bytes[i], (size_t)t->len[i]) == 0;
-            if (want != (logits[i] == 0.0f)) bad = i;
-            if (want && memcmp(target + m->at, t->bytes[i], (size_t)t->len[i]) == 0 && m->at + t->len[i] <= (int)strlen(target) &&
-                (longest < 0 || t->len[i] > t->len[longest]))
-                longest = i;
-        }
-        if (!expect(bad < 0, "after '%.*s' token %d ('%s') is %s by the mask", m->at, target, bad, bad >= 0 ? tok32k.vocab[bad] : "",
-                    bad >= 0 && logits[bad] == 0.0f ? "allowed" : "refused") || !expect(longest >= 0, "no token goes on with %s", target))
-            break;
-        done = head_take(m, longest, t->bytes[longest], t->len[longest]);
-    }
-    expect(done == 1 && m->at == (int)strlen(target), "head %d completed after %d bytes, not head 1 (%s)", done, m->at, target);
+    walk_heads(m, t, "", heads, 3, 1, logits);
     expect(head_take(m, -1, "x", 1) == -2, "a byte past the head is refused");
-    free(logits);
     head_match_free(m);
-    HeadMatch *fresh = head_match_new(s, &tok32k);
+    HeadMatch *fresh = head_match_new(s, &tok32k, 0);
     expect(head_take(fresh, -1, "set_", 4) == -1 && head_take(fresh, -1, "timer(", 6) == 2, "text fed to the heads completes set_timer(");
     head_match_free(fresh);
-    HeadMatch *wrong = head_match_new(s, &tok32k);
+    HeadMatch *wrong = head_match_new(s, &tok32k, 0);
     expect(head_take(wrong, -1, "get_x", 5) == -2, "text that begins no head is refused");
     head_match_free(wrong);
+    end();
+    /* heads that repeat: after a finished value, `between` then a head,
+       or the end (there only); max_values values in all */
+    begin("call heads that repeat: the end or between and a head, brute force; max_values; the first head written");
+    call_heads_repeat(s, "; ", 2);
+    Engine e = {0};
+    e.tok = &tok32k;
+    e.trie = t;
+    Request r = {0};
+    r.d.schema = s;
+    r.json = json_match_new(s->after[1], t, tok32k.vocab_size);
+    expect(heads_again(&e, &r) && !r.json && r.head && r.head->again && r.values == 1, "a first value is followed by the heads again");
+    if (r.head) walk_heads(r.head, t, "; ", heads, 3, 2, logits);
+    head_match_free(r.head);
+    r.head = NULL;
+    expect(!heads_again(&e, &r) && r.values == 2, "the second value (max_values 2) ends the reply");
+    HeadMatch *again = head_match_new(s, &tok32k, 1);
+    expect(head_take(again, -1, "get_time(", 9) == -2, "again, a head without `between` first is refused");
+    head_match_free(again);
+    Transformer tr = {0};
+    tr.config.vocab_size = tok32k.vocab_size;
+    e.t = &tr;
+    s->first_written = 1; /* the prompt wrote head 0: the reply starts in its value */
+    Request w = {0};
+    w.d.schema = s;
+    constraint_start(&e, &w);
+    expect(!w.head && w.json && w.json->schema == s->after[0], "with the first head written, the reply starts in head 0's value");
+    json_match_free(w.json);
+    json_match_free(r.json);
+    free(logits);
     token_trie_free(t);
     free_schema(s);
     end();
