@@ -4236,8 +4236,8 @@ KERNEL void packed_group(__m256 acc[][2], const Matrix *W, const PackedSide *sid
    prompts, 2 alternating runs: Qwen3-0.6B shape Q8_0 256 -> 282 tok/s,
    stories110M Q8_0 446 -> 488, its int8 checkpoint (version 2) 486 ->
    517, DeepSeek-V2-Lite shape Q8_0 100 -> 108, Qwen3-30B-A3B 134 -> 141;
-   decode the same. Values of 4 bits lost 7-10% so (Q4_0, Q4_K), their
-   halves sharing their unpacking, and keep both halves in one pass. */
+   decode the same. Values of 4 bits lost 7-10% so (Q4_0, Q4_K; why was
+   not found) and keep both halves in one pass. */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
                       const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
     const int G = W->group_size, groups = W->cols / G;
