@@ -1477,6 +1477,16 @@ static void check_gguf_packing(int number, int extreme, int R, int C, int N) {
             matmul(one, x + (size_t)b * C, &blockwise, 1);
             expect(memcmp(one, out + (size_t)b * R, R * sizeof(float)) == 0, "n %d: row %d differs alone", n, b);
         }
+        if (n < 2) continue;
+        /* in one call beside others (matmul_many): the first two read the same inputs, the third rows of their own */
+        float *many = xcalloc((size_t)3 * N * R, sizeof(float));
+        const Product pr[3] = {{&blockwise, many, x, n}, {&blockwise, many + (size_t)N * R, x, n}, {&blockwise, many + (size_t)2 * N * R, x + C, n - 1}};
+        matmul_many(pr, 3);
+        expect(memcmp(many, out, (size_t)n * R * sizeof(float)) == 0 && memcmp(many + (size_t)N * R, out, (size_t)n * R * sizeof(float)) == 0,
+               "n %d: a product sharing its inputs differs from matmul's", n);
+        matmul(ref_out, x + C, &blockwise, n - 1);
+        expect(memcmp(many + (size_t)2 * N * R, ref_out, (size_t)(n - 1) * R * sizeof(float)) == 0, "n %d: a product of its own rows differs", n);
+        free(many);
     }
     int16_t *xq = xcalloc((size_t)N * C, sizeof(int16_t));
     float *xs = xcalloc((size_t)N * groups, sizeof(float));
@@ -1748,7 +1758,7 @@ static void test_matmul_shared_half(void) {
     uint64_t state = 0x5a4ed16ULL;
     for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
     for (int bf16 = 0; bf16 <= 1; bf16++) {
-        begin("matmul_shared %s (%s), 3 matrices of %d, %d and %d rows: the bits of the float32 matrices, n = 2..%d", bf16 ? "BF16" : "F16",
+        begin("matmul_many %s (%s), 3 matrices of %d, %d and %d rows: the bits of the float32 matrices, n = 2..%d", bf16 ? "BF16" : "F16",
               KERNEL_NAME, rows[0], rows[1], rows[2], N);
         Matrix m16[3], m32[3];
         for (int m = 0; m < 3; m++) {
@@ -1756,10 +1766,9 @@ static void test_matmul_shared_half(void) {
             m16[m] = (Matrix){.half = h[m], .bf16 = bf16, .rows = rows[m], .cols = C};
             m32[m] = (Matrix){.w = w[m], .rows = rows[m], .cols = C};
         }
-        const Matrix *Ws[3] = {&m16[0], &m16[1], &m16[2]};
-        float *const outs[3] = {out[0], out[1], out[2]};
         for (int n = 2; n <= N && !case_failed; n++) {
-            matmul_shared(Ws, outs, 3, x, n);
+            const Product pr[3] = {{&m16[0], out[0], x, n}, {&m16[1], out[1], x, n}, {&m16[2], out[2], x, n}};
+            matmul_many(pr, 3);
             for (int m = 0; m < 3 && !case_failed; m++) {
                 matmul(want, x, &m32[m], n);
                 for (int k = 0; k < n * rows[m]; k++)
@@ -1768,6 +1777,45 @@ static void test_matmul_shared_half(void) {
                         break;
             }
         }
+        end();
+    }
+}
+
+/* matmul_many with products of their own input rows, enough of them for
+   the inputs to be prepared on several threads (a layer's heads or
+   experts): every output has the bits of its product multiplied alone by
+   matmul, for float32, 16-bit and int8 matrices, 1 to 64 rows a product. */
+static void test_matmul_many(void) {
+    enum { C = 256, R = 72, P = 8, N = 64 };
+    static float w[R * C], x[P * N * C], out[P * N * R], want[N * R];
+    static uint16_t h[R * C];
+    static int8_t q[R * C];
+    static float scales[R * C / 32];
+    uint64_t state = 0x3a2f1ULL;
+    for (int i = 0; i < P * N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
+    for (int i = 0; i < R * C; i++) {
+        draw_half(&state, 0, &h[i], &w[i]);
+        q[i] = (int8_t)(draw_below(&state, 255) - 127);
+    }
+    for (int i = 0; i < R * C / 32; i++) scales[i] = (float)(draw_below(&state, 100) + 1) * 1e-3f;
+    const Matrix forms[3] = {{.w = w, .rows = R, .cols = C}, {.half = h, .rows = R, .cols = C},
+                             {.q = q, .scales = (const char *)scales, .rows = R, .cols = C, .group_size = 32}};
+    static const char *names[3] = {"float32", "F16", "int8"};
+    for (int f = 0; f < 3; f++) {
+        begin("matmul_many (%s), %s: %d products of their own rows (1..%d), each as matmul alone", KERNEL_NAME, names[f], P, N);
+        Matrix W = forms[f];
+        void *packing = pack_for_kernels(&W);
+        Product pr[P];
+        for (int m = 0; m < P; m++) pr[m] = (Product){&W, out + (size_t)m * N * R, x + (size_t)m * N * C, m == 0 ? 1 : N - 3 * m};
+        matmul_many(pr, P);
+        for (int m = 0; m < P && !case_failed; m++) {
+            matmul(want, pr[m].x, &W, pr[m].n);
+            for (int k = 0; k < pr[m].n * R; k++)
+                if (!expect(memcmp(&pr[m].out[k], &want[k], sizeof(float)) == 0, "product %d (%d rows) output %d: %.9g, alone %.9g", m, pr[m].n,
+                            k, pr[m].out[k], want[k]))
+                    break;
+        }
+        free(packing);
         end();
     }
 }
@@ -3664,6 +3712,7 @@ int main(void) {
     test_matmul_slices();
     test_matmul_half();
     test_matmul_shared_half();
+    test_matmul_many();
 #ifdef BF16_SPLIT
     test_matmul_bf16_split();
 #endif
