@@ -5265,7 +5265,7 @@ static void matmul_many(const Product *pr, int count) {
     PARALLEL_GUIDED_IF(runs > 1 && values >= PREPARE_PARALLEL_MIN)
     for (int r = 0; r < runs; r++) {
         const int m = lead[r];
-        Arena a = {base + at[m], 0};
+        Arena a = {base ? base + at[m] : NULL, 0}; /* NULL: no run takes any bytes */
         in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, set_with_sums(pr, m, count), &a);
     }
     for (int m = 0; m < count; m++) {
