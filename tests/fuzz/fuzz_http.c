@@ -19,7 +19,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 static void check_fields(const ServeFields *f) {
     const Options *o = &f->line.o;
-    CHECK(f->chat ? f->n_messages > 0 : f->line.prompt != NULL, "no prompt or messages but no error");
+    CHECK(f->chat ? f->n_messages > 0 : f->line.prompt != NULL || f->line.ids != NULL || f->n_prompts > 0, "no prompt or messages but no error");
     for (int i = 0; i < f->n_messages; i++) CHECK(f->roles[i] && f->contents[i], "message %d without role or content", i);
     CHECK(o->temperature >= 0.0f && isfinite(o->temperature), "temperature %g", o->temperature);
     CHECK(o->topp >= 0.0f && o->topp <= 1.0f, "top_p %g", o->topp);
