@@ -6782,10 +6782,11 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
     }
     if (p->mla_rank > 0) {
         const int per_head = p->mla_nope + p->rope_dims > p->mla_value ? p->mla_nope + p->rope_dims : p->mla_value;
-        const size_t H = (size_t)p->n_heads, R = (size_t)p->mla_rank;
+        const size_t H = (size_t)p->n_heads, R = (size_t)p->mla_rank, nope = (size_t)p->mla_nope, value = (size_t)p->mla_value;
+        const size_t heads_in = H * (R > nope ? R : nope), heads_out = H * (R > value ? R : value); /* every head's rows */
         size_t in = R > (size_t)p->q_rank ? R : (size_t)p->q_rank, out = R + (size_t)p->rope_dims;
-        if (H * (R > (size_t)p->mla_nope ? R : (size_t)p->mla_nope) > in) in = H * (R > (size_t)p->mla_nope ? R : (size_t)p->mla_nope);
-        if (H * (R > (size_t)p->mla_value ? R : (size_t)p->mla_value) > out) out = H * (R > (size_t)p->mla_value ? R : (size_t)p->mla_value);
+        if (heads_in > in) in = heads_in;
+        if (heads_out > out) out = heads_out;
         s->mla_q = xcalloc(rows * p->n_heads * per_head, sizeof(float));
         s->mla_in = xcalloc(rows * in, sizeof(float));
         s->mla_out = xcalloc(rows * (in > out ? in : out), sizeof(float));
