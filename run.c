@@ -5242,11 +5242,12 @@ static int set_with_sums(const Product *pr, int m, int count) {
    region (matmul_simd). */
 static void matmul_many(const Product *pr, int count) {
     /* in[m]: the inputs of the run product m starts, at byte at[m] of the buffer; use[m]: those it reads */
-    const size_t each = sizeof(Inputs) + sizeof(const Inputs *) + sizeof(size_t) + sizeof(int);
+    const size_t each = sizeof(Inputs) + sizeof(const Inputs *) + sizeof(size_t) + 2 * sizeof(int);
     Inputs *in = scratch_grow(&sets_scratch, (size_t)count * each);
     const Inputs **use = (const Inputs **)(in + count);
     size_t *at = (size_t *)(use + count);
-    int *lead = (int *)(at + count), runs = 0, simd = 1; /* lead: the products that start a run */
+    int *lead = (int *)(at + count), runs = 0, simd = 1; /* lead[r]: the product that starts run r */
+    int *sums = lead + count;                           /* sums[r]: whether run r's inputs take group sums */
     Arena counting = {NULL, 0};
     double values = 0;
     for (int m = 0; m < count; m++) {
@@ -5254,9 +5255,10 @@ static void matmul_many(const Product *pr, int count) {
             use[m] = use[m - 1];
             continue;
         }
-        lead[runs++] = m;
+        lead[runs] = m;
+        sums[runs] = set_with_sums(pr, m, count);
         at[m] = counting.used;
-        in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, set_with_sums(pr, m, count), &counting);
+        in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, sums[runs++], &counting);
         use[m] = &in[m];
         simd &= in[m].kind >= KERNEL_F32_SIMD;
         values += (double)pr[m].n * pr[m].W->cols;
@@ -5266,7 +5268,7 @@ static void matmul_many(const Product *pr, int count) {
     for (int r = 0; r < runs; r++) {
         const int m = lead[r];
         Arena a = {base ? base + at[m] : NULL, 0}; /* NULL: no run takes any bytes */
-        in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, set_with_sums(pr, m, count), &a);
+        in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, sums[r], &a);
     }
     for (int m = 0; m < count; m++) {
         const Inputs *x = use[m];
@@ -7850,26 +7852,21 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
     sort_slots(s, n, E, k);
     PARALLEL_FOR_IF((double)n * k * dim >= PARALLEL_MIN_WORK)
     for (int i = 0; i < n * k; i++) memcpy(s->ex + (size_t)i * dim, s->xb + (size_t)(s->slot_of[i] / k) * dim, (size_t)dim * sizeof(float));
-    Product *pr = product_list(2 * E);
-    int c = 0;
-    for (int e = 0; e < E; e++) { /* gate and up of the rows routed to e, which share their inputs */
+    Product *gate_up = product_list(3 * E), *down = gate_up + 2 * E;
+    int c = 0; /* the experts with rows */
+    for (int e = 0; e < E; e++) { /* e's rows: m of them, at place f of the sorted slots */
         const size_t at = (size_t)l * E + e, f = (size_t)s->expert_first[e];
         const int m = s->expert_first[e + 1] - s->expert_first[e];
         if (m == 0) continue;
-        pr[c++] = (Product){&w->e_gate[at], s->eh + f * F, s->ex + f * dim, m};
-        pr[c++] = (Product){&w->e_up[at], s->eh2 + f * F, s->ex + f * dim, m};
+        gate_up[2 * c] = (Product){&w->e_gate[at], s->eh + f * F, s->ex + f * dim, m}; /* gate and up share their inputs */
+        gate_up[2 * c + 1] = (Product){&w->e_up[at], s->eh2 + f * F, s->ex + f * dim, m};
+        down[c++] = (Product){&w->e_down[at], s->ex + f * dim, s->eh + f * F, m}; /* into the slots' places in ex */
     }
-    matmul_many(pr, c);
+    matmul_many(gate_up, 2 * c);
     add_expert_biases(s->eh, w->e_gate_bias, s, l, E, F);
     add_expert_biases(s->eh2, w->e_up_bias, s, l, E, F);
     gated_activation(p->arch->activation, s->eh, s->eh2, n * k, F);
-    c = 0;
-    for (int e = 0; e < E; e++) { /* down, into the slots' places in ex */
-        const size_t at = (size_t)l * E + e, f = (size_t)s->expert_first[e];
-        const int m = s->expert_first[e + 1] - s->expert_first[e];
-        if (m > 0) pr[c++] = (Product){&w->e_down[at], s->ex + f * dim, s->eh + f * F, m};
-    }
-    matmul_many(pr, c);
+    matmul_many(down, c);
     add_expert_biases(s->ex, w->e_down_bias, s, l, E, dim);
     PARALLEL_FOR_IF((double)n * k * dim >= PARALLEL_MIN_WORK)
     for (int r = 0; r < n; r++) { /* out_r = sum_j w_j y_j, j in order (y_j: the output of the row's j-th expert) */
