@@ -3538,6 +3538,29 @@ static int matrix_packs(const Matrix *W) {
 #define MB_INPUTS 3
 #define QB_ROWS 4
 #define QB_INPUTS 1
+/* 16-bit rows (matmul_chunk) take blocks of their own. F16 rows, widened
+   as they are loaded (vcvtph2ps), 2 rows by 5 inputs: each widening feeds
+   5 multiply-adds where 4 x 3 fed 3, and on Zen 2 the widenings, not the
+   multiply-adds, bounded 4 x 3 (F16 rows in the first-level cache, one
+   core: 65 GFLOP/s of its 108 in 4 x 3, 92 in 2 x 5). BF16 rows 3 by 3:
+   their widening's shuffle pattern takes a register, and 4 x 3 with it
+   wants 17 of the 16; the compiler then read the pattern from memory or
+   spilled an accumulator as unrelated code moved (0.63x when it spilled;
+   2 x 5, widened by a shift: 0.54x). float32 rows stay at 4 x 3: their
+   passes read the inputs from the second level, and 2 x 5 (5 inputs a
+   step for 10 multiply-adds) ran at 0.86x. */
+#ifdef VF_HALF_LOADS
+#define F16_ROWS 2
+#define F16_INPUTS 5
+#define BF16_ROWS 3
+#define BF16_INPUTS 3
+#endif
+#endif
+#ifndef F16_ROWS /* elsewhere 16-bit rows take the common block */
+#define F16_ROWS MB_ROWS
+#define F16_INPUTS MB_INPUTS
+#define BF16_ROWS MB_ROWS
+#define BF16_INPUTS MB_INPUTS
 #endif
 /* float32 blocks of many rows are taken in slices of at most F32_SLICE
    columns, each over F32_SLAB passes of input rows before the next slice
@@ -3555,7 +3578,7 @@ static int matrix_packs(const Matrix *W) {
 #define F32_SLAB 8
 /* the largest block: the size of the kernels' accumulator arrays */
 #define MB_MAX 6
-#define MB_MAX_INPUTS 4
+#define MB_MAX_INPUTS 5
 /* Always inlined, so that NR and NB are constants in every copy: the loops
    over rows and inputs unroll and the accumulators live in registers. */
 #define KERNEL static inline __attribute__((always_inline))
@@ -4580,7 +4603,8 @@ typedef struct {
     const float *x; /* (n, cols) */
     int16_t *xq;    /* int8, 4-bit (not packed): (n, cols) quantised values */
     float *xs;      /* int8, 4-bit (not packed): (n, cols / group_size) their scales */
-    float *xf;      /* float32, n > 1: (n / MB_INPUTS rounded up, cols / SIMD_WIDTH, MB_INPUTS, SIMD_WIDTH);
+    float *xf;      /* float32, n > 1: (n / per rounded up, cols / SIMD_WIDTH, per, SIMD_WIDTH), per
+                       = many_inputs(W);
                        bfloat16 dot products: the same in bfloat16, 2 x SIMD_WIDTH columns a vector
                        (n = 1: the row as it is) */
     int8_t *x8;     /* packed: (packed_inputs(n), cols) xq as bytes */
@@ -4697,6 +4721,14 @@ static size_t bf16_input_at(int n, int cols, size_t k, int j) {
 }
 #endif
 
+/* The weight rows and the input rows of W's blocks of many inputs. */
+#ifdef SIMD_WIDTH
+static int many_rows(const Matrix *W) { return !W->half ? MB_ROWS : W->bf16 ? BF16_ROWS : F16_ROWS; }
+static int many_inputs(const Matrix *W) { return !W->half ? MB_INPUTS : W->bf16 ? BF16_INPUTS : F16_INPUTS; }
+#else
+static int many_inputs(const Matrix *W) { return (void)W, 1; } /* plain kernels: a row at a time */
+#endif
+
 /* Quantises or packs x (n, W.cols) for the kernel of W into buffers taken
    from `a`; with_sums: the group sums too, for packed matrices with
    offsets. With a counting arena (a NULL base), only the bytes. */
@@ -4708,12 +4740,13 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
 #ifdef SIMD_WIDTH
     if (in.kind == KERNEL_F32_SIMD) {
         if (n == 1) return in;
-        size_t padded = (size_t)(n + MB_INPUTS - 1) / MB_INPUTS * MB_INPUTS;
+        const int per = many_inputs(W);
+        size_t padded = (size_t)(n + per - 1) / per * per;
         if (!(in.xf = arena_take(a, padded * W->cols * sizeof(float)))) return in;
-        for (size_t b0 = 0; b0 < padded; b0 += MB_INPUTS)
+        for (size_t b0 = 0; b0 < padded; b0 += per)
             for (int j = 0; j < W->cols; j += SIMD_WIDTH)
-                for (int b = 0; b < MB_INPUTS; b++) {
-                    float *dst = in.xf + b0 * W->cols + (size_t)j * MB_INPUTS + b * SIMD_WIDTH;
+                for (int b = 0; b < per; b++) {
+                    float *dst = in.xf + b0 * W->cols + (size_t)j * per + b * SIMD_WIDTH;
                     if (b0 + b < (size_t)n) memcpy(dst, x + (b0 + b) * W->cols + j, SIMD_WIDTH * sizeof(float));
                     else memset(dst, 0, SIMD_WIDTH * sizeof(float));
                 }
@@ -5014,9 +5047,9 @@ static void matmul_block(float *out, const Matrix *W, int i, const void *next, c
 #endif
 }
 
-/* The rows of a block of matmul_simd, for the kernel and the input rows. */
-static int block_rows(const Inputs *in) {
-    if (in->kind == KERNEL_F32_SIMD || in->kind == KERNEL_BF16_DOT) return in->n == 1 ? MM_ROWS : MB_ROWS;
+/* The rows of a block of matmul_simd, for W's kernel and the input rows. */
+static int block_rows(const Matrix *W, const Inputs *in) {
+    if (in->kind == KERNEL_F32_SIMD || in->kind == KERNEL_BF16_DOT) return in->n == 1 ? MM_ROWS : many_rows(W);
     if (in->kind == KERNEL_BF16_SPLIT) return SPLIT_ROWS;
 #ifdef VNNI
     return PACK_ROWS;
@@ -5045,38 +5078,49 @@ static int block_rows(const Inputs *in) {
 /* Whether products of many rows take W in chunks of rows (matmul_chunk). */
 static int takes_chunks(const Matrix *W) { return kernel_of(W) == KERNEL_F32_SIMD && W->half; }
 
+/* Whether W's product with the inputs in runs in chunks (matmul_chunk). */
+static int chunked(const Matrix *W, const Inputs *in) { return in->n > 1 && takes_chunks(W); }
+
 static int chunk_blocks(const Matrix *W, const Inputs *in) {
     if (in->n == 1 || !takes_chunks(W)) return 1;
-    const int blocks = CHUNK_BYTES / (MB_ROWS * W->cols * (int)sizeof(uint16_t));
-    const int spread = W->rows / (MB_ROWS * 4 * max_threads()); /* at least 4 chunks a thread */
+    const int blocks = CHUNK_BYTES / (many_rows(W) * W->cols * (int)sizeof(uint16_t));
+    const int spread = W->rows / (many_rows(W) * 4 * max_threads()); /* at least 4 chunks a thread */
     const int chunk = blocks < spread ? blocks : spread;
     return chunk > 1 ? chunk : 1;
 }
 
 /* Rows i..i + chunk_rows - 1 of a 16-bit matrix W times all the input
-   rows, pass by pass; `next`: the next chunk (NULL: none), prefetched a
-   share per block and pass. */
+   rows, pass by pass, in W's blocks (many_rows x many_inputs); `next`:
+   the next chunk (NULL: none), prefetched a share per block and pass. */
 static void matmul_chunk(float *out, const Matrix *W, int i, int chunk_rows, const void *next, const Inputs *in) {
     const int rows = W->rows, cols = W->cols, n = in->n, end = i + chunk_rows < rows ? i + chunk_rows : rows;
-    const int passes = (n + MB_INPUTS - 1) / MB_INPUTS, blocks = (end - i + MB_ROWS - 1) / MB_ROWS;
-    const size_t block_bytes = (size_t)MB_ROWS * cols * sizeof(uint16_t);
+    const int nr = many_rows(W), nb = many_inputs(W);
+    const int passes = (n + nb - 1) / nb, blocks = (end - i + nr - 1) / nr;
+    const size_t block_bytes = (size_t)nr * cols * sizeof(uint16_t);
     for (int p = 0; p < passes; p++)
         for (int k = 0; k < blocks; k++) {
-            const int b = p * MB_INPUTS, r = i + k * MB_ROWS, n_rows = end - r < MB_ROWS ? end - r : MB_ROWS;
+            const int b = p * nb, r = i + k * nr, n_rows = end - r < nr ? end - r : nr;
             const void *pre = next ? (const char *)next + block_bytes * ((size_t)p * blocks + k) / passes : NULL;
             float *o = out + (size_t)b * rows + r;
             const uint16_t *w = W->half + (size_t)r * cols;
             const float *xp = in->xf + (size_t)b * cols;
             if (W->bf16)
-                block_f32(o, (size_t)rows, w, (size_t)cols, n_rows, pre, passes, xp, n - b, cols, NULL, NULL, MB_ROWS, MB_INPUTS, LOAD_BF16);
+                block_f32(o, (size_t)rows, w, (size_t)cols, n_rows, pre, passes, xp, n - b, cols, NULL, NULL, BF16_ROWS, BF16_INPUTS,
+                          LOAD_BF16);
             else
-                block_f32(o, (size_t)rows, w, (size_t)cols, n_rows, pre, passes, xp, n - b, cols, NULL, NULL, MB_ROWS, MB_INPUTS, LOAD_F16);
+                block_f32(o, (size_t)rows, w, (size_t)cols, n_rows, pre, passes, xp, n - b, cols, NULL, NULL, F16_ROWS, F16_INPUTS,
+                          LOAD_F16);
         }
 }
 #else
 static int chunk_blocks(const Matrix *W, const Inputs *in) {
     (void)W, (void)in;
     return 1;
+}
+
+static int chunked(const Matrix *W, const Inputs *in) {
+    (void)W, (void)in;
+    return 0;
 }
 #endif
 
@@ -5098,15 +5142,15 @@ static Plan plan_items(const Product *pr, const Inputs *const *ins, int count, d
     for (int m = 0; m < count; m++) {
         const Matrix *W = pr[m].W;
         pl.per[m] = chunk_blocks(W, ins[m]);
-        pl.chunked[m] = pl.per[m] > 1;
-        if (pl.chunked[m] && (least == 0 || pl.per[m] < least)) least = pl.per[m];
-        pl.height[m] = block_rows(ins[m]);
+        pl.chunked[m] = chunked(W, ins[m]);
+        if (pl.per[m] > 1 && (least == 0 || pl.per[m] < least)) least = pl.per[m];
+        pl.height[m] = block_rows(W, ins[m]);
         pl.blocks[m] = (W->rows + pl.height[m] - 1) / pl.height[m];
         *work += (double)W->rows * W->cols * pr[m].n;
     }
     pl.first[0] = 0;
     for (int m = 0; m < count; m++) {
-        if (pl.chunked[m]) pl.per[m] = least;
+        if (pl.per[m] > 1) pl.per[m] = least;
         pl.first[m + 1] = pl.first[m] + (pl.blocks[m] + pl.per[m] - 1) / pl.per[m];
     }
     return pl;
@@ -5220,7 +5264,7 @@ static void add_offsets(float *out, const Matrix *W, const float *sums, int n) {
    rows, laid out for the same kernel. */
 static int same_inputs(const Product *a, const Product *b) {
     return a->x == b->x && a->n == b->n && kernel_of(a->W) == kernel_of(b->W) && !a->W->packed == !b->W->packed &&
-           a->W->cols == b->W->cols && a->W->group_size == b->W->group_size;
+           a->W->cols == b->W->cols && a->W->group_size == b->W->group_size && many_inputs(a->W) == many_inputs(b->W);
 }
 
 /* Whether the inputs of product m, shared with the products after it that
