@@ -444,7 +444,7 @@ def mistral_raw(srv, body):
     """(answer, the reply's own text from its tokens' log-probabilities)."""
     status, answer = srv.post("/v1/chat/completions", dict(body, logprobs=True, max_tokens=300, seed=7))
     assert status == 200, (status, answer)
-    return answer, "".join(t["token"] for t in answer["choices"][0]["logprobs"]["content"])
+    return answer, reply_bytes(answer["choices"][0])
 
 
 def mistral_random():
@@ -549,7 +549,7 @@ def mistral_parallel():
                             "get_weather" if choice == "named" else None)
                 assert len(calls) == 4 and all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls), calls
                 assert (answer["choices"][0]["message"]["content"] or "") == content, answer
-                raw = "".join(t["token"] for t in answer["choices"][0]["logprobs"]["content"])
+                raw = reply_bytes(answer["choices"][0])
                 raw = prefill + raw  # (what the prompt wrote of the first call)
                 assert raw == content + "".join("[TOOL_CALLS]%s[ARGS]%s" % (c["name"], c["arguments"]) for c in calls), (raw, calls)
                 events, done = srv.stream("/v1/chat/completions", body)
@@ -609,6 +609,13 @@ def mistral_bad_input():
         ts.MODEL, ts.TOK = STORIES, TOK512
 
 
+def reply_bytes(choice):
+    """A chat choice's reply as its tokens' bytes (logprobs.content) give
+    it: a character split between tokens is whole only there (each token's
+    own text shows its part as U+FFFD)."""
+    return b"".join(bytes(t["bytes"]) for t in choice["logprobs"]["content"]).decode("utf-8")
+
+
 def llama31_required():
     """A "required" call (and a named one) on a random model with Llama
     3.1's vocabulary and template: one call, its arguments valid, streamed
@@ -628,7 +635,7 @@ def llama31_required():
             code = srv.stop()
         assert code == 0 and status == 200, (code, status, answer)
         choice = answer["choices"][0]
-        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        raw = reply_bytes(choice)
         assert raw.startswith('{"name":') and '"parameters":' in raw and "<tool_call>" not in raw, raw
         call = choice["message"]["tool_calls"][0]["function"]
         assert json.loads(raw) == {"name": call["name"], "parameters": json.loads(call["arguments"])}, (raw, call)
@@ -751,7 +758,7 @@ def harmony_raw_replies():
         code = srv.stop()
     assert code == 0 and status == 200, (code, status, answer)
     choice = answer["choices"][0]
-    raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+    raw = reply_bytes(choice)
     call = choice["message"]["tool_calls"][0]["function"]
     assert raw == call["name"] + " <|constrain|>json<|message|>" + call["arguments"], (raw, call)
     return raw
@@ -802,7 +809,7 @@ def harmony_auto_marker():
         assert status == 200, answer
         choice = answer["choices"][0]
         msg = choice["message"]
-        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        raw = reply_bytes(choice)
         assert choice["finish_reason"] == "tool_calls" and not msg["content"] and msg["tool_calls"], answer
         assert raw.startswith("<|channel|>commentary to=functions." + msg["tool_calls"][0]["function"]["name"]), raw
         calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]]
@@ -915,7 +922,7 @@ def llama31_auto_call():
         status, answer = srv.post("/v1/chat/completions", body)
         assert status == 200, answer
         choice = answer["choices"][0]
-        raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+        raw = reply_bytes(choice)
         assert raw.startswith("<|python_tag|>{"), raw
         msg = choice["message"]
         assert choice["finish_reason"] == "tool_calls" and len(msg.get("tool_calls") or []) == 1 and not msg["content"], (raw, answer)
