@@ -5082,9 +5082,10 @@ static int takes_chunks(const Matrix *W) { return kernel_of(W) == KERNEL_F32_SIM
 static int chunked(const Matrix *W, const Inputs *in) { return in->n > 1 && takes_chunks(W); }
 
 static int chunk_blocks(const Matrix *W, const Inputs *in) {
-    if (in->n == 1 || !takes_chunks(W)) return 1;
-    const int blocks = CHUNK_BYTES / (many_rows(W) * W->cols * (int)sizeof(uint16_t));
-    const int spread = W->rows / (many_rows(W) * 4 * max_threads()); /* at least 4 chunks a thread */
+    if (!chunked(W, in)) return 1;
+    const int height = many_rows(W);
+    const int blocks = CHUNK_BYTES / (height * W->cols * (int)sizeof(uint16_t));
+    const int spread = W->rows / (height * 4 * max_threads()); /* at least 4 chunks a thread */
     const int chunk = blocks < spread ? blocks : spread;
     return chunk > 1 ? chunk : 1;
 }
