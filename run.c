@@ -5118,32 +5118,26 @@ static int chunk_blocks(const Matrix *W, const Inputs *in) {
     (void)W, (void)in;
     return 1;
 }
-
-static int chunked(const Matrix *W, const Inputs *in) {
-    (void)W, (void)in;
-    return 0;
-}
 #endif
 
 /* matmul_simd's work items: product m's in items first[m]..first[m + 1] - 1,
-   each a block of height[m] rows (blocks[m] in all) or, where chunked[m],
-   a 16-bit chunk of per[m] blocks. */
+   each a block of height[m] rows (blocks[m] in all) or, where the product
+   runs in chunks (chunked()), a 16-bit chunk of per[m] blocks. */
 typedef struct {
-    int *first, *height, *blocks, *per, *chunked;
+    int *first, *height, *blocks, *per;
 } Plan;
 
 static _Thread_local Scratch plan_scratch;
 
 static Plan plan_items(const Product *pr, const Inputs *const *ins, int count, double *work) {
     Plan pl;
-    pl.first = scratch_grow(&plan_scratch, (5 * (size_t)count + 1) * sizeof(int));
-    pl.height = pl.first + count + 1, pl.blocks = pl.height + count, pl.per = pl.blocks + count, pl.chunked = pl.per + count;
+    pl.first = scratch_grow(&plan_scratch, (4 * (size_t)count + 1) * sizeof(int));
+    pl.height = pl.first + count + 1, pl.blocks = pl.height + count, pl.per = pl.blocks + count;
     int least = 0;
     *work = 0;
     for (int m = 0; m < count; m++) {
         const Matrix *W = pr[m].W;
         pl.per[m] = chunk_blocks(W, ins[m]);
-        pl.chunked[m] = chunked(W, ins[m]);
         if (pl.per[m] > 1 && (least == 0 || pl.per[m] < least)) least = pl.per[m];
         pl.height[m] = block_rows(W, ins[m]);
         pl.blocks[m] = (W->rows + pl.height[m] - 1) / pl.height[m];
@@ -5170,7 +5164,7 @@ static void matmul_item(const Plan *pl, const Product *pr, const Inputs *const *
     const int i = h * (int)((long long)pl->blocks[m] * k / items), end = h * (int)((long long)pl->blocks[m] * (k + 1) / items);
     const void *next = end < W->rows ? matrix_weights(W, end) : NULL;
 #if SIMD_WIDTH == 8 && defined(VF_HALF_LOADS)
-    if (pl->chunked[m]) {
+    if (chunked(W, ins[m])) {
         matmul_chunk(pr[m].out, W, i, end - i, next, ins[m]);
         return;
     }
