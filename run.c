@@ -12459,6 +12459,7 @@ typedef struct {
     int again;                /* a head after a value: the reply may end instead (at == 0) */
     int at;                   /* bytes of the head written so far */
     unsigned char *alive;     /* (s->n_heads) the heads the text so far begins */
+    unsigned char *allowed;   /* (vocab) head_mask's scratch: the tokens that go on with a head */
     int **special;            /* (s->n_heads) per head, per byte: the special token that starts there, -1: none */
     int **plain;              /* (s->n_heads) per head, per byte: the plain bytes from there to the next special token or the end */
 } HeadMatch;
@@ -12469,6 +12470,7 @@ static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok, int 
     m->again = again;
     m->text = xcalloc((size_t)s->n_heads, sizeof(char *));
     m->alive = xcalloc((size_t)s->n_heads, 1);
+    m->allowed = xcalloc((size_t)tok->vocab_size, 1);
     m->special = xcalloc((size_t)s->n_heads, sizeof(int *));
     m->plain = xcalloc((size_t)s->n_heads, sizeof(int *));
     for (int h = 0; h < s->n_heads; h++) {
@@ -12497,7 +12499,7 @@ static HeadMatch *head_match_new(const JsonSchema *s, const Tokenizer *tok, int 
 static void head_match_free(HeadMatch *m) {
     if (!m) return;
     for (int h = 0; h < m->s->n_heads; h++) { free(m->text[h]); free(m->special[h]); free(m->plain[h]); }
-    free(m->text); free(m->special); free(m->plain); free(m->alive);
+    free(m->text); free(m->special); free(m->plain); free(m->alive); free(m->allowed);
     free(m);
 }
 
@@ -12509,16 +12511,37 @@ static int head_allows(const HeadMatch *m, int h, int token, const char *bytes, 
     return n <= m->plain[h][m->at] && memcmp(m->text[h] + m->at, bytes, (size_t)n) == 0;
 }
 
+/* Marks in `allowed` the tokens whose bytes are the first bytes of p (n
+   of them at most): the tokens of the trie's nodes along p's path, a
+   node's children being the nodes after it up to its `skip`. */
+static void trie_mark_prefixes(const TokenTrie *t, const char *p, int n, unsigned char *allowed) {
+    int i = 0, end = t->n_nodes; /* the siblings of depth d + 1: i, nodes[i].skip, ... before end */
+    for (int d = 0; d < n; d++) {
+        while (i < end && t->nodes[i].byte != (unsigned char)p[d]) i = t->nodes[i].skip;
+        if (i >= end) return;
+        const TrieNode *node = &t->nodes[i];
+        for (int k = 0; k < node->n; k++) allowed[t->order[node->first + k]] = 1;
+        end = node->skip, i++;
+    }
+}
+
 /* Sets to -inf the logits of the tokens that go on with no head (but the
    end tokens where the reply may end: again, before any byte); returns
-   how many stay allowed. */
+   how many stay allowed. Each live head's next bytes are a path down the
+   trie (head_allows for every plain token at once), its next special
+   token one id. */
 static int head_mask(const HeadMatch *m, const TokenTrie *t, const Tokenizer *tok, float *logits) {
+    memset(m->allowed, 0, (size_t)tok->vocab_size);
+    for (int h = 0; h < m->s->n_heads; h++) {
+        if (!m->alive[h]) continue;
+        trie_mark_prefixes(t, m->text[h] + m->at, m->plain[h][m->at], m->allowed);
+        if (m->special[h][m->at] >= 0) m->allowed[m->special[h][m->at]] = 1;
+    }
+    if (m->again && m->at == 0)
+        for (int i = 0; i < tok->n_end; i++) m->allowed[tok->end[i]] = 1;
     int n_allowed = 0;
     for (int i = 0; i < tok->vocab_size; i++) {
-        int special = tok->special && tok->special[i], ok = m->again && m->at == 0 && is_eos_token(tok, i);
-        if (special || t->bytes[i])
-            for (int h = 0; h < m->s->n_heads && !ok; h++) ok = head_allows(m, h, i, special ? NULL : t->bytes[i], special ? 0 : t->len[i]);
-        if (ok) n_allowed++;
+        if (m->allowed[i]) n_allowed++;
         else logits[i] = -INFINITY;
     }
     return n_allowed;
