@@ -2819,7 +2819,6 @@ static void load_gguf_model(Transformer *t, const GGUF *g) {
 
 /* section 3: the matrices as the kernels read them, and their memory freed */
 static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg);
-static void populate_in_place(Transformer *t);
 static void unpack_weights(Transformer *t);
 
 static int is_gguf(const void *data, size_t size) { return size >= 4 && memcmp(data, "GGUF", 4) == 0; }
@@ -2843,7 +2842,6 @@ static void load_checkpoint_while(Transformer *t, const char *path, void (*meanw
         if (t->version == 4) t->rope_freq = rope_frequencies(&t->config);
     }
     pack_weights(t, meanwhile, arg);
-    populate_in_place(t);
 }
 
 static void load_checkpoint(Transformer *t, const char *path) { load_checkpoint_while(t, path, NULL, NULL); }
@@ -5817,16 +5815,80 @@ static Matrix **matmul_matrices(Transformer *t, int *n) {
     return all;
 }
 
+/* The pages of the matrices that the kernels read in place from the mapped
+   file (float32, and F16 and BF16 in GGUF files, which they widen as they
+   load): ranges of bytes, page k of them in range r where first[r] <= k <
+   first[r + 1]. populate maps them at load, rather than the first prompt
+   faulting them in (a 128-token prompt of the stories110M shape in BF16
+   ran 10-20% slower cold), and pack_matrices reads a byte of each page
+   (a byte in each READ_PAGE bytes: pages of 4 KB or more), the threads
+   sharing them beside the packing and the vocabulary. A process's first
+   read of a mapped page still took about 1 us on the Zen 5 virtual
+   machines measured (a read of it later: 30 ns; the same with the
+   machine's page monitor, DAMON, stopped): the 567 MB of the Qwen3 shape's
+   F16 bench file cost its first prompt's first step (131 GFLOP/s, the
+   next step 333; 2 threads). Read at load (as llama.cpp's programs warm
+   up), beside the vocabulary: a 128-token prompt 481-576 -> 950-1039
+   tok/s, and the load, the prompt and a token together 383-433 -> 358-397
+   ms; the Gemma 3 shape's (934 MB) 371-397 -> 691-746 tok/s, 559-645 ->
+   473-505 ms (5 alternating rounds). */
+#define READ_PAGE 4096
+#define PAGE_SHARE 64 /* pages a thread takes at a time */
+typedef struct {
+    const char **at;
+    size_t *bytes, *first; /* (n), (n), (n + 1): first[n] is every page */
+    int n;
+} PageRanges;
+
+/* The ranges of the matrices of `all` that stay in place (none packs them),
+   each mapped (populate). */
+static PageRanges in_place_pages(const Transformer *t, Matrix **all, int n) {
+    PageRanges pg = {xcalloc((size_t)n + 1, sizeof(const char *)), xcalloc((size_t)n + 1, sizeof(size_t)),
+                     xcalloc((size_t)n + 2, sizeof(size_t)), 0};
+    const char *map = t->mapping;
+    for (int m = 0; m < n; m++) {
+        const Matrix *W = all[m];
+        const char *at = W->w ? (const char *)W->w : (const char *)W->half;
+        const size_t bytes = (size_t)W->rows * W->cols * (W->w ? sizeof(float) : sizeof(uint16_t));
+        if (matrix_packs(W) || !at || bytes == 0 || at < map || at + bytes > map + t->file_size) continue;
+        populate(at, bytes);
+        pg.at[pg.n] = at;
+        pg.bytes[pg.n] = bytes;
+        pg.first[pg.n + 1] = pg.first[pg.n] + ((uintptr_t)at + bytes - 1) / READ_PAGE - (uintptr_t)at / READ_PAGE + 1;
+        pg.n++;
+    }
+    return pg;
+}
+
+/* Reads a byte of page k of the ranges. */
+static void read_page(const PageRanges *pg, size_t k) {
+    int lo = 0, hi = pg->n - 1; /* the last range r with first[r] <= k */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (pg->first[mid] <= k) lo = mid;
+        else hi = mid - 1;
+    }
+    const uintptr_t page = ((uintptr_t)pg->at[lo] / READ_PAGE + (k - pg->first[lo])) * READ_PAGE;
+    (void)*(const volatile char *)(page > (uintptr_t)pg->at[lo] ? (const char *)page : pg->at[lo]);
+}
+
+static void free_page_ranges(PageRanges *pg) {
+    free(pg->at);
+    free(pg->bytes);
+    free(pg->first);
+}
+
 /* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
    one's matrix_packed_bytes in turn, its values then its scales, or a
    bfloat16 matrix's blocks then its exceptions; that call chose its
    forms), a block of rows at a time. All the threads take blocks
    in one region, matrix after matrix, none waiting for the others at a
    matrix's end; `release`: each matrix's pages as stored are given back
-   once its last block is packed. `meanwhile` (NULL: nothing) runs first on thread 0, which then
-   joins the others (t and arg are its arguments). */
-static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, void (*meanwhile)(Transformer *t, void *arg), Transformer *t,
-                          void *arg) {
+   once its last block is packed; then they read the pages of `pages`
+   (NULL: none). `meanwhile` (NULL: nothing) runs first on thread 0, which
+   then joins the others (t and arg are its arguments). */
+static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, const PageRanges *pages,
+                          void (*meanwhile)(Transformer *t, void *arg), Transformer *t, void *arg) {
     int cols = 1, groups = 1;
     size_t *left = xcalloc((size_t)n, sizeof(size_t)), total = 0; /* the blocks of each still to pack, of all */
     size_t *at = xcalloc((size_t)n, sizeof(size_t)); /* where each begins in memory */
@@ -5839,7 +5901,8 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
     }
     size_t *written = xcalloc((size_t)n, sizeof(size_t)); /* bfloat16 in 12 bits: the exceptions of each so far */
     PackBuffers pb = pack_buffers(cols, groups);
-    PARALLEL_REGION_IF(total >= 4)
+    const size_t shares = pages ? (pages->first[pages->n] + PAGE_SHARE - 1) / PAGE_SHARE : 0;
+    PARALLEL_REGION_IF(total >= 4 || shares >= 4)
     {
         if (meanwhile && thread_id() == 0) meanwhile(t, arg);
         for (int m = 0; m < n; m++) {
@@ -5860,6 +5923,9 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
                 }
             }
         }
+        SHARED_LOOP
+        for (size_t k = 0; k < shares; k++)
+            for (size_t page = k * PAGE_SHARE; page < (k + 1) * PAGE_SHARE && page < pages->first[pages->n]; page++) read_page(pages, page);
     }
     /* after the region's barrier, which makes every thread's exceptions
        visible to this one */
@@ -5882,7 +5948,8 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, voi
    at the end (peak RSS loading the Llama 3.2 1B shape: Q4_K_M 1.04 ->
    0.84 GB, BF16 2.47 -> 1.88 GB; the file 0.81 and 2.48 GB). `meanwhile` runs beside the packing
    (pack_matrices): the loading of a GGUF vocabulary, 35 ms of one thread
-   for Llama 3's, overlaps the packing of a 1B model's weights. */
+   for Llama 3's, overlaps the packing of a 1B model's weights, and the
+   reading of the pages of those read in place (in_place_pages). */
 static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void *arg), void *arg) {
     int n;
     Matrix **all = matmul_matrices(t, &n);
@@ -5899,67 +5966,10 @@ static void pack_weights(Transformer *t, void (*meanwhile)(Transformer *t, void 
         t->packing = alloc_pages(bytes, "weights", 0);
         t->packing_bytes = bytes;
     }
-    pack_matrices(all, n, t->packing, 1, meanwhile, t, arg);
+    PageRanges pages = in_place_pages(t, all, n);
+    pack_matrices(all, n, t->packing, 1, &pages, meanwhile, t, arg);
     if (bytes > 0) advise_huge_pages(t->packing, bytes);
-    free(all);
-}
-
-/* A byte of every page of the n ranges at[r]..at[r] + bytes[r] - 1 read
-   (a byte in each READ_PAGE bytes: pages of 4 KB or more), shared equally
-   between the threads. populate maps the pages, but the process's first
-   read of each page still took about 1 us on the Zen 5 virtual machines
-   measured (a read of it later: 30 ns; the same with the machine's page
-   monitor, DAMON, stopped). For the
-   567 MB of the Qwen3 shape's F16 bench file the first prompt paid it in
-   its first step (131 GFLOP/s, the next step 333; 2 threads), a 128-token
-   prompt at 533-602 tok/s. Read here, as llama.cpp's programs warm up at
-   load, the prompt runs at 957-1027 tok/s; the load takes the time
-   instead (load, prompt and a token together: 375-405 ms before, 393-435
-   after, 5 alternating rounds). */
-#define READ_PAGE 4096
-static void read_pages(const char *const *at, const size_t *bytes, int n) {
-    size_t *first = xcalloc((size_t)n + 1, sizeof(size_t)); /* first[r]: the pages of the ranges before r */
-    for (int r = 0; r < n; r++) first[r + 1] = first[r] + ((uintptr_t)at[r] + bytes[r] - 1) / READ_PAGE - (uintptr_t)at[r] / READ_PAGE + 1;
-    const long total = (long)first[n];
-    PARALLEL_FOR_IF(total >= 256)
-    for (long k = 0; k < total; k++) {
-        int lo = 0, hi = n - 1; /* page k's range: the last r with first[r] <= k */
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (first[mid] <= (size_t)k) lo = mid;
-            else hi = mid - 1;
-        }
-        const uintptr_t page = ((uintptr_t)at[lo] / READ_PAGE + ((size_t)k - first[lo])) * READ_PAGE;
-        (void)*(const volatile char *)(page > (uintptr_t)at[lo] ? (const char *)page : at[lo]);
-    }
-    free(first);
-}
-
-/* The pages of every matrix that the kernels read in place from the mapped
-   file (float32, and F16 and BF16 in GGUF files, which they widen as they
-   load), mapped (populate) and read (read_pages) at load rather than
-   faulted in by the first prompt: a 128-token prompt of the stories110M
-   shape in BF16 ran 10-20% slower cold. Packed or converted matrices were
-   read once already. */
-static void populate_in_place(Transformer *t) {
-    int n, ranges = 0;
-    Matrix **all = matmul_matrices(t, &n);
-    const char **at = xcalloc((size_t)n + 1, sizeof(const char *));
-    size_t *bytes = xcalloc((size_t)n + 1, sizeof(size_t));
-    for (int m = 0; m < n; m++) {
-        const Matrix *W = all[m];
-        if (W->packed) continue;
-        at[ranges] = W->w ? (const char *)W->w : (const char *)W->half;
-        bytes[ranges] = (size_t)W->rows * W->cols * (W->w ? sizeof(float) : sizeof(uint16_t));
-        if (at[ranges] && bytes[ranges] > 0 && at[ranges] >= (const char *)t->mapping &&
-            at[ranges] + bytes[ranges] <= (const char *)t->mapping + t->file_size) {
-            populate(at[ranges], bytes[ranges]);
-            ranges++;
-        }
-    }
-    read_pages(at, bytes, ranges);
-    free(at);
-    free(bytes);
+    free_page_ranges(&pages);
     free(all);
 }
 
