@@ -61,7 +61,7 @@ static double matmul_rate(int gs) {
         size_t packed = matrix_packed_bytes(&m);
         void *packing = packed ? alloc_pages(packed, "weights", 0) : NULL;
         Matrix *one = &m;
-        if (packing) pack_matrices(&one, 1, packing, 0, NULL, NULL, NULL);
+        if (packing) pack_matrices(&one, 1, packing, 0, NULL, NULL, NULL, NULL);
         double best = 1e9;
         for (int k = 0; k < 30; k++) {
             double t0 = now();

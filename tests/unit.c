@@ -65,7 +65,7 @@ static void *pack_for_kernels(Matrix *m) {
     size_t bytes = matrix_packed_bytes(m);
     if (bytes == 0) return NULL;
     void *raw = xcalloc(bytes + 64, 1);
-    pack_matrices(&m, 1, (uint8_t *)(((uintptr_t)raw + 63) & ~(uintptr_t)63), 0, NULL, NULL, NULL);
+    pack_matrices(&m, 1, (uint8_t *)(((uintptr_t)raw + 63) & ~(uintptr_t)63), 0, NULL, NULL, NULL, NULL);
     return raw;
 }
 
