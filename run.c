@@ -321,9 +321,10 @@ static void free_pages(void *p, size_t bytes) { munmap(p, bytes); }
    and read faster in the first prompt. On the Zen 5 virtual machines
    measured, 256 MB written in small pages took 1041 ms, a read of a byte
    a page after that 503 ms and 226-276 ms again after 3 and 10 s unread;
-   in 2 MB pages 528 ms, then 2-3 ms each time. The Qwen3 shape's Q8_0 bench file (304
-   MB) loaded in 244-282 ms against 827-886, its 128-token prompt at
-   1228-1265 tok/s against 668-976; Q4_K_M 194-288 ms against 569-655. */
+   in 2 MB pages 528 ms, then 2-3 ms each time. The Qwen3 shape's Q8_0
+   bench file (304 MB) loaded in 244-282 ms against 827-886, its 128-token
+   prompt at 1228-1265 tok/s against 668-976; Q4_K_M 194-288 ms against
+   569-655. */
 static int huge_pages_free(size_t bytes) {
     FILE *f = sysconf(_SC_PAGESIZE) == 4096 ? fopen("/proc/buddyinfo", "r") : NULL;
     if (!f) return 0;
@@ -339,7 +340,7 @@ static int huge_pages_free(size_t bytes) {
             char *end;
             const unsigned long count = strtoul(p, &end, 10);
             if (end == p) break;
-            if (k >= 9 && k < 9 + 40) blocks += (size_t)count << (k - 9);
+            if (k >= 9 && k - 9 < 32) blocks += (size_t)count << (k - 9); /* (no shift past the word, whatever the line) */
             p = end;
         }
     }
@@ -5872,16 +5873,15 @@ static Matrix **matmul_matrices(Transformer *t, int *n) {
 #define READ_PAGE 4096
 #define PAGE_SHARE 64 /* pages a thread takes at a time */
 typedef struct {
-    const char **at;
-    size_t *bytes, *first; /* (n), (n), (n + 1): first[n] is every page */
+    const char **at; /* (n) where each range starts */
+    size_t *first;   /* (n + 1) the pages of the ranges before each; first[n]: all */
     int n;
 } PageRanges;
 
 /* The ranges of the matrices of `all` that stay in place (none packs them),
    each mapped (populate). */
 static PageRanges in_place_pages(const Transformer *t, Matrix **all, int n) {
-    PageRanges pg = {xcalloc((size_t)n + 1, sizeof(const char *)), xcalloc((size_t)n + 1, sizeof(size_t)),
-                     xcalloc((size_t)n + 2, sizeof(size_t)), 0};
+    PageRanges pg = {xcalloc((size_t)n + 1, sizeof(const char *)), xcalloc((size_t)n + 1, sizeof(size_t)), 0};
     const char *map = t->mapping;
     for (int m = 0; m < n; m++) {
         const Matrix *W = all[m];
@@ -5890,7 +5890,6 @@ static PageRanges in_place_pages(const Transformer *t, Matrix **all, int n) {
         if (matrix_packs(W) || !at || bytes == 0 || at < map || at + bytes > map + t->file_size) continue;
         populate(at, bytes);
         pg.at[pg.n] = at;
-        pg.bytes[pg.n] = bytes;
         pg.first[pg.n + 1] = pg.first[pg.n] + ((uintptr_t)at + bytes - 1) / READ_PAGE - (uintptr_t)at / READ_PAGE + 1;
         pg.n++;
     }
@@ -5911,7 +5910,6 @@ static void read_page(const PageRanges *pg, size_t k) {
 
 static void free_page_ranges(PageRanges *pg) {
     free(pg->at);
-    free(pg->bytes);
     free(pg->first);
 }
 
