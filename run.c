@@ -5853,28 +5853,28 @@ static Matrix **matmul_matrices(Transformer *t, int *n) {
     return all;
 }
 
-/* The pages of the matrices that the kernels read in place from the mapped
-   file (float32, and F16 and BF16 in GGUF files, which they widen as they
-   load): ranges of bytes, page k of them in range r where first[r] <= k <
-   first[r + 1]. populate maps them at load, rather than the first prompt
-   faulting them in (a 128-token prompt of the stories110M shape in BF16
-   ran 10-20% slower cold), and pack_matrices reads a byte of each page
-   (a byte in each READ_PAGE bytes: pages of 4 KB or more), the threads
-   sharing them beside the packing and the vocabulary. A process's first
-   read of a mapped page still took about 1 us on the Zen 5 virtual
-   machines measured (a read of it later: 30 ns; the same with the
-   machine's page monitor, DAMON, stopped): the 567 MB of the Qwen3 shape's
-   F16 bench file cost its first prompt's first step (131 GFLOP/s, the
-   next step 333; 2 threads). Read at load (as llama.cpp's programs warm
-   up), beside the vocabulary: a 128-token prompt 481-576 -> 950-1039
-   tok/s, and the load, the prompt and a token together 383-433 -> 358-397
-   ms; the Gemma 3 shape's (934 MB) 371-397 -> 691-746 tok/s, 559-645 ->
-   473-505 ms (5 alternating rounds). */
+/* The matrices that the kernels read in place from the mapped file
+   (float32, and F16 and BF16 in GGUF files, which they widen as they
+   load): their bytes at[r]..at[r] + bytes[r] - 1. populate maps them at
+   load, rather than the first prompt faulting them in (a 128-token prompt
+   of the stories110M shape in BF16 ran 10-20% slower cold), and
+   pack_matrices reads a byte of each of their pages (a byte in each
+   READ_PAGE bytes: pages of 4 KB or more), the threads sharing them beside
+   the packing and the vocabulary. A process's first read of a mapped page
+   still took about 1 us on the Zen 5 virtual machines measured (a read of
+   it later: 30 ns; the same with the machine's page monitor, DAMON,
+   stopped): the 567 MB of the Qwen3 shape's F16 bench file cost its first
+   prompt's first step (131 GFLOP/s, the next step 333; 2 threads). Read
+   at load (as llama.cpp's programs warm up), beside the vocabulary: a
+   128-token prompt 481-576 -> 950-1039 tok/s, and the load, the prompt
+   and a token together 383-433 -> 358-397 ms; the Gemma 3 shape's (934
+   MB) 371-397 -> 691-746 tok/s, 559-645 -> 473-505 ms (5 alternating
+   rounds). */
 #define READ_PAGE 4096
 #define PAGE_SHARE 64 /* pages a thread takes at a time */
 typedef struct {
-    const char **at; /* (n) where each range starts */
-    size_t *first;   /* (n + 1) the pages of the ranges before each; first[n]: all */
+    const char **at; /* (n) */
+    size_t *bytes;   /* (n) */
     int n;
 } PageRanges;
 
@@ -5890,27 +5890,23 @@ static PageRanges in_place_pages(const Transformer *t, Matrix **all, int n) {
         if (matrix_packs(W) || !at || bytes == 0 || at < map || at + bytes > map + t->file_size) continue;
         populate(at, bytes);
         pg.at[pg.n] = at;
-        pg.first[pg.n + 1] = pg.first[pg.n] + ((uintptr_t)at + bytes - 1) / READ_PAGE - (uintptr_t)at / READ_PAGE + 1;
-        pg.n++;
+        pg.bytes[pg.n++] = bytes;
     }
     return pg;
 }
 
-/* Reads a byte of page k of the ranges. */
-static void read_page(const PageRanges *pg, size_t k) {
-    int lo = 0, hi = pg->n - 1; /* the last range r with first[r] <= k */
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (pg->first[mid] <= k) lo = mid;
-        else hi = mid - 1;
-    }
-    const uintptr_t page = ((uintptr_t)pg->at[lo] / READ_PAGE + (k - pg->first[lo])) * READ_PAGE;
-    (void)*(const volatile char *)(page > (uintptr_t)pg->at[lo] ? (const char *)page : pg->at[lo]);
+/* The pages that bytes at..at + bytes - 1 touch. */
+static size_t pages_of(const char *at, size_t bytes) { return ((uintptr_t)at + bytes - 1) / READ_PAGE - (uintptr_t)at / READ_PAGE + 1; }
+
+/* Reads a byte of page k of those (the first at `at` itself). */
+static void read_page(const char *at, size_t k) {
+    const uintptr_t page = ((uintptr_t)at / READ_PAGE + k) * READ_PAGE;
+    (void)*(const volatile char *)(k > 0 ? (const char *)page : at);
 }
 
 static void free_page_ranges(PageRanges *pg) {
     free(pg->at);
-    free(pg->first);
+    free(pg->bytes);
 }
 
 /* Packs the n matrices `all` into `memory` (zeroed, 64-byte aligned: each
@@ -5936,8 +5932,9 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, con
     }
     size_t *written = xcalloc((size_t)n, sizeof(size_t)); /* bfloat16 in 12 bits: the exceptions of each so far */
     PackBuffers pb = pack_buffers(cols, groups);
-    const size_t shares = pages ? (pages->first[pages->n] + PAGE_SHARE - 1) / PAGE_SHARE : 0;
-    PARALLEL_REGION_IF(total >= 4 || shares >= 4)
+    size_t to_read = 0; /* pages */
+    for (int r = 0; pages && r < pages->n; r++) to_read += pages_of(pages->at[r], pages->bytes[r]);
+    PARALLEL_REGION_IF(total >= 4 || to_read >= 4 * PAGE_SHARE)
     {
         if (meanwhile && thread_id() == 0) meanwhile(t, arg);
         for (int m = 0; m < n; m++) {
@@ -5958,9 +5955,12 @@ static void pack_matrices(Matrix **all, int n, uint8_t *memory, int release, con
                 }
             }
         }
-        SHARED_LOOP
-        for (size_t k = 0; k < shares; k++)
-            for (size_t page = k * PAGE_SHARE; page < (k + 1) * PAGE_SHARE && page < pages->first[pages->n]; page++) read_page(pages, page);
+        for (int r = 0; pages && r < pages->n; r++) {
+            const size_t count = pages_of(pages->at[r], pages->bytes[r]);
+            SHARED_LOOP
+            for (size_t k = 0; k < count; k += PAGE_SHARE)
+                for (size_t page = k; page < k + PAGE_SHARE && page < count; page++) read_page(pages->at[r], page);
+        }
     }
     /* after the region's barrier, which makes every thread's exceptions
        visible to this one */
