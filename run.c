@@ -124,6 +124,11 @@
 #define ATOMIC_CAPTURE PRAGMA(omp atomic capture)
 static int max_threads(void) { return omp_get_max_threads(); }
 static int thread_id(void) { return omp_get_thread_num(); }
+/* whether a loop may start threads of its own: it runs in no region, not
+   even one of one thread (PARALLEL_FOR_IF with a false condition), inside
+   which a region of its own would start a second team of threads, to idle
+   beside the first */
+static int outside_regions(void) { return omp_get_level() == 0; }
 #else
 /* no threads: the loop runs as written (the condition is only evaluated, so
    that the variables it reads count as used) */
@@ -134,6 +139,7 @@ static int thread_id(void) { return omp_get_thread_num(); }
 #define ATOMIC_CAPTURE
 static int max_threads(void) { return 1; }
 static int thread_id(void) { return 0; }
+static int outside_regions(void) { return 1; }
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -4680,8 +4686,9 @@ static int32_t group_start(const Inputs *in, const int16_t *q) {
    values as bytes, c8 the start -128 * sum xq (4-bit weights: -8 * sum xq,
    6-bit: -32 * sum xq) of each group sum; the rows past n, up to packed_inputs(n), zero. */
 static void pack_q8(Inputs *in, const int16_t *xq) {
-    const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs;
-    for (int b = 0; b < packed_inputs(n); b++) {
+    const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs, padded = packed_inputs(n);
+    PARALLEL_FOR_IF(outside_regions() && (double)padded * cols >= PREPARE_PARALLEL_MIN)
+    for (int b = 0; b < padded; b++) {
         const int16_t *q = b < n ? xq + (size_t)b * cols : NULL;
         for (int g = 0; g < groups; g++) in->c8[(size_t)b * groups + g] = group_start(in, q ? q + (size_t)g * gs : NULL);
         int8_t *dst = in->x8 + (size_t)b * cols;
@@ -4703,6 +4710,7 @@ static void pack_q8(Inputs *in, const int16_t *xq) {
 static int16_t quantized(float q) { return q >= -127.0f && q <= 127.0f ? (int16_t)q : 0; }
 
 static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count, int gs) {
+    PARALLEL_FOR_IF(outside_regions() && (double)count >= PREPARE_PARALLEL_MIN)
     for (size_t g = 0; g < count / gs; g++) {
         const float *v = x + g * gs;
         int16_t *q = xq + g * gs;
@@ -4739,6 +4747,7 @@ static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count
 
 /* The sums of x (n, cols) over its groups of gs values: sums (n, cols / gs). */
 static void group_sums(float *sums, const float *x, int n, int cols, int gs) {
+    PARALLEL_FOR_IF(outside_regions() && (double)n * cols >= PREPARE_PARALLEL_MIN)
     for (size_t g = 0; g < (size_t)n * (cols / gs); g++) {
         float sum = 0.0f;
         for (int j = 0; j < gs; j++) sum += x[g * gs + j];
@@ -4779,6 +4788,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
         const int per = many_inputs(W);
         size_t padded = (size_t)(n + per - 1) / per * per;
         if (!(in.xf = arena_take(a, padded * W->cols * sizeof(float)))) return in;
+        PARALLEL_FOR_IF(outside_regions() && (double)padded * W->cols >= PREPARE_PARALLEL_MIN)
         for (size_t b0 = 0; b0 < padded; b0 += per)
             for (int j = 0; j < W->cols; j += SIMD_WIDTH)
                 for (int b = 0; b < per; b++) {
@@ -4794,6 +4804,7 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
         size_t padded = (size_t)(n + per - 1) / per * per;
         uint16_t *xb = arena_take(a, padded * W->cols * sizeof(uint16_t));
         if (!(in.xf = (float *)xb)) return in;
+        PARALLEL_FOR_IF(outside_regions() && (double)padded * W->cols >= PREPARE_PARALLEL_MIN)
         for (size_t b0 = 0; b0 < padded; b0 += per)
             for (int j = 0; j < W->cols; j += step)
                 for (int b = 0; b < per; b++) {
@@ -5156,19 +5167,48 @@ static int chunk_blocks(const Matrix *W, const Inputs *in) {
 }
 #endif
 
+/* The input rows that product m's items take at a time: all of them, or,
+   where a 16-bit matrix's inputs would not stay in a core's second-level
+   cache beside its blocks (more than INPUT_GROUP_BYTES), groups of fewer
+   rows (a multiple of a pass's), each group going over all the blocks
+   before the next: the weights are read once a group, the inputs from the
+   second level. A row's products are the same in any group. Gemma 3 1B's
+   FFN down projection (1152 x 6912, 64 rows: 1.77 MB of inputs), F16,
+   2 threads: 249-268 -> 321-322 GFLOP/s in 4 groups; Qwen3's (1024 x
+   3072) 290 -> 319 in 2. */
+#define INPUT_GROUP_BYTES (512 * 1024)
+static int input_group(const Matrix *W, const Inputs *in) {
+    const int dot = in->kind == KERNEL_BF16_DOT;
+    if (in->n == 1 || !W->half || (in->kind != KERNEL_F32_SIMD && !dot)) return in->n;
+    const double bytes = (double)in->n * W->cols * (dot ? sizeof(uint16_t) : sizeof(float));
+    const int groups = (int)ceil(bytes / INPUT_GROUP_BYTES), per = dot ? MB_INPUTS : many_inputs(W);
+    const int rows = (in->n + groups - 1) / groups;
+    return (rows + per - 1) / per * per;
+}
+
+/* Input rows r0..r0 + n - 1 of `in` (r0 a multiple of a pass's rows). */
+static Inputs input_rows(const Inputs *in, int r0, int n) {
+    Inputs sub = *in;
+    sub.n = n;
+    if (in->x) sub.x = in->x + (size_t)r0 * in->cols;
+    if (in->xf) sub.xf = in->xf + (size_t)r0 * in->cols / (in->kind == KERNEL_BF16_DOT ? 2 : 1);
+    return sub;
+}
+
 /* matmul_simd's work items: product m's in items first[m]..first[m + 1] - 1,
-   each a block of height[m] rows (blocks[m] in all) or, where the product
-   runs in chunks (chunked()), a 16-bit chunk of per[m] blocks. */
+   for each group of group[m] input rows (input_group) in turn, each a
+   block of height[m] rows (blocks[m] in all) or, where the product runs in
+   chunks (chunked()), a 16-bit chunk of per[m] blocks. */
 typedef struct {
-    int *first, *height, *blocks, *per;
+    int *first, *height, *blocks, *per, *group;
 } Plan;
 
 static _Thread_local Scratch plan_scratch;
 
 static Plan plan_items(const Product *pr, const Inputs *const *ins, int count, double *work) {
     Plan pl;
-    pl.first = scratch_grow(&plan_scratch, (4 * (size_t)count + 1) * sizeof(int));
-    pl.height = pl.first + count + 1, pl.blocks = pl.height + count, pl.per = pl.blocks + count;
+    pl.first = scratch_grow(&plan_scratch, (5 * (size_t)count + 1) * sizeof(int));
+    pl.height = pl.first + count + 1, pl.blocks = pl.height + count, pl.per = pl.blocks + count, pl.group = pl.per + count;
     int least = 0;
     *work = 0;
     for (int m = 0; m < count; m++) {
@@ -5177,17 +5217,20 @@ static Plan plan_items(const Product *pr, const Inputs *const *ins, int count, d
         if (pl.per[m] > 1 && (least == 0 || pl.per[m] < least)) least = pl.per[m];
         pl.height[m] = block_rows(W, ins[m]);
         pl.blocks[m] = (W->rows + pl.height[m] - 1) / pl.height[m];
+        pl.group[m] = pl.per[m] > 1 ? pr[m].n : input_group(W, ins[m]);
         *work += (double)W->rows * W->cols * pr[m].n;
     }
     pl.first[0] = 0;
     for (int m = 0; m < count; m++) {
         if (pl.per[m] > 1) pl.per[m] = least;
-        pl.first[m + 1] = pl.first[m] + (pl.blocks[m] + pl.per[m] - 1) / pl.per[m];
+        const int groups = (pr[m].n + pl.group[m] - 1) / pl.group[m];
+        pl.first[m + 1] = pl.first[m] + groups * ((pl.blocks[m] + pl.per[m] - 1) / pl.per[m]);
     }
     return pl;
 }
 
-/* Work item t of the plan: rows i..end-1 of its product. */
+/* Work item t of the plan: rows i..end-1 of its product, for one group of
+   its input rows. */
 static void matmul_item(const Plan *pl, const Product *pr, const Inputs *const *ins, int count, int t) {
     int m = 0, hi = count - 1; /* the last product whose items start at or before t */
     while (m < hi) {
@@ -5196,16 +5239,19 @@ static void matmul_item(const Plan *pl, const Product *pr, const Inputs *const *
         else hi = mid - 1;
     }
     const Matrix *W = pr[m].W;
-    const int items = pl->first[m + 1] - pl->first[m], k = t - pl->first[m], h = pl->height[m];
+    const int items = (pl->blocks[m] + pl->per[m] - 1) / pl->per[m], g = (t - pl->first[m]) / items, k = (t - pl->first[m]) % items;
+    const int h = pl->height[m], r0 = g * pl->group[m], n = pr[m].n - r0 < pl->group[m] ? pr[m].n - r0 : pl->group[m];
     const int i = h * (int)((long long)pl->blocks[m] * k / items), end = h * (int)((long long)pl->blocks[m] * (k + 1) / items);
     const void *next = end < W->rows ? matrix_weights(W, end) : NULL;
+    const Inputs in = input_rows(ins[m], r0, n);
+    float *out = pr[m].out + (size_t)r0 * W->rows;
 #if SIMD_WIDTH == 8 && defined(VF_HALF_LOADS)
-    if (chunked(W, ins[m])) {
-        matmul_chunk(pr[m].out, W, i, end - i, next, ins[m]);
+    if (chunked(W, &in)) {
+        matmul_chunk(out, W, i, end - i, next, &in);
         return;
     }
 #endif
-    matmul_block(pr[m].out, W, i, next, ins[m]);
+    matmul_block(out, W, i, next, &in);
 }
 
 /* The blocks of rows of `count` products, all in one parallel region
@@ -5339,11 +5385,16 @@ static void matmul_many(const Product *pr, int count) {
         values += (double)pr[m].n * pr[m].W->cols;
     }
     char *base = scratch_get(counting.used);
-    PARALLEL_GUIDED_IF(runs > 1 && values >= PREPARE_PARALLEL_MIN)
-    for (int r = 0; r < runs; r++) {
-        const int m = lead[r];
-        Arena a = {base ? base + at[m] : NULL, 0}; /* NULL: no run takes any bytes */
-        in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, sums[r], &a);
+    if (runs == 1) { /* (the threads share its rows: no region around it, whose threads would idle beside its own) */
+        Arena a = {base, 0};
+        in[0] = prepare_inputs(pr[0].x, pr[0].n, pr[0].W, sums[0], &a);
+    } else {
+        PARALLEL_GUIDED_IF(values >= PREPARE_PARALLEL_MIN)
+        for (int r = 0; r < runs; r++) {
+            const int m = lead[r];
+            Arena a = {base ? base + at[m] : NULL, 0}; /* NULL: no run takes any bytes */
+            in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, sums[r], &a);
+        }
     }
     for (int m = 0; m < count; m++) {
         const Inputs *x = use[m];
@@ -6229,6 +6280,21 @@ static int kv_rows_of(const Config *p) { return p->mla_rank > 0 ? 1 : 2; }
 /* Bytes of one block's keys and values, all its layers. */
 static double kv_block_bytes(const KVCache *c) { return (c->values_in_keys ? 1.0 : 2.0) * c->row_bytes * c->n_layers * KV_BLOCK; }
 
+/* Writes a zero in each page of p..p + bytes - 1 (zeroed memory, or
+   memory whose values are not yet read), the threads sharing the pages, so
+   that the system maps them at load rather than in the first prompt (the
+   activations, the matmul inputs, the cache's first positions): on the
+   Zen 5 virtual machines measured, a page's first write cost several
+   microseconds, and the activations' and the matmul inputs' 7 MB (the
+   Qwen3 shape's 65 rows) cost its first 64-row step about 10 ms, as the
+   prompt's first touch of them (llama.cpp's programs touch theirs in a
+   warm-up run). */
+static void touch_pages(void *p, size_t bytes) {
+    char *c = p;
+    PARALLEL_FOR_IF(bytes >= 64 * READ_PAGE)
+    for (size_t k = 0; k < bytes; k += READ_PAGE) c[k] = 0;
+}
+
 /* A pool of n_blocks blocks of `type`, all free, for n_layers layers. */
 static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks, int type) {
     int kv_dim = kv_dim_of(p);
@@ -6249,6 +6315,10 @@ static void kv_pool_init(KVCache *c, const Config *p, int n_layers, int n_blocks
     if (n_layers > 0) { /* a model whose every layer is windowed has none outside the window pool */
         c->key = alloc_pages(kv_array_bytes(c), what, 1);
         if (!c->values_in_keys) c->value = alloc_pages(kv_array_bytes(c), what, 1);
+        size_t first = (size_t)n_layers * KV_RUN * KV_BLOCK * row_bytes; /* the first run's bytes: where a first prompt goes */
+        if (first > kv_array_bytes(c)) first = kv_array_bytes(c);
+        touch_pages(c->key, first);
+        if (c->value) touch_pages(c->value, first);
     }
     c->ref = xcalloc((size_t)n_blocks, sizeof(int));
     c->prev = xcalloc((size_t)n_blocks, sizeof(int));
@@ -6871,41 +6941,51 @@ static float attention_scale_of(const Config *p) { return p->att_multiplier > 0.
 static inline float attention_scale(float score, float by) { return score / by; }
 #endif
 
+/* count floats of activations, zeroed, their pages mapped (touch_pages). */
+static float *activations(size_t count) {
+    float *p = xcalloc(count, sizeof(float));
+    touch_pages(p, count * sizeof(float));
+    return p;
+}
+
 /* Activations for `max_rows` rows at once, for sequences of at most
    `context` positions, and a cache of n_blocks blocks of kv_type (and
-   window_blocks for the windowed layers: kv_init). */
+   window_blocks for the windowed layers: kv_init). Those every step
+   writes whole are mapped at once (activations), and the first row of the
+   logits; not the attention scores, which grow with the context. */
 static void alloc_run_state(RunState *s, const Config *p, int max_rows, int context, int n_blocks, int window_blocks, int kv_type) {
     int kv_dim = kv_dim_of(p);
     size_t rows = (size_t)max_rows;
     s->max_rows = max_rows;
     s->context = context;
     s->att_scale = attention_scale_of(p);
-    s->x = xcalloc(rows * p->dim, sizeof(float));
-    s->xb = xcalloc(rows * (p->dim > q_dim(p) ? p->dim : q_dim(p)), sizeof(float));
-    s->xb2 = xcalloc(rows * p->dim, sizeof(float));
+    s->x = activations(rows * p->dim);
+    s->xb = activations(rows * (p->dim > q_dim(p) ? p->dim : q_dim(p)));
+    s->xb2 = activations(rows * p->dim);
     const int ffn = p->hidden_dim > p->shared_hidden ? p->hidden_dim : p->shared_hidden;
-    s->hb = xcalloc(rows * ffn, sizeof(float));
-    s->hb2 = xcalloc(rows * ffn, sizeof(float));
-    s->q = xcalloc(rows * q_dim(p), sizeof(float));
+    s->hb = activations(rows * ffn);
+    s->hb2 = activations(rows * ffn);
+    s->q = activations(rows * q_dim(p));
     s->q_turned = xcalloc(rows * 2 * q_dim(p), sizeof(float));
-    s->k = xcalloc(rows * kv_dim, sizeof(float));
-    s->v = xcalloc(rows * kv_dim, sizeof(float));
-    s->att = xcalloc((size_t)max_threads() * attention_floats(p, context), sizeof(float));
+    s->k = activations(rows * kv_dim);
+    s->v = activations(rows * kv_dim);
+    s->att = xcalloc((size_t)max_threads() * attention_floats(p, context), sizeof(float)); /* (a row a head: a prompt maps a page or so of each) */
     s->chunks = xcalloc((size_t)attention_chunks(context) * q_dim(p), sizeof(float));
     s->tiles = xcalloc(rows + 1, sizeof(int));
     s->groups = xcalloc(rows + 1, sizeof(int));
     s->logits = xcalloc(rows * (size_t)p->vocab_size, sizeof(float));
+    touch_pages(s->logits, (size_t)p->vocab_size * sizeof(float));
     if (p->n_experts > 0) {
         const size_t k = (size_t)p->n_experts_used;
-        s->router = xcalloc(rows * p->n_experts, sizeof(float));
+        s->router = activations(rows * p->n_experts);
         s->chosen = xcalloc(rows * k, sizeof(int));
         s->route_w = xcalloc(rows * k, sizeof(float));
         s->slot_of = xcalloc(rows * k, sizeof(int));
         s->slot_at = xcalloc(rows * k, sizeof(int));
         s->expert_first = xcalloc((size_t)p->n_experts + 1, sizeof(int));
-        s->ex = xcalloc(rows * k * p->dim, sizeof(float));
-        s->eh = xcalloc(rows * k * p->expert_hidden, sizeof(float));
-        s->eh2 = xcalloc(rows * k * p->expert_hidden, sizeof(float));
+        s->ex = activations(rows * k * p->dim);
+        s->eh = activations(rows * k * p->expert_hidden);
+        s->eh2 = activations(rows * k * p->expert_hidden);
     }
     if (p->mla_rank > 0) {
         const int per_head = p->mla_nope + p->rope_dims > p->mla_value ? p->mla_nope + p->rope_dims : p->mla_value;
@@ -6914,11 +6994,45 @@ static void alloc_run_state(RunState *s, const Config *p, int max_rows, int cont
         size_t in = R > (size_t)p->q_rank ? R : (size_t)p->q_rank, out = R + (size_t)p->rope_dims;
         if (heads_in > in) in = heads_in;
         if (heads_out > out) out = heads_out;
-        s->mla_q = xcalloc(rows * p->n_heads * per_head, sizeof(float));
-        s->mla_in = xcalloc(rows * in, sizeof(float));
-        s->mla_out = xcalloc(rows * (in > out ? in : out), sizeof(float));
+        s->mla_q = activations(rows * p->n_heads * per_head);
+        s->mla_in = activations(rows * in);
+        s->mla_out = activations(rows * (in > out ? in : out));
     }
     kv_init(&s->cache, p, n_blocks, window_blocks, kv_type);
+}
+
+/* The bytes of the prepared inputs of n rows of W (prepare_inputs). */
+static size_t inputs_bytes(const Matrix *W, int n) {
+    Arena counting = {NULL, 0};
+    prepare_inputs(NULL, n, W, 1, &counting);
+    return counting.used;
+}
+
+/* The matmul inputs' buffer (matmul_many's) grown at load to what a step
+   of `rows` rows takes at most, its pages mapped (touch_pages): the
+   largest of t's products, or a layer's experts side by side (rows x k
+   slots among at most n_experts of them, each expert's rows padded by at
+   most 3 to a pass, each buffer to 64 bytes). The first 64-row step
+   of the Qwen3-30B-A3B shape (Q4_K) spent 25-28 ms growing it, the next
+   3. */
+static void touch_inputs(Transformer *t, int rows) {
+    const Config *p = &t->config;
+    const Weights *w = &t->weights;
+    int n;
+    Matrix **all = matmul_matrices(t, &n);
+    size_t most = 0;
+    for (int m = 0; m < n; m++)
+        if (all[m]->rows > 0 && inputs_bytes(all[m], rows) > most) most = inputs_bytes(all[m], rows);
+    free(all);
+    const int slots = rows * p->n_experts_used, used = p->n_experts < slots ? p->n_experts : slots;
+    for (size_t e = 0; w->router && e < (size_t)p->n_layers * p->n_experts; e++) {
+        const Matrix *set[2] = {&w->e_gate[e], &w->e_down[e]};
+        for (int j = 0; j < 2; j++) {
+            const size_t bytes = set[j]->rows > 0 ? inputs_bytes(set[j], slots + 3 * used) + (size_t)used * 4 * 64 : 0;
+            if (bytes > most) most = bytes;
+        }
+    }
+    if (most > 0) touch_pages(scratch_get(most), most);
 }
 
 static void free_run_state(RunState *s) {
@@ -13654,6 +13768,7 @@ static void speculator_setup(Speculator *sp, int parallel, int context, int pref
     if (!sp->draft) return;
     int rows = parallel + prefill, blocks_each = (context + KV_BLOCK - 1) / KV_BLOCK;
     alloc_run_state(&sp->draft->state, &sp->draft->config, rows, context, parallel * blocks_each, 0, KV_F32);
+    touch_inputs(sp->draft, rows);
     sp->row_token = xcalloc((size_t)rows, sizeof(int));
     sp->row_pos = xcalloc((size_t)rows, sizeof(int));
     sp->logit_rows = xcalloc((size_t)rows, sizeof(int));
@@ -14322,6 +14437,7 @@ static void engine_setup(Engine *e, Transformer *t, const Tokenizer *tok, int pa
         die(EXIT_BAD_FILE, "the key/value cache would need %.0f blocks of %d positions, too many", fmax(main_blocks, window_blocks), KV_BLOCK);
     alloc_run_state(&t->state, p, parallel * (beams + (spec ? spec->draft_max : 0)) + prefill_rows(t), context, (int)main_blocks,
                     (int)window_blocks, kv_type);
+    touch_inputs(t, t->state.max_rows);
     t->state.cache.window_span = shape.span;
     engine_init(e, t, tok, parallel);
     if (spec) speculator_setup(spec, parallel, context, prefill_rows(t));
