@@ -5179,7 +5179,7 @@ static int chunk_blocks(const Matrix *W, const Inputs *in) {
 #define INPUT_GROUP_BYTES (512 * 1024)
 static int input_group(const Matrix *W, const Inputs *in) {
     const int dot = in->kind == KERNEL_BF16_DOT;
-    if (in->n == 1 || !W->half || (in->kind != KERNEL_F32_SIMD && !dot)) return in->n;
+    if (in->n <= 1 || !W->half || (in->kind != KERNEL_F32_SIMD && !dot)) return in->n > 0 ? in->n : 1; /* (no rows: one empty group) */
     const double bytes = (double)in->n * W->cols * (dot ? sizeof(uint16_t) : sizeof(float));
     const int groups = (int)ceil(bytes / INPUT_GROUP_BYTES), per = dot ? MB_INPUTS : many_inputs(W);
     const int rows = (in->n + groups - 1) / groups;
