@@ -7014,15 +7014,17 @@ static size_t inputs_bytes(const Matrix *W, int n) {
    slots among at most n_experts of them, each expert's rows padded by at
    most 3 to a pass, each buffer to 64 bytes). The first 64-row step
    of the Qwen3-30B-A3B shape (Q4_K) spent 25-28 ms growing it, the next
-   3. */
+   step 3 ms. */
 static void touch_inputs(Transformer *t, int rows) {
     const Config *p = &t->config;
     const Weights *w = &t->weights;
     int n;
     Matrix **all = matmul_matrices(t, &n);
     size_t most = 0;
-    for (int m = 0; m < n; m++)
-        if (all[m]->rows > 0 && inputs_bytes(all[m], rows) > most) most = inputs_bytes(all[m], rows);
+    for (int m = 0; m < n; m++) {
+        const size_t bytes = all[m]->rows > 0 ? inputs_bytes(all[m], rows) : 0;
+        if (bytes > most) most = bytes;
+    }
     free(all);
     const int slots = rows * p->n_experts_used, used = p->n_experts < slots ? p->n_experts : slots;
     for (size_t e = 0; w->router && e < (size_t)p->n_layers * p->n_experts; e++) {
