@@ -1684,14 +1684,24 @@ static void draw_half(uint64_t *state, int bf16, uint16_t *h, float *w) {
    they load (section 2.2): every output, for n = 1..40 input rows and rows
    long enough for slices, has the same bits as the float32 matrix of the
    widened values (each widened here by its definition). */
+#if SIMD_WIDTH == 8 && defined(VF_HALF_LOADS)
+#define F16_BLOCKS 2 /* AVX2 builds: F16 rows in blocks of 2 x 5 or 4 x 3 (f16_block_wide), each checked */
+#else
+#define F16_BLOCKS 1
+#endif
 static void test_matmul_half(void) {
     enum { R = 11, C = 2096, N = 40 };
     static uint16_t h[R * C];
     static float w[R * C], x[N * C], out[N * R], want[N * R];
     uint64_t state = 0x4a1f16b16ULL;
     for (int i = 0; i < N * C; i++) x[i] = (float)(draw_below(&state, 2001) - 1000) * 1e-3f;
-    for (int bf16 = 0; bf16 <= 1; bf16++) {
-        begin("matmul %s (%s): the bits of the float32 matrix it widens to, n = 1..%d", bf16 ? "BF16" : "F16", KERNEL_NAME, N);
+    for (int form = 0; form <= F16_BLOCKS; form++) {
+        const int bf16 = form == F16_BLOCKS;
+#if F16_BLOCKS > 1
+        f16_block_wide = form == 1;
+#endif
+        begin("matmul %s (%s%s): the bits of the float32 matrix it widens to, n = 1..%d", bf16 ? "BF16" : "F16", KERNEL_NAME,
+              F16_BLOCKS == 1 || bf16 ? "" : form == 1 ? ", blocks of 4 x 3" : ", blocks of 2 x 5", N);
         for (int i = 0; i < R * C; i++) draw_half(&state, bf16, &h[i], &w[i]);
         if (!bf16) h[5] = 0x0201, w[5] = half_by_definition(0x0201); /* a subnormal */
         Matrix m16 = {.half = h, .bf16 = bf16, .rows = R, .cols = C}, m32 = {.w = w, .rows = R, .cols = C};
@@ -1706,6 +1716,19 @@ static void test_matmul_half(void) {
         expect(memcmp(row, w + 3 * C, sizeof(row)) == 0, "matrix_row differs from the widened values");
         end();
     }
+#if F16_BLOCKS > 1
+    begin("matmul F16 (%s) in the block a model's load measures this machine faster (choose_f16_block)", KERNEL_NAME);
+    for (int i = 0; i < R * C; i++) draw_half(&state, 0, &h[i], &w[i]);
+    Matrix m16 = {.half = h, .rows = R, .cols = C}, m32 = {.w = w, .rows = R, .cols = C}, *all[1] = {&m16};
+    choose_f16_block(all, 1);
+    for (int n = 2; n <= 13 && !case_failed; n++) {
+        matmul(out, x, &m16, n);
+        matmul(want, x, &m32, n);
+        expect(memcmp(out, want, (size_t)n * R * sizeof(float)) == 0, "n %d: not the float32 matrix's bits", n);
+    }
+    end();
+    f16_block_wide = 0;
+#endif
 #ifdef BF16_DOT
     /* rows of a multiple of 32 columns: bfloat16 dot products, the inputs
        rounded to bfloat16 (to nearest even) */
