@@ -5443,7 +5443,7 @@ static void choose_f16_block(Matrix *const *all, int n) {
 #if SIMD_WIDTH == 8 && defined(VF_HALF_LOADS)
     static int chosen;
     int f16 = 0;
-    for (int m = 0; m < n && !f16; m++) f16 = all[m]->half && !all[m]->bf16 && kernel_of(all[m]) == KERNEL_F32_SIMD;
+    for (int m = 0; m < n && !f16; m++) f16 = takes_chunks(all[m]) && !all[m]->bf16;
     if (chosen || !f16) return;
     chosen = 1;
     enum { ROWS = 128, COLS = 1024, N = 60 };
