@@ -2468,7 +2468,7 @@ static void gguf_config(Config *p, const GGUF *g, const char *arch) {
     if (!(p->rope_theta > 0.0f && isfinite(p->rope_theta)))
         die(EXIT_BAD_FILE, "%s: bad GGUF: rope.freq_base %g must be positive", g->path, p->rope_theta);
     if (a->window_period) {
-        p->window = gguf_int(g, ARCH_KEY("attention.sliding_window"), 0, 0, INT_MAX);
+        p->window = gguf_int(g, ARCH_KEY("attention.sliding_window"), 0, 0, 1 << 30); /* (room for a step's rows past it) */
         const GGUFValue *pattern = gguf_value(g, ARCH_KEY("attention.sliding_window_pattern"));
         if (pattern && pattern->type == GGUF_ARRAY)
             die(EXIT_BAD_FILE, "%s: %s is a per-layer array; this program reads it as one period (every n-th layer global)", g->path, key);
@@ -2545,23 +2545,24 @@ static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *
     snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
     char *scaling = gguf_string(g, key);
     double by = 1.0;
-    const int yarn = scaling && strcmp(scaling, "yarn") == 0 && linear;
-    if (scaling && (strcmp(scaling, "linear") == 0 || yarn) && linear) {
+    if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0 &&
+        strcmp(scaling, "yarn") != 0)
+        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, yarn, longrope, or rope_freqs factors)", g->path,
+            scaling);
+    const int yarn = scaling && strcmp(scaling, "yarn") == 0 && linear, scaled = yarn || (scaling && strcmp(scaling, "linear") == 0 && linear);
+    free(scaling); /* before any error below */
+    if (scaled) {
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
         by = gguf_float(g, key, 1.0f);
         if (by == 0.0) by = 1.0; /* llama.cpp: 0, no scaling */
         if (!(by > 0.0 && isfinite(by))) die(EXIT_BAD_FILE, "%s: bad GGUF: %s is %g", g->path, key, by);
-    } else if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0 &&
-               strcmp(scaling, "yarn") != 0)
-        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, yarn, longrope, or rope_freqs factors)", g->path,
-            scaling);
+    }
     for (int i = 0; i < half; i++) {
         if (have_factors && !(factors[i] > 0.0f && isfinite(factors[i])))
             die(EXIT_BAD_FILE, "%s: bad GGUF: %s[%d] is %g, must be positive", g->path, factors_name, i, factors[i]);
         double f = yarn ? pow(theta, -2.0 * i / (2.0 * half)) * yarn_ramp(p, theta, by, i) : pow(theta, -2.0 * i / (2.0 * half)) / by;
         freq[i] = (float)(have_factors ? f / factors[i] : f);
     }
-    free(scaling);
     free(factors);
     return freq;
 }
@@ -2607,8 +2608,10 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
        (the converter wrote L as 0.1 x mscale_all_dim) */
     snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
     char *scaling = gguf_string(g, key);
+    const int yarn = scaling && strcmp(scaling, "yarn") == 0;
+    free(scaling); /* before any error below */
     float log_mul = 0.0f, factor = 1.0f;
-    if (scaling && strcmp(scaling, "yarn") == 0) {
+    if (yarn) {
         snprintf(key, sizeof(key), "%s.rope.scaling.yarn_log_multiplier", arch);
         log_mul = gguf_float(g, key, 0.0f);
         if (log_mul != 0.0f && !p->arch->mla)
@@ -2618,7 +2621,6 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
         factor = gguf_float(g, key, 1.0f);
         if (factor > 1.0f && log_mul == 0.0f) p->rope_mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (1.0f + 0.1f * logf(factor));
     }
-    free(scaling);
     /* MLA: the scores times the square of RoPE's factor and of YaRN's mscale (llama.cpp's kq_scale) */
     if (p->arch->mla) {
         const float mscale = (p->rope_mscale > 0.0f ? p->rope_mscale : 1.0f) * (factor > 1.0f ? 1.0f + log_mul * logf(factor) : 1.0f);
@@ -2638,16 +2640,17 @@ static void gguf_layer_parts(Transformer *t, const GGUF *g, const char *fused, c
         for (int i = 0; i < n; i++) out[i] = gguf_layer_matrices(t, g, names[i], rows[i], cols);
         return;
     }
-    int total = 0;
+    uint64_t total = 0; /* (the parts' rows, each up to INT_MAX) */
     for (int i = 0; i < n; i++) {
         out[i] = xcalloc((size_t)L, sizeof(Matrix));
-        total += rows[i];
+        total += (uint64_t)rows[i];
     }
     for (int l = 0; l < L; l++) {
         snprintf(name, sizeof(name), "blk.%d.%s.weight", l, fused);
-        const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, (uint64_t)total, 1);
-        for (int i = 0, first = 0; i < n; first += rows[i++]) {
-            GGUFTensor part = tensor_rows(x, (uint64_t)first, (uint64_t)rows[i]);
+        const GGUFTensor *x = gguf_shaped(g, name, (uint64_t)cols, total, 1);
+        uint64_t first = 0;
+        for (int i = 0; i < n; first += (uint64_t)rows[i++]) {
+            GGUFTensor part = tensor_rows(x, first, (uint64_t)rows[i]);
             out[i][l] = gguf_matrix_of(t, g, &part, name, rows[i], cols);
         }
     }

@@ -3,7 +3,8 @@
 # UndefinedBehaviorSanitizer (make builds tests/.bin/run_asan, unit_asan and
 # unit_asan_native): the unit tests (also on this machine's vector kernels),
 # the golden outputs, beam search, chat, JSON output, the dim-8 models of the
-# fuzz corpus (every checkpoint layout) and bad inputs.
+# fuzz corpus (every checkpoint layout), metadata mutants of the GGUF
+# architectures' random files and bad inputs.
 # A case fails on any sanitizer report, whatever the exit status.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -197,6 +198,12 @@ STDIN=/dev/null
 # converted to int16, undefined behaviour)
 check "regress int8 NaN norm" 0 "$ASAN_RUN" "$SEEDS/regress-int8-nan-norm" -z "$T/tok32.bin" -n 6 -t 0 &&
     pass "regress int8 NaN norm"
+
+# ---- GGUF architectures: each numeric metadata key of each architecture's
+# random file set to 0, -1, 2^31 - 1, NaN and the like (tests/arch_mutants.py):
+# run or refused in one "run: " line, no report ------------------------------------
+"${PYTHON:-python3}" tests/arch_mutants.py "$ASAN_RUN" "$T/mutants" ||
+    echo "FAIL asan metadata mutants: tests/arch_mutants.py failed (PYTHON=${PYTHON:-python3} needs numpy)"
 
 # ---- bad inputs: the documented status, a "run: " error, no report --------------
 head -c 600 "$SEEDS/v0-shared" >"$T/truncated.bin"
