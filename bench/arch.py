@@ -36,12 +36,15 @@ from the F16 file by llama.cpp's own quantiser, llama_model_quantize
 through tests/llamacpp.py. In interleaved rounds (medians),
 for each file, the two programs in turn (which goes first alternates):
   run.c      tg128: generated tok/s of 128 tokens after a 16-token prompt;
-             pp128: prompt tok/s of a 128-token prompt; for gemma3 and
+             pp128: prompt tok/s of a 128-token prompt; for the mixtures
+             (qwen3moe, gptoss, deepseek2) also
+             pp512: prompt tok/s of a 512-token prompt; for gemma3 and
              deepseek2 also
              d4096: generated tok/s of 32 tokens after a 4096-token prompt
              (2 threads unless --threads says)
-  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1, and for gemma3 and
-             deepseek2 -p 0 -n 32 -d 4096 (its tg32 at depth 4096)
+  llama.cpp  llama-bench -p 128 -n 128 -t 2 -r 1, for the mixtures -p 512
+             -n 0 (its pp512), and for gemma3 and deepseek2 -p 0 -n 32
+             -d 4096 (its tg32 at depth 4096)
 then the ratios (each the median of the rounds' ratios), the bytes one token
 reads (the layers' and the classifier's tensors as stored), and each
 program's tg128 x those bytes as a fraction of the streaming-read probe
@@ -87,6 +90,8 @@ WRITTEN = ["F16", "Q8_0", "Q4_K", "MXFP4"]  # written here, quantised blocks str
 QUANTIZED = ["Q4_K_M"]  # made from the F16 file by llama.cpp's own quantiser (tests/llamacpp.py)
 DEPTH = 4096
 DEEP = ("gemma3", "deepseek2")  # the shapes also measured at depth DEPTH: a windowed cache, a latent one
+LONG = 512
+MIXTURES = ("qwen3moe", "gptoss", "deepseek2")  # the shapes also measured with a LONG-token prompt (experts shared by more rows)
 # each shape's option and the types it takes
 TYPE_OPTION = {"qwen3": "types", "gemma3": "types", "qwen3moe": "moe_types", "deepseek2": "moe_types", "gptoss": "oss_types"}
 TYPE_CHOICES = {"types": WRITTEN[:3] + QUANTIZED, "moe_types": ["Q8_0", "Q4_K"], "oss_types": ["MXFP4", "Q8_0"]}
@@ -186,6 +191,15 @@ def make_prompt(runbin, path, n):
     return text
 
 
+def llama_prompt(binary, path, threads, n):
+    """llama-bench's pp<n> tok/s."""
+    import csv
+    import io
+    out = subprocess.run([binary, "-m", path, "-p", str(n), "-n", "0", "-t", str(threads), "-r", "1", "-o", "csv"],
+                         check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout.decode()
+    return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
+
+
 def llama_depth(binary, path, threads):
     """llama-bench's tg32 tok/s at depth DEPTH."""
     import csv
@@ -228,9 +242,10 @@ def main():
     prompts = {}
     for shape in shapes:
         smallest = min((p for (s, _), p in files.items() if s == shape), key=os.path.getsize)
-        prompts[shape] = {n: make_prompt(runbin, smallest, n) for n in ((16, 128, DEPTH) if shape in DEEP else (16, 128))}
+        lengths = (16, 128) + ((LONG,) if shape in MIXTURES else ()) + ((DEPTH,) if shape in DEEP else ())
+        prompts[shape] = {n: make_prompt(runbin, smallest, n) for n in lengths}
     per_token = {k: bytes_per_token(p, k[0]) for k, p in files.items()}
-    runs = {k: {"tg": [], "pp": [], "ltg": [], "lpp": [], "d": [], "ld": []} for k in files}
+    runs = {k: {"tg": [], "pp": [], "ltg": [], "lpp": [], "long": [], "llong": [], "d": [], "ld": []} for k in files}
     probes = []
 
     def run_c(k, path):
@@ -240,6 +255,9 @@ def main():
         (_, pp, _, _), _ = stats_of(base + ["-n", "129", "-i", p[128]])
         runs[k]["tg"].append(tg)
         runs[k]["pp"].append(pp)
+        if LONG in p:
+            (_, pp, _, _), _ = stats_of(base + ["-n", str(LONG + 1), "-i", p[LONG]])
+            runs[k]["long"].append(pp)
         if DEPTH in p:
             (_, _, _, d), _ = stats_of(base + ["-n", str(DEPTH + 32), "-i", p[DEPTH]])
             runs[k]["d"].append(d)
@@ -248,6 +266,8 @@ def main():
         lpp, ltg = llama_bench(lbench, path, args.threads)
         runs[k]["lpp"].append(lpp)
         runs[k]["ltg"].append(ltg)
+        if k[0] in MIXTURES:
+            runs[k]["llong"].append(llama_prompt(lbench, path, args.threads, LONG))
         if k[0] in DEEP:
             runs[k]["ld"].append(llama_depth(lbench, path, args.threads))
 
@@ -264,10 +284,11 @@ def main():
     for k, path in files.items():
         x = runs[k]
         tg, ltg = med(x["tg"]), med(x["ltg"])
-        rows.append("| %s | %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f%% | %.0f%% | %.1f | %.1f | %.2fx | %s |" % (
+        rows.append("| %s | %s | %.0f | %.0f | %.1f | %.1f | %.2fx | %.0f%% | %.0f%% | %.1f | %.1f | %.2fx | %s | %s |" % (
             k[0], k[1], os.path.getsize(path) / 1e6, per_token[k] / 1e6, tg, ltg, paired(x["tg"], x["ltg"]),
             100 * tg * per_token[k] / 1e9 / bw, 100 * ltg * per_token[k] / 1e9 / bw, med(x["pp"]), med(x["lpp"]),
             paired(x["pp"], x["lpp"]),
+            "%.1f / %.1f = %.2fx" % (med(x["long"]), med(x["llong"]), paired(x["long"], x["llong"])) if x["long"] else "-",
             "%.1f / %.1f = %.2fx" % (med(x["d"]), med(x["ld"]), paired(x["d"], x["ld"])) if x["d"] else "-"))
     lines = [
         "# New architectures: run.c and llama.cpp on the same files",
@@ -290,8 +311,8 @@ def main():
         "the shared experts and dense layers in full, and the classifier).",
         "",
         "| shape | type | file MB | bytes/token MB | tg128 run.c | tg128 llama.cpp | tg ratio | probe run.c | probe llama.cpp "
-        "| pp128 run.c | pp128 llama.cpp | pp ratio | depth %d tg32 run.c / llama.cpp |" % DEPTH,
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pp128 run.c | pp128 llama.cpp | pp ratio | pp%d run.c / llama.cpp | depth %d tg32 run.c / llama.cpp |" % (LONG, DEPTH),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ] + rows
     write_report(lines, args.out)
 
