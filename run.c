@@ -10449,18 +10449,30 @@ static void *gguf_numbers(const GGUFValue *v) {
     return out;
 }
 
+/* The array `key` of a value for each of the `tokens` (elem elements), or
+   NULL when absent. */
+static const GGUFValue *gguf_token_array(const GGUF *g, const char *key, uint32_t elem, const GGUFValue *tokens) {
+    const GGUFValue *v = gguf_array(g, key, elem);
+    if (v && tokens && v->count != tokens->count)
+        die(EXIT_BAD_FILE, "%s: bad vocabulary: %s has %llu values for %llu tokens", g->path, key, (unsigned long long)v->count,
+            (unsigned long long)tokens->count);
+    return v;
+}
+
 /* Builds t from the vocabulary of a parsed GGUF file (tokenizer.ggml.*). */
 static void load_gguf_vocabulary(Tokenizer *t, const GGUF *g) {
     GGUFVocab v = {0};
-    char *model = gguf_string(g, "tokenizer.ggml.model"), *pre = gguf_string(g, "tokenizer.ggml.pre");
-    char *chat_template = gguf_string(g, "tokenizer.chat_template");
     const GGUFValue *tokens = gguf_array(g, "tokenizer.ggml.tokens", GGUF_STRING);
     const GGUFValue *merges = gguf_array(g, "tokenizer.ggml.merges", GGUF_STRING);
+    const GGUFValue *score_array = gguf_token_array(g, "tokenizer.ggml.scores", GGUF_FLOAT32, tokens);
+    const GGUFValue *type_array = gguf_token_array(g, "tokenizer.ggml.token_type", GGUF_INT32, tokens);
+    char *model = gguf_string(g, "tokenizer.ggml.model"), *pre = gguf_string(g, "tokenizer.ggml.pre");
+    char *chat_template = gguf_string(g, "tokenizer.chat_template");
     if (!model || !tokens)
         die(EXIT_BAD_FILE, "%s: the GGUF file holds no vocabulary (tokenizer.ggml.model, tokenizer.ggml.tokens): write one with "
             "`python3 export.py tokenizer tokenizer.json out.gguf`", g->path);
-    float *scores = gguf_numbers(gguf_array(g, "tokenizer.ggml.scores", GGUF_FLOAT32));
-    int *types = gguf_numbers(gguf_array(g, "tokenizer.ggml.token_type", GGUF_INT32));
+    float *scores = gguf_numbers(score_array);
+    int *types = gguf_numbers(type_array);
     v.model = model;
     v.pre = pre;
     v.chat_template = chat_template;

@@ -7,12 +7,14 @@ For each architecture of tests/arch_models.py (and deepseek2), each numeric
 metadata key of its file is set in turn to values a malformed or hostile
 file could hold: 0, -1, 1, 2^31 - 1, 2^32 + 1, 2^63 - 1 and 1.5 (a float
 where an integer belongs) for integer keys; 0, -0.5, 1e30, NaN and
-infinity for float keys. run.c must either run the file (exit 0) or refuse
-it with one line on stderr that starts with "run: " (exit 1), within 60
-seconds, and the sanitizers must report nothing (their reports exit with
-99 under test_sanitize.sh's options). Prints one PASS line an architecture
-(with the count of files run) or a FAIL line for each file that broke
-the rule (at most 5 an architecture)."""
+infinity for float keys; and every key, whatever its type, in turn a
+string, an empty array and an array of 3 integers (a vocabulary's token
+types or scores shorter than its tokens, say). run.c must either run the
+file (exit 0) or refuse it with one line on stderr that starts with
+"run: " (exit 1), within 60 seconds, and the sanitizers must report
+nothing (their reports exit with 99 under test_sanitize.sh's options).
+Prints one PASS line an architecture (with the count of files run) or a
+FAIL line for each file that broke the rule (at most 5 an architecture)."""
 import os
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from gguf_ref import write_gguf  # noqa: E402
 
 INT_VALUES = (0, -1, 1, 2 ** 31 - 1, 2 ** 32 + 1, 2 ** 63 - 1, 1.5)
 FLOAT_VALUES = (0.0, -0.5, 1e30, float("nan"), float("inf"))
+ANY_VALUES = ("x", [], [1, 2, 3])
 REPORT = ("runtime error", "AddressSanitizer", "LeakSanitizer")
 
 
@@ -31,9 +34,8 @@ def mutants(arch):
     """(key, value, metadata, tensors) for each mutant of arch's file."""
     meta, tensors = arch_models.arch_model(arch)
     for key, value in meta.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        for v in INT_VALUES if isinstance(value, int) else FLOAT_VALUES:
+        numeric = not isinstance(value, bool) and isinstance(value, (int, float))
+        for v in (() if not numeric else INT_VALUES if isinstance(value, int) else FLOAT_VALUES) + ANY_VALUES:
             changed = dict(meta)
             changed[key] = v
             yield key, v, changed, tensors
