@@ -2531,6 +2531,27 @@ static double yarn_ramp(const Config *p, double theta, double factor, int i) {
     return (1.0 - r) / factor + r;
 }
 
+/* The RoPE scalings a GGUF file may name (rope.scaling.type); LongRoPE's
+   factors come as tensors, and an absent type is none. */
+enum { GGUF_ROPE_NONE, GGUF_ROPE_LINEAR, GGUF_ROPE_YARN, GGUF_ROPE_LONGROPE };
+static const char *const GGUF_ROPE_SCALINGS[] = {"none", "linear", "yarn", "longrope"};
+
+/* The file's `arch`.rope.scaling.type as GGUF_ROPE_*; dies naming any other. */
+static int gguf_rope_scaling(const GGUF *g, const char *arch) {
+    char key[128], named[64];
+    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
+    char *scaling = gguf_string(g, key);
+    int kind = scaling ? -1 : GGUF_ROPE_NONE;
+    for (int k = 0; k < 4 && kind < 0; k++)
+        if (strcmp(scaling, GGUF_ROPE_SCALINGS[k]) == 0) kind = k;
+    if (kind < 0) snprintf(named, sizeof(named), "%s", scaling);
+    free(scaling); /* before the error: its exit leaves nothing allocated here */
+    if (kind < 0)
+        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, yarn, longrope, or rope_freqs factors)", g->path,
+            named);
+    return kind;
+}
+
 /* RoPE's inverse frequencies (rope_dims / 2) for base theta:
    theta^(-2i / rope_dims), divided by the factors of the tensor `factors`
    (Llama 3.1's rope_freqs, Phi-3's LongRoPE factors) and by a linear
@@ -2542,16 +2563,9 @@ static float *gguf_rope_frequencies(const GGUF *g, const Config *p, const char *
     float *freq = xcalloc((size_t)half, sizeof(float)), *factors = xcalloc((size_t)half, sizeof(float));
     int have_factors = gguf_vector(g, factors_name, factors, half, 0);
     char key[128];
-    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
-    char *scaling = gguf_string(g, key);
+    const int scaling = gguf_rope_scaling(g, arch), yarn = scaling == GGUF_ROPE_YARN && linear;
     double by = 1.0;
-    if (scaling && strcmp(scaling, "none") != 0 && strcmp(scaling, "linear") != 0 && strcmp(scaling, "longrope") != 0 &&
-        strcmp(scaling, "yarn") != 0)
-        die(EXIT_BAD_FILE, "%s: RoPE scaling '%s' is not one this program runs (none, linear, yarn, longrope, or rope_freqs factors)", g->path,
-            scaling);
-    const int yarn = scaling && strcmp(scaling, "yarn") == 0 && linear, scaled = yarn || (scaling && strcmp(scaling, "linear") == 0 && linear);
-    free(scaling); /* before any error below */
-    if (scaled) {
+    if (yarn || (scaling == GGUF_ROPE_LINEAR && linear)) {
         snprintf(key, sizeof(key), "%s.rope.scaling.factor", arch);
         by = gguf_float(g, key, 1.0f);
         if (by == 0.0) by = 1.0; /* llama.cpp: 0, no scaling */
@@ -2606,12 +2620,8 @@ static void gguf_rope(Transformer *t, const GGUF *g, const char *arch) {
        there, the cosines and sines are left as they are and the attention
        scores are multiplied by mscale^2 instead, mscale = 1 + L ln(factor)
        (the converter wrote L as 0.1 x mscale_all_dim) */
-    snprintf(key, sizeof(key), "%s.rope.scaling.type", arch);
-    char *scaling = gguf_string(g, key);
-    const int yarn = scaling && strcmp(scaling, "yarn") == 0;
-    free(scaling); /* before any error below */
     float log_mul = 0.0f, factor = 1.0f;
-    if (yarn) {
+    if (gguf_rope_scaling(g, arch) == GGUF_ROPE_YARN) {
         snprintf(key, sizeof(key), "%s.rope.scaling.yarn_log_multiplier", arch);
         log_mul = gguf_float(g, key, 0.0f);
         if (log_mul != 0.0f && !p->arch->mla)

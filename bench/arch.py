@@ -191,20 +191,11 @@ def make_prompt(runbin, path, n):
     return text
 
 
-def llama_prompt(binary, path, threads, n):
-    """llama-bench's pp<n> tok/s."""
+def llama_ts(binary, path, threads, *flags):
+    """llama-bench's tok/s (avg_ts) of one test (-r 1) that flags name."""
     import csv
     import io
-    out = subprocess.run([binary, "-m", path, "-p", str(n), "-n", "0", "-t", str(threads), "-r", "1", "-o", "csv"],
-                         check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout.decode()
-    return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
-
-
-def llama_depth(binary, path, threads):
-    """llama-bench's tg32 tok/s at depth DEPTH."""
-    import csv
-    import io
-    out = subprocess.run([binary, "-m", path, "-p", "0", "-n", "32", "-d", str(DEPTH), "-t", str(threads), "-r", "1", "-o", "csv"],
+    out = subprocess.run([binary, "-m", path, *flags, "-t", str(threads), "-r", "1", "-o", "csv"],
                          check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL).stdout.decode()
     return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
 
@@ -267,9 +258,9 @@ def main():
         runs[k]["lpp"].append(lpp)
         runs[k]["ltg"].append(ltg)
         if k[0] in MIXTURES:
-            runs[k]["llong"].append(llama_prompt(lbench, path, args.threads, LONG))
+            runs[k]["llong"].append(llama_ts(lbench, path, args.threads, "-p", str(LONG), "-n", "0"))
         if k[0] in DEEP:
-            runs[k]["ld"].append(llama_depth(lbench, path, args.threads))
+            runs[k]["ld"].append(llama_ts(lbench, path, args.threads, "-p", "0", "-n", "32", "-d", str(DEPTH)))
 
     for r in range(args.runs):
         for k, path in files.items():

@@ -199,9 +199,9 @@ STDIN=/dev/null
 check "regress int8 NaN norm" 0 "$ASAN_RUN" "$SEEDS/regress-int8-nan-norm" -z "$T/tok32.bin" -n 6 -t 0 &&
     pass "regress int8 NaN norm"
 
-# ---- GGUF architectures: each numeric metadata key of each architecture's
-# random file set to 0, -1, 2^31 - 1, NaN and the like (tests/arch_mutants.py):
-# run or refused in one "run: " line, no report ------------------------------------
+# ---- GGUF architectures: each metadata key of each architecture's random
+# file set to 0, -1, 2^31 - 1, NaN, a string, short arrays and the like
+# (tests/arch_mutants.py): run or refused in one "run: " line, no report ----------
 "${PYTHON:-python3}" tests/arch_mutants.py "$ASAN_RUN" "$T/mutants" ||
     echo "FAIL asan metadata mutants: tests/arch_mutants.py failed (PYTHON=${PYTHON:-python3} needs numpy)"
 
