@@ -99,10 +99,17 @@ tests/.bin/unit_native: tests/unit.c run.c
 # machine with AVX2 but neither AVX-512 nor VNNI (the packed GGUF
 # kernel's AVX2 form); x86-64 only, run where the machine has AVX2,
 # FMA and F16C (tests/test_unit.sh)
-UNIT_AVX2 = $(if $(filter x86_64 amd64,$(shell uname -m)),tests/.bin/unit_avx2)
+UNIT_AVX2 = $(if $(filter x86_64 amd64,$(shell uname -m)),tests/.bin/unit_avx2 tests/.bin/unit_avxvnni)
 tests/.bin/unit_avx2: tests/unit.c run.c
 	@mkdir -p tests/.bin
 	$(CC) $(CFLAGS) $(FASTFLAGS) -march=haswell -mtune=generic -fopenmp -o $@ tests/unit.c -lm
+
+# and as an AVX2 machine's with AVX-VNNI (Intel's cores from Alder Lake on):
+# the packed kernel's vpdpbusd form on 256-bit registers; run where the
+# machine has avx_vnni
+tests/.bin/unit_avxvnni: tests/unit.c run.c
+	@mkdir -p tests/.bin
+	$(CC) $(CFLAGS) $(FASTFLAGS) -march=haswell -mavxvnni -mtune=generic -fopenmp -o $@ tests/unit.c -lm
 
 # Sanitizer builds (tests/test_sanitize.sh): AddressSanitizer with its leak
 # checker, and UndefinedBehaviorSanitizer; every report is fatal

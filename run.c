@@ -21,9 +21,9 @@
         load for the VNNI kernel, GGUF's straight from their blocks;
         bfloat16 dot products, bfloat16 weights packed in 12 bits), rope,
         attention (the math in comments)
-     4. the paged key/value cache (float32, f16 or q8_0 rows: --kv-type;
-        past the context with --keep: a ring of slots)
-        and the forward pass over a batch of rows
+     4. the paged key/value cache and the forward pass: float32, f16 or
+        q8_0 rows (--kv-type), past the context with --keep a ring of
+        slots; a batch of rows through the layers
      5. the tokenizers: 5.1 llama2.c's tokenizer.bin (SentencePiece BPE),
         5.2 byte-level BPE "tk42" files (Llama 3), 5.3 the vocabularies of
         GGUF files (SentencePiece or byte-level, with their pre-tokenizers)
@@ -37,7 +37,7 @@
      8. drivers: generate, tokenize, chat; perplexity of a text
      9. the command line
     10. batch requests: JSON Lines in, JSON lines out
-    11. serving: an HTTP server with the OpenAI API (-m serve);
+    11. serving: HTTP on the engine, the OpenAI API (-m serve);
         11.1 tool calls (tools rendered in the prompt, calls constrained
         by 6.1 to their functions' parameters); 11.2 the same calls from
         the command line (-m chat --tools, --batch lines with messages)
@@ -45,8 +45,9 @@
 
    BUILD OPTIONS
      -fopenmp        threads over matrix rows (set the count with -T)
-     -march=native   AVX2 or AVX-512 matmul kernels where the machine has them
-                     (otherwise plain C, summed in llama2.c's order)
+     -march=native   AVX2 (with AVX-VNNI) or AVX-512 matmul kernels where the
+                     machine has them (otherwise plain C, summed in
+                     llama2.c's order)
      -DRUN_SIMD      NEON matmul kernels on aarch64 (with sdot under
                      -march=armv8.2-a+dotprod); `make runfast` and `make runomp`
                      set it. `./run --version` names the kernels built in.
@@ -3278,7 +3279,11 @@ static inline vint vi_dot(vint acc, vint a, vint b) { return _mm512_add_epi32(ac
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#if defined(__AVXVNNI__) && defined(__F16C__) /* the packed kernel's AVX-VNNI form (AVX_VNNI below) */
+#define KERNEL_NAME "AVX2, AVX-VNNI"
+#else
 #define KERNEL_NAME "AVX2"
+#endif
 #define SIMD_WIDTH 8
 typedef __m256 vfloat;
 typedef __m256i vint;
@@ -3412,6 +3417,9 @@ static inline vint vi_dot(vint acc, vint a, vint b) {
    AVX2 form; F16C for the f16 scales); NEON ones with dotprod, by sdot. */
 #if !defined(VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PACKED_AVX2 1
+#ifdef __AVXVNNI__ /* AVX-VNNI (Intel's cores from Alder Lake on): vpdpbusd on 256-bit registers */
+#define AVX_VNNI 1
+#endif
 #endif
 #if defined(SIMD_NEON) && defined(__ARM_FEATURE_DOTPROD)
 #define PACKED_NEON 1
@@ -3922,8 +3930,13 @@ KERNEL vfloat packed_offset(const Matrix *W, const PackedSide *side, vfloat wsg,
    Each group's sums are taken in `chains` int32 sums per input, columns 4 at
    a time in turn, added exactly at the end of the group: a vpdpbusd waits
    for the one before it on its sum, so that few inputs need several sums
-   in flight (4 for fewer than 4 inputs). `next`: the next block, prefetched
-   a group at a time.
+   in flight (4 for fewer than 4 inputs). `next`: the next block,
+   prefetched a group at a time for one input; for more, a step at a time,
+   its lines beside the step that reads the same columns of this block: a
+   group's lines at once filled the core's miss buffers and stalled it,
+   so that memory and the steps' arithmetic took turns (4 input rows of a
+   32000 x 768 int8 matrix, 2 threads, Zen 5: 0.57-0.64 ms against
+   0.72-0.77; one input row the same within the machine's spread).
    N, bits and table are constants in every inlined copy. */
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
                       const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
@@ -3938,14 +3951,16 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
     const __m512i lut = table ? table_bytes(W) : _mm512_setzero_si512();
     vfloat acc[PACK_INPUTS];
     for (int m = 0; m < N; m++) acc[m] = vf_zero();
+    const uint8_t *ahead = N > 1 ? next : NULL; /* the next block a step at a time: the same columns' bytes */
     for (int g = 0; g < groups; g++) {
         const int j0 = g * gs, j1 = j0 + gs;
-        if (next) prefetch_far(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
+        if (next && !ahead) prefetch_far(next + (size_t)j0 * PACK_ROWS * bits / 8, (size_t)gs * PACK_ROWS * bits / 8);
         __m512i sum[PACK_INPUTS][MAX_CHAINS];
         for (int m = 0; m < N; m++)
             for (int k = 0; k < chains; k++) sum[m][k] = k == 0 ? _mm512_set1_epi32(c[(size_t)m * groups + g]) : _mm512_setzero_si512();
         for (int j = j0; bits == 4 && gs % 16 == 0 && j < j1; j += 16) { /* 2 units of 8 columns, a load each */
             const __m512i units[2] = {_mm512_loadu_si512(p + (size_t)j * PACK_ROWS / 2), _mm512_loadu_si512(p + (size_t)(j + 8) * PACK_ROWS / 2)};
+            if (ahead) prefetch_far(ahead + (size_t)j * PACK_ROWS / 2, 16 * PACK_ROWS / 2);
 #if defined(__GNUC__)
 #pragma GCC unroll 4
 #endif
@@ -3961,6 +3976,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
         for (int j = j0; (bits == 5 || bits == 6) && j < j1; j += SIX_BIT_COLS) { /* a run's units and 6-bit tops loaded once */
             const uint8_t *run = p + (size_t)j * PACK_ROWS * bits / 8;
             const __m512i units[2] = {_mm512_loadu_si512(run), _mm512_loadu_si512(run + 64)};
+            if (ahead) prefetch_far(ahead + (size_t)j * PACK_ROWS * bits / 8, (size_t)SIX_BIT_COLS * PACK_ROWS * bits / 8);
             const __m512i tops = bits == 6 ? _mm512_loadu_si512(run + 128) : _mm512_setzero_si512();
 #if defined(__GNUC__)
 #pragma GCC unroll 4
@@ -3974,7 +3990,8 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                 }
             }
         }
-        for (int j = j0; (bits == 8 || (bits == 4 && gs % 16 != 0)) && j < j1; j += 4 * chains)
+        for (int j = j0; (bits == 8 || (bits == 4 && gs % 16 != 0)) && j < j1; j += 4 * chains) {
+            if (ahead) prefetch_far(ahead + (size_t)j * PACK_ROWS * bits / 8, (size_t)(j1 - j < 4 * chains ? j1 - j : 4 * chains) * PACK_ROWS * bits / 8);
             for (int k = 0; k < chains && j + 4 * k < j1; k++) { /* the last round may be short */
                 __m512i w = packed_weights(p, j + 4 * k, bits);
                 for (int m = 0; m < N; m++) {
@@ -3983,6 +4000,7 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
                     sum[m][k] = _mm512_dpbusd_epi32(sum[m][k], w, _mm512_set1_epi32(x4));
                 }
             }
+        }
         const vfloat wsg = packed_scale(W, &side, g);
         for (int m = 0; m < N; m++) {
             __m512i total = sum[m][0];
@@ -4183,7 +4201,14 @@ static void amx_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows
    to the stack; in_register keeps each sum a chain, and the group's
    columns are known from the bits, so its steps unroll whole. One Zen 3
    core, a stories110M-shape layer times 64 input rows (GMAC/s): Q4_0 50
-   -> 85, Q8_0 43 -> 53, Q4_K 43 -> 60, Q5_K 40 -> 44, Q6_K 41 -> 48. */
+   -> 85, Q8_0 43 -> 53, Q4_K 43 -> 60, Q5_K 40 -> 44, Q6_K 41 -> 48.
+   AVX2 machines with AVX-VNNI (AVX_VNNI: Intel's cores from Alder Lake on)
+   take vpdpbusd on 256-bit registers instead (packed_group_vnni): the
+   VNNI form's sums, 4 products a lane in one instruction, with no pairs
+   to widen. The Zen 5 core (it has AVX-VNNI beside AVX-512) in a
+   -march=haswell -mavxvnni build against -march=haswell, 128-token
+   prompts, 2 threads: Qwen3-0.6B shape Q8_0 1.22x-1.50x, Q4_K_M
+   1.24x-1.28x; decoding the same (memory). */
 #ifdef PACKED_AVX2
 #define PACK_INPUTS 4 /* the input rows the kernel takes at once, at most (16 registers) */
 #define PACK_FEW 4
@@ -4209,6 +4234,16 @@ static inline __m256i run_step8(const uint8_t *run, int h, const int step, const
     const __m256i byte = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mask), _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll, 0x0303030303030303ll));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
     return _mm256_or_si256(low, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(byte, bit), bit), _mm256_set1_epi8(16)));
+}
+
+/* The values of step `at` (columns 4 at .. 4 at + 3 of its run) of half
+   h of a packed block's run at `run`, 8 rows' 4 columns as bytes: 8-bit
+   values as stored (q + 128), a table's codes n as lut[n], the others'
+   unsigned values. */
+KERNEL __m256i step_values8(const uint8_t *run, int h, const int at, const int bits, const int table, __m256i lut) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(run + 64 * at + 32 * h));
+    if (table) return _mm256_shuffle_epi8(lut, nibbles8(run + 64 * (at / 2), h, at % 2));
+    return bits == 4 ? nibbles8(run + 64 * (at / 2), h, at % 2) : run_step8(run, h, at, bits);
 }
 
 /* f16 values at p (8 of them) as floats. */
@@ -4254,11 +4289,31 @@ static inline __attribute__((always_inline)) void in_register(__m256i *v) {
 #endif
 }
 
+/* The end of group g for the rows of halves h0..h1-1, from its exact sums
+   (sum[m][h - h0]: input m's, half h's): acc += float(sum) x (ws_g x xs_g),
+   then the offsets' term, as packed_q8's VNNI form ends a group. */
+KERNEL void packed_group_end(__m256 acc[][2], const Matrix *W, const PackedSide *side, int g, __m256i sum[][2], const float *s,
+                             const float *xsum, const int N, const int h0, const int h1) {
+    const int groups = W->cols / W->group_size;
+    for (int h = h0; h < h1; h++) {
+        const __m256 wsg = packed_scale8(W, side, g, h);
+        for (int m = 0; m < N; m++)
+            acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][h - h0]), _mm256_mul_ps(wsg, _mm256_set1_ps(s[(size_t)m * groups + g])), acc[m][h]);
+        if (W->offset_form) {
+            const __m256 off = packed_offset8(W, side, wsg, g, h);
+            for (int m = 0; m < N; m++) acc[m][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[(size_t)m * groups + g]), acc[m][h]);
+        }
+    }
+}
+
+#ifndef AVX_VNNI
 /* Group g's sums for the rows of halves h0..h1-1 (a half: 8 rows) of a
-   block at p, added into acc (as packed_q8 below says). */
+   block at p, added into acc (as packed_q8 below says); `ahead` (NULL:
+   none), the next block, fetched a line a step where this block's same
+   columns are read. */
 KERNEL void packed_group(__m256 acc[][2], const Matrix *W, const PackedSide *side, const uint8_t *p, int g, const int8_t *x, const int32_t *c,
                          const float *s, const float *xsum, __m256i lut, const int N, const int bits, const int table, const int h0,
-                         const int h1) {
+                         const int h1, const uint8_t *ahead) {
     const int wide = bits == 8 || table, U = AVX2_GROUP(bits), G = W->group_size, cols = W->cols, groups = cols / G, j0 = g * G;
     const int flush = wide ? 1 : bits == 4 ? 8 : bits == 5 ? 4 : 2;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -4275,11 +4330,10 @@ KERNEL void packed_group(__m256 acc[][2], const Matrix *W, const PackedSide *sid
         for (int step = 0; step < U / 4; step++) { /* columns j .. j + 3 */
             const int j = u + 4 * step, at = step % 4; /* at: the step within its run of SIX_BIT_COLS columns */
             const uint8_t *run = p + (size_t)(j - 4 * at) * PACK_ROWS * bits / 8; /* 4 lines of 8-bit values, 2 units of 4-bit ones, or 5- or 6-bit values */
+            if (ahead) prefetch_far(ahead + (size_t)j * PACK_ROWS * bits / 8, 1);
             for (int h = h0; h < h1; h++) {
-                const __m256i v = bits == 8   ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(run + 64 * at + 32 * h)), _mm256_set1_epi8(-128))
-                                  : table     ? _mm256_shuffle_epi8(lut, nibbles8(run + 64 * (at / 2), h, at % 2))
-                                  : bits == 4 ? nibbles8(run + 64 * (at / 2), h, at % 2)
-                                              : run_step8(run, h, at, bits);
+                const __m256i stored = step_values8(run, h, at, bits, table, lut);
+                const __m256i v = bits == 8 ? _mm256_xor_si256(stored, _mm256_set1_epi8(-128)) : stored; /* q itself */
                 const __m256i w = wide ? _mm256_abs_epi8(v) : v;
                 for (int m = 0; m < N; m++) {
                     int32_t x4;
@@ -4298,16 +4352,57 @@ KERNEL void packed_group(__m256 acc[][2], const Matrix *W, const PackedSide *sid
                     }
         }
     }
-    for (int h = h0; h < h1; h++) {
-        const __m256 wsg = packed_scale8(W, side, g, h);
-        for (int m = 0; m < N; m++)
-            acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][h - h0]), _mm256_mul_ps(wsg, _mm256_set1_ps(s[(size_t)m * groups + g])), acc[m][h]);
-        if (W->offset_form) {
-            const __m256 off = packed_offset8(W, side, wsg, g, h);
-            for (int m = 0; m < N; m++) acc[m][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(xsum[(size_t)m * groups + g]), acc[m][h]);
+    packed_group_end(acc, W, side, g, sum, s, xsum, N, h0, h1);
+}
+#else
+/* packed_group with AVX-VNNI, both halves of rows: vpdpbusd adds a row's 4
+   products of unsigned weights and signed input bytes straight into its
+   int32 sum, as the AVX-512 VNNI form does (the weights as that form
+   reads them: 8-bit values as stored, q + 128, a table's through `lut`
+   as table[n] + 128, from the start c), with no int16 pairs to widen.
+   Each vpdpbusd waits on the one before it on its sum, so fewer than 4
+   inputs keep 2 sums a row in turn, added at the group's end: the same
+   exact sums, then the same float steps. */
+KERNEL void packed_group_vnni(__m256 acc[][2], const Matrix *W, const PackedSide *side, const uint8_t *p, int g, const int8_t *x,
+                              const int32_t *c, const float *s, const float *xsum, __m256i lut, const int N, const int bits,
+                              const int table, const uint8_t *ahead) {
+    const int U = AVX2_GROUP(bits), G = W->group_size, cols = W->cols, groups = cols / G, j0 = g * G, chains = N < 4 ? 2 : 1;
+    __m256i sum[PACK_INPUTS][2], more[PACK_INPUTS][2];
+    for (int m = 0; m < N; m++)
+        for (int h = 0; h < 2; h++) {
+            sum[m][h] = _mm256_set1_epi32(c[(size_t)m * groups + g]);
+            more[m][h] = _mm256_setzero_si256();
+        }
+    for (int u = j0; u < j0 + G; u += U) {
+#if defined(__GNUC__)
+#pragma GCC unroll 8
+#endif
+        for (int step = 0; step < U / 4; step++) { /* columns j .. j + 3 */
+            const int j = u + 4 * step, at = step % 4;
+            const uint8_t *run = p + (size_t)(j - 4 * at) * PACK_ROWS * bits / 8;
+            if (ahead) prefetch_far(ahead + (size_t)j * PACK_ROWS * bits / 8, 1);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = step_values8(run, h, at, bits, table, lut);
+                for (int m = 0; m < N; m++) {
+                    int32_t x4;
+                    memcpy(&x4, x + (size_t)m * cols + j, sizeof(x4));
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    if (chains == 2 && step % 2) {
+                        more[m][h] = _mm256_dpbusd_avx_epi32(more[m][h], v, xb);
+                        in_register(&more[m][h]);
+                    } else {
+                        sum[m][h] = _mm256_dpbusd_avx_epi32(sum[m][h], v, xb);
+                        in_register(&sum[m][h]);
+                    }
+                }
+            }
         }
     }
+    for (int m = 0; chains == 2 && m < N; m++)
+        for (int h = 0; h < 2; h++) sum[m][h] = _mm256_add_epi32(sum[m][h], more[m][h]);
+    packed_group_end(acc, W, side, g, sum, s, xsum, N, 0, 2);
 }
+#endif
 
 /* packed_q8 (the same arguments and results). A unit's columns are a
    constant of the value bits (AVX2_GROUP), so that its steps unroll whole
@@ -4329,7 +4424,10 @@ KERNEL void packed_group(__m256 acc[][2], const Matrix *W, const PackedSide *sid
 KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_rows, const uint8_t *next, const int8_t *x,
                       const int32_t *c, const float *s, const float *xsum, int n_in, const int N, const int bits, const int table) {
     const int G = W->group_size, groups = W->cols / G;
-    const __m256i lut = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)W->packed_table)) : _mm256_setzero_si256();
+    __m256i lut = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)W->packed_table)) : _mm256_setzero_si256();
+#ifdef AVX_VNNI
+    lut = _mm256_xor_si256(lut, _mm256_set1_epi8(-128)); /* table[n] + 128 */
+#endif
     const uint8_t *p = W->packed + (size_t)(i / PACK_ROWS) * packed_block_bytes(W);
     const size_t scale_bytes = packed_scale_bytes(W);
     const uint8_t *ws = W->packed_scales + (size_t)(i / PACK_ROWS) * scale_bytes;
@@ -4337,12 +4435,18 @@ KERNEL void packed_q8(float *out, size_t stride, const Matrix *W, int i, int n_r
     if (next) prefetch_far(ws + scale_bytes, scale_bytes);
     __m256 acc[PACK_INPUTS][2];
     for (int m = 0; m < N; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const uint8_t *ahead = N > 1 ? next : NULL; /* the next block a line a step */
     for (int g = 0; g < groups; g++) {
-        if (next) prefetch_far(next + (size_t)g * G * PACK_ROWS * bits / 8, (size_t)G * PACK_ROWS * bits / 8);
+        if (next && !ahead) prefetch_far(next + (size_t)g * G * PACK_ROWS * bits / 8, (size_t)G * PACK_ROWS * bits / 8);
+#ifdef AVX_VNNI
+        packed_group_vnni(acc, W, &side, p, g, x, c, s, xsum, lut, N, bits, table, ahead);
+#else
         if (bits == 8)
-            for (int h = 0; h < 2; h++) packed_group(acc, W, &side, p, g, x, c, s, xsum, lut, N, bits, table, h, h + 1); /* the halves apart */
+            for (int h = 0; h < 2; h++) /* the halves apart */
+                packed_group(acc, W, &side, p, g, x, c, s, xsum, lut, N, bits, table, h, h + 1, h == 0 ? ahead : NULL);
         else
-            packed_group(acc, W, &side, p, g, x, c, s, xsum, lut, N, bits, table, 0, 2);
+            packed_group(acc, W, &side, p, g, x, c, s, xsum, lut, N, bits, table, 0, 2, ahead);
+#endif
     }
     for (int m = 0; m < n_in; m++) {
         float rows[PACK_ROWS];

@@ -14,15 +14,20 @@ mkdir -p "$TEST_TMP"
 status=0
 # tests/.bin/unit_native: the same tests built as ./runomp (vector kernels);
 # tests/.bin/unit_avx2 (x86-64): built as an AVX2 machine's ./runomp, run
-# where this machine has AVX2, FMA and F16C
+# where this machine has AVX2, FMA and F16C; tests/.bin/unit_avxvnni: the
+# same with AVX-VNNI, run where the machine has that too
 has_avx2() { grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo; }
-for bin in "$BIN" tests/.bin/unit_native tests/.bin/unit_avx2; do
-    if [ "$bin" = tests/.bin/unit_avx2 ]; then
+for bin in "$BIN" tests/.bin/unit_native tests/.bin/unit_avx2 tests/.bin/unit_avxvnni; do
+    if [ "$bin" = tests/.bin/unit_avx2 ] || [ "$bin" = tests/.bin/unit_avxvnni ]; then
         case "$(uname -m)" in x86_64 | amd64) ;; *) continue ;; esac
         if ! has_avx2; then
-            echo "SKIP unit avx2: this machine has no AVX2, FMA and F16C"
+            echo "SKIP unit ${bin#tests/.bin/unit_}: this machine has no AVX2, FMA and F16C"
             continue
         fi
+    fi
+    if [ "$bin" = tests/.bin/unit_avxvnni ] && ! grep -qw avx_vnni /proc/cpuinfo; then
+        echo "SKIP unit avxvnni: this machine has no AVX-VNNI (avx_vnni in /proc/cpuinfo)"
+        continue
     fi
     if [ "$bin" != "$BIN" ] && [ ! -x "$bin" ]; then
         echo "SKIP unit ${bin#tests/.bin/unit_}: $bin is missing (build it with: make $bin)"
