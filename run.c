@@ -106,15 +106,27 @@
 #endif
 #ifdef _OPENMP
 #include <omp.h>
-/* the loop that follows split in equal ranges between threads, or run on one
-   thread when `cond` is false (too little work) */
+/* PARALLEL_FOR_IF(cond, loop): the for loop split in equal ranges between
+   threads, or, when `cond` is false (too little work), run as it is on this
+   thread, outside any region: a region of one thread (OpenMP's `if` clause)
+   still costs the runtime a team's start, 1.5 us with libgomp on the Zen 5
+   machine, and a decoded token's layer met about 40 of them */
 #define PRAGMA(text) _Pragma(#text)
-#define PARALLEL_FOR_IF(cond) PRAGMA(omp parallel for schedule(static) if (cond))
+#define PARALLEL_LOOP_IF(schedule_kind, cond, ...)      \
+    do {                                                \
+        if (cond) {                                     \
+            PRAGMA(omp parallel for schedule(schedule_kind)) \
+            __VA_ARGS__;                                \
+        } else {                                        \
+            __VA_ARGS__;                                \
+        }                                               \
+    } while (0)
+#define PARALLEL_FOR_IF(cond, ...) PARALLEL_LOOP_IF(static, cond, __VA_ARGS__)
 /* the same in shares that shrink as the loop runs out (guided): each
    thread starts on a large share and then takes smaller ones as it is
    free, so that a thread slowed by the other's memory traffic does not
    keep it waiting at the end */
-#define PARALLEL_GUIDED_IF(cond) PRAGMA(omp parallel for schedule(guided) if (cond))
+#define PARALLEL_GUIDED_IF(cond, ...) PARALLEL_LOOP_IF(guided, cond, __VA_ARGS__)
 /* a region that every thread runs (one thread when `cond` is false), the
    loops inside it shared out by SHARED_LOOP (a range at a time, to
    whichever thread is free; no thread waits for the others at its end),
@@ -125,16 +137,19 @@
 #define ATOMIC_CAPTURE PRAGMA(omp atomic capture)
 static int max_threads(void) { return omp_get_max_threads(); }
 static int thread_id(void) { return omp_get_thread_num(); }
-/* whether a loop may start threads of its own: it runs in no region, not
-   even one of one thread (PARALLEL_FOR_IF with a false condition), inside
-   which a region of its own would start a second team of threads, to idle
-   beside the first */
+/* whether a loop may start threads of its own: it runs in no region (a
+   region of its own inside one would start a second team of threads, to
+   idle beside the first) */
 static int outside_regions(void) { return omp_get_level() == 0; }
 #else
 /* no threads: the loop runs as written (the condition is only evaluated, so
    that the variables it reads count as used) */
-#define PARALLEL_FOR_IF(cond) if ((void)(cond), 1)
-#define PARALLEL_GUIDED_IF(cond) if ((void)(cond), 1)
+#define PARALLEL_FOR_IF(cond, ...) \
+    do {                           \
+        (void)(cond);              \
+        __VA_ARGS__;               \
+    } while (0)
+#define PARALLEL_GUIDED_IF(cond, ...) PARALLEL_FOR_IF(cond, __VA_ARGS__)
 #define PARALLEL_REGION_IF(cond) if ((void)(cond), 1)
 #define SHARED_LOOP
 #define ATOMIC_CAPTURE
@@ -2245,7 +2260,7 @@ static int gguf_vector(const GGUF *g, const char *name, float *out, int n, int r
 static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *values, float *scales, float *offsets) {
     const long long blocks = (long long)(x->bytes / (uint64_t)type->block_bytes);
     const int per = type->block / type->group;
-    PARALLEL_FOR_IF(blocks >= 64)
+    PARALLEL_FOR_IF(blocks >= 64,
     for (long long b = 0; b < blocks; b++) {
         int8_t q[256];
         float s[16], o[16];
@@ -2259,7 +2274,7 @@ static void unpack_tensor(const GGUFTensor *x, const GGMLType *type, int8_t *val
         else
             for (int j = 0; j < type->block; j += 2)
                 ((uint8_t *)values)[((size_t)b * type->block + j) / 2] = (uint8_t)((q[j] + 8) | (q[j + 1] + 8) << 4);
-    }
+    });
 }
 
 static int packs_blocks(const GGMLType *type); /* section 3 */
@@ -3078,7 +3093,7 @@ static void matrix_row(float *out, const Matrix *W, int row) {
    widened one at a time). */
 static void matmul_f32_plain(float *out, const float *x, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols;
-    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n),
     for (int i = 0; i < rows; i++) {
         const float *w = W->w ? W->w + (size_t)i * cols : NULL;
         for (int b = 0; b < n; b++) {
@@ -3090,13 +3105,13 @@ static void matmul_f32_plain(float *out, const float *x, const Matrix *W, int n)
                 for (int j = 0; j < cols; j++) val += float_weight(W, (size_t)i * cols + j) * xr[j];
             out[(size_t)b * rows + i] = val;
         }
-    }
+    });
 }
 
 /* Plain C, int8: groups in order, as runq.c sums them. */
 static void matmul_q8_plain(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols, gs = W->group_size, groups = cols / gs;
-    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n),
     for (int i = 0; i < rows; i++) {
         const int8_t *w = W->q + (size_t)i * cols;
         for (int b = 0; b < n; b++) {
@@ -3109,13 +3124,13 @@ static void matmul_q8_plain(float *out, const int16_t *xq, const float *xs, cons
             }
             out[(size_t)b * rows + i] = val;
         }
-    }
+    });
 }
 
 /* Plain C, 4-bit: as matmul_q8_plain, with each byte's two values. */
 static void matmul_q4_plain(float *out, const int16_t *xq, const float *xs, const Matrix *W, int n) {
     const int rows = W->rows, cols = W->cols, gs = W->group_size, groups = cols / gs;
-    PARALLEL_FOR_IF(PARALLEL_WORK(W, n))
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n),
     for (int i = 0; i < rows; i++) {
         const uint8_t *w = W->q4 + (size_t)i * cols / 2;
         for (int b = 0; b < n; b++) {
@@ -3129,7 +3144,7 @@ static void matmul_q4_plain(float *out, const int16_t *xq, const float *xs, cons
             }
             out[(size_t)b * rows + i] = val;
         }
-    }
+    });
 }
 
 /* Vector types and operations, when the compiler targets AVX-512, AVX2 or
@@ -3173,6 +3188,13 @@ static inline vfloat vf_round_away(vfloat v) {
 static inline vfloat vf_pow2(vfloat n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
+/* r's whole values as int16 at q, 0 where out of -127..127 or NaN (quantized) */
+static inline void vf_store_q16(int16_t *q, vfloat r) {
+    const __mmask16 in = _mm512_cmp_ps_mask(r, _mm512_set1_ps(-127.0f), _CMP_GE_OQ) & _mm512_cmp_ps_mask(r, _mm512_set1_ps(127.0f), _CMP_LE_OQ);
+    _mm256_storeu_si256((__m256i *)(void *)q, _mm512_cvtepi32_epi16(_mm512_maskz_cvttps_epi32(in, r)));
+}
+/* the largest lane of v (no NaN in v: then any order of comparisons gives it) */
+static inline float vf_max_lanes(vfloat v) { return _mm512_reduce_max_ps(v); }
 /* The sum of the lanes, as a tree: v[k] + v[k+8], then + the lanes 4 on,
    then 2 on, then 1 on. */
 static inline float vf_sum(vfloat v) {
@@ -3307,6 +3329,16 @@ static inline vfloat vf_round_away(vfloat v) {
 static inline vfloat vf_pow2(vfloat n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
+static inline void vf_store_q16(int16_t *q, vfloat r) {
+    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(r, _mm256_set1_ps(-127.0f), _CMP_GE_OQ), _mm256_cmp_ps(r, _mm256_set1_ps(127.0f), _CMP_LE_OQ));
+    const __m256i v = _mm256_and_si256(_mm256_cvttps_epi32(r), _mm256_castps_si256(in));
+    _mm_storeu_si128((__m128i *)(void *)q, _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+static inline float vf_max_lanes(vfloat v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 /* as a tree: v[k] + v[k+4], then + the lanes 2 on, then 1 on */
 static inline float vf_sum(vfloat v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -3373,6 +3405,11 @@ static inline vfloat vf_div(vfloat a, vfloat b) { return vdivq_f32(a, b); }
 static inline vfloat vf_amax(vfloat m, vfloat v) { return vmaxnmq_f32(vabsq_f32(v), m); }
 static inline vfloat vf_round_away(vfloat v) { return vrndaq_f32(v); }
 static inline vfloat vf_pow2(vfloat n) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23)); }
+static inline void vf_store_q16(int16_t *q, vfloat r) {
+    const uint32x4_t in = vandq_u32(vcgeq_f32(r, vdupq_n_f32(-127.0f)), vcleq_f32(r, vdupq_n_f32(127.0f)));
+    vst1_s16(q, vmovn_s32(vandq_s32(vcvtq_s32_f32(r), vreinterpretq_s32_u32(in))));
+}
+static inline float vf_max_lanes(vfloat v) { return vmaxvq_f32(v); }
 static inline float vf_sum(vfloat v) { return vaddvq_f32(v); }
 /* lane q = vf_sum(v[q]) for 4 vectors: the same instruction for each */
 static inline vfloat vf_sums(const vfloat *v) {
@@ -4800,8 +4837,9 @@ static int packed_inputs(int n) {
    NULL: a row past n, whose start is 0); a table's values as 8-bit ones
    (VNNI: table[n] + 128). */
 static int32_t group_start(const Inputs *in, const int16_t *q) {
+    if (!q) return 0;
     int32_t sum = 0;
-    for (int j = 0; q && j < in->group_size; j++) sum += q[j];
+    for (int j = 0; j < in->group_size; j++) sum += q[j];
     return (in->kind == KERNEL_Q4_SIMD ? -8 : in->kind == KERNEL_Q5_SIMD ? -16 : in->kind == KERNEL_Q6_SIMD ? -32 : -128) * sum;
 }
 
@@ -4810,7 +4848,7 @@ static int32_t group_start(const Inputs *in, const int16_t *q) {
    6-bit: -32 * sum xq) of each group sum; the rows past n, up to packed_inputs(n), zero. */
 static void pack_q8(Inputs *in, const int16_t *xq) {
     const int n = in->n, cols = in->cols, gs = in->group_size, groups = cols / gs, padded = packed_inputs(n);
-    PARALLEL_FOR_IF(outside_regions() && (double)padded * cols >= PREPARE_PARALLEL_MIN)
+    PARALLEL_FOR_IF(outside_regions() && (double)padded * cols >= PREPARE_PARALLEL_MIN,
     for (int b = 0; b < padded; b++) {
         const int16_t *q = b < n ? xq + (size_t)b * cols : NULL;
         for (int g = 0; g < groups; g++) in->c8[(size_t)b * groups + g] = group_start(in, q ? q + (size_t)g * gs : NULL);
@@ -4818,7 +4856,7 @@ static void pack_q8(Inputs *in, const int16_t *xq) {
         if (!q) memset(dst, 0, (size_t)cols);
         else
             for (int j = 0; j < cols; j++) dst[j] = (int8_t)q[j]; /* each in -127..127 */
-    }
+    });
 }
 #endif
 
@@ -4833,7 +4871,7 @@ static void pack_q8(Inputs *in, const int16_t *xq) {
 static int16_t quantized(float q) { return q >= -127.0f && q <= 127.0f ? (int16_t)q : 0; }
 
 static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count, int gs) {
-    PARALLEL_FOR_IF(outside_regions() && (double)count >= PREPARE_PARALLEL_MIN)
+    PARALLEL_FOR_IF(outside_regions() && (double)count >= PREPARE_PARALLEL_MIN,
     for (size_t g = 0; g < count / gs; g++) {
         const float *v = x + g * gs;
         int16_t *q = xq + g * gs;
@@ -4841,12 +4879,9 @@ static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count
         int j = 0;
 #ifdef SIMD_WIDTH
         if (gs % SIMD_WIDTH == 0) {
-            float lanes[SIMD_WIDTH];
-            vfloat m = vf_zero();
+            vfloat m = vf_zero(); /* |v| where larger: NaNs passed over, so m has none */
             for (; j < gs; j += SIMD_WIDTH) m = vf_amax(m, vf_load(v + j));
-            vf_store(lanes, m);
-            for (int k = 0; k < SIMD_WIDTH; k++)
-                if (lanes[k] > amax) amax = lanes[k];
+            amax = vf_max_lanes(m);
         }
 #endif
         for (; j < gs; j++)
@@ -4857,25 +4892,21 @@ static void quantize_groups(int16_t *xq, float *xs, const float *x, size_t count
 #ifdef SIMD_WIDTH
         if (gs % SIMD_WIDTH == 0 && scale > 0.0f) {
             const vfloat by = vf_set(scale);
-            for (; j < gs; j += SIMD_WIDTH) {
-                float r[SIMD_WIDTH];
-                vf_store(r, vf_round_away(vf_div(vf_load(v + j), by)));
-                for (int k = 0; k < SIMD_WIDTH; k++) q[j + k] = quantized(r[k]);
-            }
+            for (; j < gs; j += SIMD_WIDTH) vf_store_q16(q + j, vf_round_away(vf_div(vf_load(v + j), by)));
         }
 #endif
         for (; j < gs; j++) q[j] = scale > 0.0f ? quantized(roundf(v[j] / scale)) : 0;
-    }
+    });
 }
 
 /* The sums of x (n, cols) over its groups of gs values: sums (n, cols / gs). */
 static void group_sums(float *sums, const float *x, int n, int cols, int gs) {
-    PARALLEL_FOR_IF(outside_regions() && (double)n * cols >= PREPARE_PARALLEL_MIN)
+    PARALLEL_FOR_IF(outside_regions() && (double)n * cols >= PREPARE_PARALLEL_MIN,
     for (size_t g = 0; g < (size_t)n * (cols / gs); g++) {
         float sum = 0.0f;
         for (int j = 0; j < gs; j++) sum += x[g * gs + j];
         sums[g] = sum;
-    }
+    });
 }
 
 #ifdef BF16_DOT
@@ -4911,14 +4942,14 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
         const int per = many_inputs(W);
         size_t padded = (size_t)(n + per - 1) / per * per;
         if (!(in.xf = arena_take(a, padded * W->cols * sizeof(float)))) return in;
-        PARALLEL_FOR_IF(outside_regions() && (double)padded * W->cols >= PREPARE_PARALLEL_MIN)
+        PARALLEL_FOR_IF(outside_regions() && (double)padded * W->cols >= PREPARE_PARALLEL_MIN,
         for (size_t b0 = 0; b0 < padded; b0 += per)
             for (int j = 0; j < W->cols; j += SIMD_WIDTH)
                 for (int b = 0; b < per; b++) {
                     float *dst = in.xf + b0 * W->cols + (size_t)j * per + b * SIMD_WIDTH;
                     if (b0 + b < (size_t)n) memcpy(dst, x + (b0 + b) * W->cols + j, SIMD_WIDTH * sizeof(float));
                     else memset(dst, 0, SIMD_WIDTH * sizeof(float));
-                }
+                });
         return in;
     }
 #ifdef BF16_DOT
@@ -4927,14 +4958,14 @@ static Inputs prepare_inputs(const float *x, int n, const Matrix *W, int with_su
         size_t padded = (size_t)(n + per - 1) / per * per;
         uint16_t *xb = arena_take(a, padded * W->cols * sizeof(uint16_t));
         if (!(in.xf = (float *)xb)) return in;
-        PARALLEL_FOR_IF(outside_regions() && (double)padded * W->cols >= PREPARE_PARALLEL_MIN)
+        PARALLEL_FOR_IF(outside_regions() && (double)padded * W->cols >= PREPARE_PARALLEL_MIN,
         for (size_t b0 = 0; b0 < padded; b0 += per)
             for (int j = 0; j < W->cols; j += step)
                 for (int b = 0; b < per; b++) {
                     const float *src = x + (b0 + b) * W->cols + j;
                     const vfloat v = b0 + b < (size_t)n ? vf_bf16_pairs(vf_load(src), vf_load(src + SIMD_WIDTH)) : vf_zero();
                     vf_store((float *)(xb + bf16_input_at(n, W->cols, b0 + b, j)), v);
-                }
+                });
         return in;
     }
 #endif
@@ -5403,8 +5434,8 @@ static void matmul_simd(const Product *pr, const Inputs *const *ins, int count) 
     for (int m = 0; m < count; m++)
         if (ins[m]->n >= AMX_INPUTS && ins[m]->kind >= KERNEL_Q8_SIMD) amx_usable();
 #endif
-    PARALLEL_GUIDED_IF(work >= PARALLEL_MIN_WORK)
-    for (int t = 0; t < pl.first[count]; t++) matmul_item(&pl, pr, ins, count, t);
+    PARALLEL_GUIDED_IF(work >= PARALLEL_MIN_WORK,
+    for (int t = 0; t < pl.first[count]; t++) matmul_item(&pl, pr, ins, count, t));
 }
 #endif
 
@@ -5442,7 +5473,7 @@ KERNEL void offsets_block(float *out, const Matrix *W, const float *sums, int i,
 static void add_offsets(float *out, const Matrix *W, const float *sums, int n) {
     const int rows = W->rows, groups = W->cols / W->group_size;
     const int blocks = (rows + ADD_OFFSETS_ROWS - 1) / ADD_OFFSETS_ROWS;
-    PARALLEL_FOR_IF(PARALLEL_WORK(W, n)) /* as the product itself */
+    PARALLEL_FOR_IF(PARALLEL_WORK(W, n), /* as the product itself */
     for (int k = 0; k < blocks; k++) {
         int i0 = k * ADD_OFFSETS_ROWS;
         const int i1 = i0 + ADD_OFFSETS_ROWS < rows ? i0 + ADD_OFFSETS_ROWS : rows;
@@ -5458,7 +5489,7 @@ static void add_offsets(float *out, const Matrix *W, const float *sums, int n) {
                 for (int i = i0; i < i1; i++) o[i] += offset[i] * s;
             }
         }
-    }
+    });
 }
 
 /* Whether product b reads the inputs prepared for product a: the same
@@ -5513,12 +5544,12 @@ static void matmul_many(const Product *pr, int count) {
         Arena a = {base, 0};
         in[0] = prepare_inputs(pr[0].x, pr[0].n, pr[0].W, sums[0], &a);
     } else {
-        PARALLEL_GUIDED_IF(values >= PREPARE_PARALLEL_MIN)
+        PARALLEL_GUIDED_IF(values >= PREPARE_PARALLEL_MIN,
         for (int r = 0; r < runs; r++) {
             const int m = lead[r];
             Arena a = {base ? base + at[m] : NULL, 0}; /* NULL: no run takes any bytes */
             in[m] = prepare_inputs(pr[m].x, pr[m].n, pr[m].W, sums[r], &a);
-        }
+        });
     }
     for (int m = 0; m < count; m++) {
         const Inputs *x = use[m];
@@ -5667,8 +5698,8 @@ static int scale_form_of(const Matrix *W) {
     const int run = W->scale_run, rows = W->rows;
     if (run < 1 || run > 256 || (run & (run - 1)) != 0 || (W->cols / W->group_size) % run != 0) return SCALES_F32; /* PackedSide */
     uint8_t *forms = xcalloc((size_t)rows, 1);
-    PARALLEL_FOR_IF(rows >= 64)
-    for (int r = 0; r < rows; r++) forms[r] = (uint8_t)row_scale_forms(W, (size_t)r, run);
+    PARALLEL_FOR_IF(rows >= 64,
+    for (int r = 0; r < rows; r++) forms[r] = (uint8_t)row_scale_forms(W, (size_t)r, run));
     int all = 3;
     for (int r = 0; r < rows; r++) all &= forms[r];
     free(forms);
@@ -5682,7 +5713,7 @@ static int value_bits_of(const Matrix *W) {
     if (!W->q || W->group_size % SIX_BIT_COLS != 0) return 8; /* whole runs in each group */
     const int rows = W->rows, cols = W->cols;
     uint8_t *fits = xcalloc((size_t)rows, 1);
-    PARALLEL_FOR_IF(rows >= 64)
+    PARALLEL_FOR_IF(rows >= 64,
     for (int r = 0; r < rows; r++) {
         const int8_t *q = W->q + (size_t)r * cols;
         int lo = 0, hi = 0;
@@ -5691,7 +5722,7 @@ static int value_bits_of(const Matrix *W) {
             hi = q[j] > hi ? q[j] : hi;
         }
         fits[r] = (uint8_t)((lo >= -32 && hi <= 31) | (lo >= -16 && hi <= 15) << 1);
-    }
+    });
     int all = 3;
     for (int r = 0; r < rows; r++) all &= fits[r];
     free(fits);
@@ -5816,10 +5847,10 @@ static int split_plan(Matrix *W) {
         W->split_table[k] = (uint8_t)best;
     }
     size_t misses[SPLIT_SHARES] = {0};
-    PARALLEL_FOR_IF(W->rows >= SPLIT_SHARES)
+    PARALLEL_FOR_IF(W->rows >= SPLIT_SHARES,
     for (int share = 0; share < SPLIT_SHARES; share++)
         for (size_t at = count / 64 * share / SPLIT_SHARES * 64; at < count / 64 * (share + 1) / SPLIT_SHARES * 64; at += 64)
-            misses[share] += (size_t)split_misses(W->half + at, W->split_table);
+            misses[share] += (size_t)split_misses(W->half + at, W->split_table));
     W->n_exceptions = 0;
     for (int share = 0; share < SPLIT_SHARES; share++) W->n_exceptions += misses[share];
     if (W->n_exceptions > count / SPLIT_EXCEPTIONS_MAX) return 0;
@@ -6331,7 +6362,7 @@ KERNEL void gated_block(float *h, const float *g, const int activation) {
 
 static void gated_activation(int activation, float *h, const float *g, int n, int size) {
     const int blocks = (size + GATED_BLOCK - 1) / GATED_BLOCK;
-    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
+    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK,
     for (int item = 0; item < n * blocks; item++) {
         size_t at = (size_t)(item / blocks) * size + (size_t)(item % blocks) * GATED_BLOCK;
         int count = size - item % blocks * GATED_BLOCK;
@@ -6347,11 +6378,11 @@ static void gated_activation(int activation, float *h, const float *g, int n, in
         else if (activation == ACT_GELU) gated_block(hb, gb, ACT_GELU);
         else gated_block(hb, gb, ACT_SWIGLU_OAI);
         if (count < GATED_BLOCK) memcpy(h + at, hp, (size_t)count * sizeof(float));
-    }
+    });
 }
 #else
 static void gated_activation(int activation, float *h, const float *g, int n, int size) {
-    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK)
+    PARALLEL_FOR_IF(20.0 * n * size >= PARALLEL_MIN_WORK,
     for (size_t i = 0; i < (size_t)n * size; i++) {
         float val = h[i], up = g[i];
         if (activation == ACT_SWIGLU_OAI) {
@@ -6364,7 +6395,7 @@ static void gated_activation(int activation, float *h, const float *g, int n, in
         else val /= 1.0f + expf(-1.5957691216f * (val + 0.044715f * val * val * val));
         val *= up;
         h[i] = val;
-    }
+    });
 }
 #endif
 
@@ -6465,8 +6496,8 @@ static double kv_block_bytes(const KVCache *c) { return (c->values_in_keys ? 1.0
    warm-up run). */
 static void touch_pages(void *p, size_t bytes) {
     char *c = p;
-    PARALLEL_FOR_IF(bytes >= 64 * READ_PAGE)
-    for (size_t k = 0; k < bytes; k += READ_PAGE) c[k] = 0;
+    PARALLEL_FOR_IF(bytes >= 64 * READ_PAGE,
+    for (size_t k = 0; k < bytes; k += READ_PAGE) c[k] = 0);
 }
 
 /* A pool of n_blocks blocks of `type`, all free, for n_layers layers. */
@@ -7957,20 +7988,20 @@ static void attention_lone_row(Transformer *t, const Batch *b, int layer) {
     const int qd = q_dim(p), last = b->pos[0], n_blocks = last / ATTENTION_KEYS + 1, n_chunks = last / ATTENTION_CHUNK + 1;
     const int origin = attention_start(p, layer, last) / ATTENTION_KEYS * ATTENTION_KEYS, first_chunk = origin / ATTENTION_CHUNK;
     const AttnScratch shared = attention_scratch(p, s, 0);
-    PARALLEL_FOR_IF(1)
+    PARALLEL_FOR_IF(1,
     for (int block = origin / ATTENTION_KEYS; block < n_blocks; block++) {
         const int t0 = block * ATTENTION_KEYS;
         attention_row_scores(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores + t0, shared.stride);
-    }
-    PARALLEL_FOR_IF(1)
-    for (int h = 0; h < p->n_heads; h++) window_softmax(t, layer, h, shared.scores + (size_t)h * shared.stride, origin, last);
-    PARALLEL_FOR_IF(1)
+    });
+    PARALLEL_FOR_IF(1,
+    for (int h = 0; h < p->n_heads; h++) window_softmax(t, layer, h, shared.scores + (size_t)h * shared.stride, origin, last));
+    PARALLEL_FOR_IF(1,
     for (int chunk = first_chunk; chunk < n_chunks; chunk++) {
         float *sum = s->chunks + (size_t)chunk * qd;
         memset(sum, 0, (size_t)qd * sizeof(float));
         for (int t0 = chunk == first_chunk ? origin : chunk * ATTENTION_CHUNK; t0 <= last && t0 < (chunk + 1) * ATTENTION_CHUNK; t0 += ATTENTION_KEYS)
             attention_row_values(t, b, layer, t0, last + 1 - t0 < ATTENTION_KEYS ? last + 1 - t0 : ATTENTION_KEYS, shared.scores, shared.stride, sum);
-    }
+    });
     memcpy(s->xb, s->chunks + (size_t)first_chunk * qd, (size_t)qd * sizeof(float));
     for (int chunk = first_chunk + 1; chunk < n_chunks; chunk++)
         for (int i = 0; i < qd; i++) s->xb[i] += s->chunks[(size_t)chunk * qd + i];
@@ -8008,7 +8039,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
     const int score_rows = attention_score_rows(p);
     const int n_tiles = attention_tiles(b, score_rows / (p->n_heads / p->n_kv_heads), s->tiles);
     const int n_groups = attention_groups(b, s->tiles, n_tiles, score_rows / range, s->groups);
-    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK)
+    PARALLEL_FOR_IF(work >= PARALLEL_MIN_WORK,
     for (int item = 0; item < n_ranges * n_groups; item++) {
         const int group = item % n_groups, m = s->groups[group + 1] - s->groups[group];
         const int *first = s->tiles + s->groups[group], n = first[m] - first[0];
@@ -8021,7 +8052,7 @@ static void attention(Transformer *t, const Batch *b, int layer) {
             attention_scores(t, b, layer, first, m, g0, g1, &a);
             attention_values(t, b, layer, first, m, g0, g1, &a);
         }
-    }
+    });
 }
 
 /* x (n, size) += layer l's bias (row l of biases, (n_layers, size); an expert's: row l * n_experts + e) in
@@ -8235,11 +8266,14 @@ static void sort_slots(RunState *s, int n, int E, int k) {
     first[0] = 0;
 }
 
+/* The rows routed to expert e in this step (sort_slots). */
+static int expert_rows(const RunState *s, int e) { return s->expert_first[e + 1] - s->expert_first[e]; }
+
 /* Each expert's bias row (gpt-oss; none: NULL) added to its rows of x
    (rows of `width`, each expert's at expert_first). */
 static void add_expert_biases(float *x, const float *biases, const RunState *s, int l, int E, int width) {
     for (int e = 0; biases && e < E; e++)
-        add_bias(x + (size_t)s->expert_first[e] * width, biases, l * E + e, s->expert_first[e + 1] - s->expert_first[e], width);
+        add_bias(x + (size_t)s->expert_first[e] * width, biases, l * E + e, expert_rows(s, e), width);
 }
 
 /* The mixture of experts of n rows of xb into out (n, dim): each row's
@@ -8265,16 +8299,22 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
     const float *select_bias = w->select_bias ? w->select_bias + (size_t)l * E : NULL;
     for (int r = 0; r < n; r++) route(p, select_bias, s->router + (size_t)r * E, s->chosen + (size_t)r * k, s->route_w + (size_t)r * k);
     sort_slots(s, n, E, k);
-    PARALLEL_FOR_IF((double)n * k * dim >= PARALLEL_MIN_WORK)
-    for (int i = 0; i < n * k; i++) memcpy(s->ex + (size_t)i * dim, s->xb + (size_t)(s->slot_of[i] / k) * dim, (size_t)dim * sizeof(float));
+    PARALLEL_FOR_IF((double)n * k * dim >= PARALLEL_MIN_WORK,
+    for (int i = 0; i < n * k; i++)
+        if (expert_rows(s, s->chosen[s->slot_of[i]]) > 1) memcpy(s->ex + (size_t)i * dim, s->xb + (size_t)(s->slot_of[i] / k) * dim, (size_t)dim * sizeof(float)));
     Product *gate_up = product_list(3 * E), *down = gate_up + 2 * E;
     int c = 0; /* the experts with rows */
     for (int e = 0; e < E; e++) { /* e's rows: m of them, at place f of the sorted slots */
         const size_t at = (size_t)l * E + e, f = (size_t)s->expert_first[e];
-        const int m = s->expert_first[e + 1] - s->expert_first[e];
+        const int m = expert_rows(s, e);
         if (m == 0) continue;
-        gate_up[2 * c] = (Product){&w->e_gate[at], s->eh + f * F, s->ex + f * dim, m}; /* gate and up share their inputs */
-        gate_up[2 * c + 1] = (Product){&w->e_up[at], s->eh2 + f * F, s->ex + f * dim, m};
+        /* an expert of one row reads it where it is, in xb: the experts of
+           the same row are then products of the same inputs, prepared once
+           (matmul_many), where their copies were prepared each (a decoded
+           token's 8 experts: 8 times the quantisation of one row) */
+        const float *x = m == 1 ? s->xb + (size_t)(s->slot_of[f] / k) * dim : s->ex + f * dim;
+        gate_up[2 * c] = (Product){&w->e_gate[at], s->eh + f * F, x, m}; /* gate and up share their inputs */
+        gate_up[2 * c + 1] = (Product){&w->e_up[at], s->eh2 + f * F, x, m};
         down[c++] = (Product){&w->e_down[at], s->ex + f * dim, s->eh + f * F, m}; /* into the slots' places in ex */
     }
     matmul_many(gate_up, 2 * c);
@@ -8283,7 +8323,7 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
     gated_activation(p->arch->activation, s->eh, s->eh2, n * k, F);
     matmul_many(down, c);
     add_expert_biases(s->ex, w->e_down_bias, s, l, E, dim);
-    PARALLEL_FOR_IF((double)n * k * dim >= PARALLEL_MIN_WORK)
+    PARALLEL_FOR_IF((double)n * k * dim >= PARALLEL_MIN_WORK,
     for (int r = 0; r < n; r++) { /* out_r = sum_j w_j y_j, j in order (y_j: the output of the row's j-th expert) */
         float *o = out + (size_t)r * dim;
         for (int j = 0; j < k; j++) {
@@ -8293,7 +8333,7 @@ static void moe_ffn(Transformer *t, int l, int n, float *out) {
             else
                 for (int i = 0; i < dim; i++) o[i] += wj * y[i];
         }
-    }
+    });
 }
 
 /* The logits' last steps: divided by logit_scale (Granite), then capped
@@ -8343,12 +8383,12 @@ static float *forward(Transformer *t, const Batch *b) {
             rmsnorm_rows(s->k, w->k_norm + (size_t)l * head_size, n * p->n_kv_heads, head_size, p->norm_eps);
         }
         /* rows write distinct cache positions, so threads can share them */
-        PARALLEL_FOR_IF(n >= 8)
+        PARALLEL_FOR_IF(n >= 8,
         for (int r = 0; r < n; r++) {
             float *k = s->k + (size_t)r * kv_dim, *v = s->v + (size_t)r * kv_dim;
             rope_row(t, l, b->table[r], b->pos[r], s->q + (size_t)r * qd, s->q_turned + (size_t)r * 2 * qd, k);
             kv_store(&s->cache, l, b->table[r], b->pos[r], k, v);
-        }
+        });
         attention(t, b, l);
         matmul(s->xb2, p->mla_rank > 0 ? mla_output(t, l, n) : s->xb, &w->wo[l], n); /* MLA: the heads' outputs from their latents */
         add_bias(s->xb2, w->bo, l, n, dim); /* gpt-oss */
@@ -10377,7 +10417,7 @@ static void load_gguf_byte_level(Tokenizer *t, const GGUFVocab *v, const char *p
     enum { MERGE_AHEAD = 16 };
     const int n_merges = v->n_merges;
     int *ids = xcalloc((size_t)n_merges * 3 + 1, sizeof(int)); /* (n_merges, 3): left, right, merged; -2: malformed */
-    PARALLEL_FOR_IF(n_merges >= 4096)
+    PARALLEL_FOR_IF(n_merges >= 4096,
     for (int r = 0; r < n_merges; r++) {
         const char *m = v->merges[r], *space = m[0] ? strchr(m + 1, ' ') : NULL;
         int *id = ids + (size_t)r * 3;
@@ -10390,7 +10430,7 @@ static void load_gguf_byte_level(Tokenizer *t, const GGUFVocab *v, const char *p
         id[0] = text_id(&spelled, m, ll);
         id[1] = lr > 0 ? text_id(&spelled, space + 1, lr) : -1;
         if (id[0] >= 0 && id[1] >= 0) id[2] = text_id_joined(&spelled, m, ll, space + 1, lr);
-    }
+    });
     for (int r = 0; r < n_merges; r++) {
         const int *id = ids + (size_t)r * 3, *ahead = id + 3 * MERGE_AHEAD;
         if (id[0] == -2) die(EXIT_BAD_FILE, "%s: bad vocabulary: merge %d is not \"left right\"", path, r);
@@ -13654,9 +13694,9 @@ static void beam_step(Engine *e, Request *r, float *logits) {
         for (int j = 0; j < B; j++) bs->logprobs[j] = bs->logprob_rows + (size_t)j * vocab;
         /* each beam's scores touch its own rows only; threads where the
            exponentials are worth waking them for (as gated_activation) */
-        PARALLEL_FOR_IF(20.0 * B * vocab >= PARALLEL_MIN_WORK)
+        PARALLEL_FOR_IF(20.0 * B * vocab >= PARALLEL_MIN_WORK,
         for (int j = 0; j < B; j++)
-            beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[j], bs->step, logits + (size_t)j * vocab, bs->logprobs[j], vocab);
+            beam_token_scores(&r->d.controls, e->tok, B, &r->seqs[j], bs->step, logits + (size_t)j * vocab, bs->logprobs[j], vocab));
     }
     const int step = bs->step;
     int n_cand = top_candidates(bs->beam_scores, bs->logprobs, B, vocab, bs->cand, 3 * B), n_next = 0;
@@ -14354,12 +14394,12 @@ static int engine_step(Engine *e) {
     /* sampled requests choose their tokens in parallel (a choice touches only
        its own request: softmax and top-p over the vocabulary are the costly
        part), then everything else happens in order */
-    PARALLEL_FOR_IF(e->n_running > 1 && !stop_now)
+    PARALLEL_FOR_IF(e->n_running > 1 && !stop_now,
     for (int i = 0; i < e->n_running; i++) {
         Request *r = e->running[i];
         if (r->logit_at >= 0 && r->max_new > 0 && r->d.beam.beams == 0 && r->n_draft < 0 && !stop_now)
             r->chosen = choose_token(e, r, logits + (size_t)r->logit_at * vocab);
-    }
+    });
     for (int i = 0; i < e->n_running; i++) {
         Request *r = e->running[i];
         if (r->logit_at < 0) continue;
