@@ -112,14 +112,14 @@
    still costs the runtime a team's start, 1.5 us with libgomp on the Zen 5
    machine, and a decoded token's layer met about 40 of them */
 #define PRAGMA(text) _Pragma(#text)
-#define PARALLEL_LOOP_IF(schedule_kind, cond, ...)      \
-    do {                                                \
-        if (cond) {                                     \
-            PRAGMA(omp parallel for schedule(schedule_kind)) \
-            __VA_ARGS__;                                \
-        } else {                                        \
-            __VA_ARGS__;                                \
-        }                                               \
+#define PARALLEL_LOOP_IF(schedule_kind, cond, ...)            \
+    do {                                                      \
+        if (cond) {                                           \
+            PRAGMA(omp parallel for schedule(schedule_kind))  \
+            __VA_ARGS__;                                      \
+        } else {                                              \
+            __VA_ARGS__;                                      \
+        }                                                     \
     } while (0)
 #define PARALLEL_FOR_IF(cond, ...) PARALLEL_LOOP_IF(static, cond, __VA_ARGS__)
 /* the same in shares that shrink as the loop runs out (guided): each
